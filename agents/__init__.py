@@ -1,0 +1,1 @@
+"""The compiler: candidate space, cost model, proposer agents, verification, ledger, compile loop."""

@@ -1,0 +1,1 @@
+"""Triton kernel variants. Each module: reference-compatible wrapper, kernel, tunable params as data."""

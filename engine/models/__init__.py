@@ -1,0 +1,1 @@
+"""Model families, written against the op table."""

@@ -1,0 +1,1 @@
+"""The op registry: every op the models call, its plain-PyTorch reference and its variants."""
