@@ -1,0 +1,168 @@
+"""Plan and CompiledPlan: how a forward pass runs, and nothing about weights (torch-free).
+
+A Plan is what the compiler searches over and what the operator rolls out. Its identity is the
+SHA-256 of its canonical JSON (sorted keys, no whitespace), so two plans that mean the same thing
+have the same hash wherever they were written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ParamValue = int | float | str | bool
+
+# The ops a plan may choose implementations for (the engine's op registry defines them).
+OP_NAMES = (
+    "embedding",
+    "rmsnorm",
+    "add_rmsnorm",
+    "qkv_proj",
+    "qk_rope_store",
+    "attention_prefill",
+    "attention_decode",
+    "o_proj",
+    "gate_up_proj",
+    "silu_and_mul",
+    "down_proj",
+    "lm_head",
+    "sample",
+)
+
+DEFAULT_GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OpChoice(_Strict):
+    """The implementation of one op and its tunable parameters."""
+
+    impl: str = Field("reference", description="variant name in the op registry")
+    params: dict[str, ParamValue] = Field(default_factory=dict)
+
+
+class SchedulerKnobs(_Strict):
+    """Continuous-batching knobs."""
+
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="most sequences in one step")
+    max_num_batched_tokens: int = Field(
+        2048, ge=16, le=1 << 20, description="token budget of one step (prefill chunks + decodes)"
+    )
+    chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    enable_prefix_caching: bool = True
+
+
+class Parallelism(_Strict):
+    tensor_parallel: int = Field(1, ge=1, le=8)
+
+
+class KernelSource(_Strict):
+    """Source of an agent-written kernel registered as variant ``impl`` of ``op``."""
+
+    op: str
+    impl: str
+    source: str = Field(description="Python/Triton source defining `build(**params)`")
+    params: dict[str, list[ParamValue]] = Field(
+        default_factory=dict, description="tunable parameters: name -> allowed values (first = default)"
+    )
+
+
+class Plan(_Strict):
+    """Everything that decides how a forward pass runs."""
+
+    ops: dict[str, OpChoice] = Field(default_factory=dict, description="op name -> implementation")
+    fusions: dict[str, bool] = Field(
+        default_factory=dict, description="named fusions, e.g. lm_head_argmax"
+    )
+    cuda_graph_batch_sizes: list[int] = Field(
+        default_factory=lambda: list(DEFAULT_GRAPH_BATCH_SIZES),
+        description="decode batch sizes captured as CUDA graphs (GPU only); [] = eager",
+    )
+    scheduler: SchedulerKnobs = Field(default_factory=SchedulerKnobs)
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    kernels: list[KernelSource] = Field(default_factory=list)
+    name: str | None = Field(None, description="a human label; not part of the hash")
+
+    @field_validator("ops")
+    @classmethod
+    def _known_ops(cls, ops: dict[str, OpChoice]) -> dict[str, OpChoice]:
+        unknown = sorted(set(ops) - set(OP_NAMES))
+        if unknown:
+            raise ValueError(f"unknown ops {unknown}; known: {list(OP_NAMES)}")
+        return ops
+
+    @field_validator("cuda_graph_batch_sizes")
+    @classmethod
+    def _buckets(cls, sizes: list[int]) -> list[int]:
+        if any(s < 1 or s > 4096 for s in sizes):
+            raise ValueError("CUDA-graph batch sizes must be in 1..4096")
+        return sorted(set(sizes))
+
+    def choice(self, op: str) -> OpChoice:
+        return self.ops.get(op, OpChoice())
+
+    def canonical(self) -> dict[str, Any]:
+        """The hashed content: defaults made explicit, the label left out."""
+        data = self.model_dump(mode="json", exclude={"name"})
+        data["ops"] = {op: self.choice(op).model_dump(mode="json") for op in OP_NAMES}
+        return data
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    def with_ops(self, **choices: OpChoice) -> "Plan":
+        return self.model_copy(update={"ops": {**self.ops, **choices}})
+
+
+class Gain(_Strict):
+    """A measured gain of the plan against the baseline, both measured in the same run."""
+
+    metric: str
+    baseline: float
+    candidate: float
+    unit: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.candidate / self.baseline if self.baseline else float("nan")
+
+
+class CompiledPlan(_Strict):
+    """A plan plus what it was compiled for, what it gained, and its verification report."""
+
+    plan: Plan
+    model: str
+    hardware: str
+    traffic: dict[str, Any] = Field(default_factory=dict, description="the TrafficShape it was tuned for")
+    gains: list[Gain] = Field(default_factory=list)
+    verification: dict[str, Any] = Field(default_factory=dict)
+    created_at: str | None = None
+    kind: Literal["CompiledPlan"] = "CompiledPlan"
+
+    @property
+    def plan_hash(self) -> str:
+        return self.plan.hash
+
+
+def load_plan(text: str) -> Plan:
+    """A Plan from JSON or YAML text; a CompiledPlan document yields its plan."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError("a plan must be a JSON/YAML object")
+    if data.get("kind") == "CompiledPlan" or "plan" in data and "model" in data:
+        return CompiledPlan.model_validate(data).plan
+    return Plan.model_validate(data)
