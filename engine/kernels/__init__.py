@@ -1,1 +1,28 @@
-"""Triton kernel variants. Each module: reference-compatible wrapper, kernel, tunable params as data."""
+"""Triton kernel variants. Each module: reference-compatible wrapper, kernel, tunable params as data.
+
+``register_all()`` imports the kernel modules; importing a module registers its variants with the
+op registry (``anneal.engine.ops.registry`` calls this lazily). Besides the registered variants,
+two fused entry points whose signatures are not those of a single reference op are exported for the
+plan's fusions:
+
+* ``lm_head_argmax(x[B, K], weight[V, K]) -> tokens[B] int64`` (``anneal.engine.kernels.lm_head_argmax``)
+  = ``reference.lm_head`` followed by greedy argmax, without writing the ``[B, V]`` logits.
+* ``silu_mul_down_proj(gate_up[T, 2*I], weight[N, I]) -> [T, N]`` (``anneal.engine.kernels.gemv``)
+  = ``reference.down_proj(reference.silu_and_mul(gate_up), weight)``, the activation applied while
+  the GEMV loads its input.
+
+Kernels run on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (set before this
+package is imported), which is how the CPU tests run them.
+"""
+
+from __future__ import annotations
+
+_MODULES = ("norm", "activation")
+
+
+def register_all() -> None:
+    """Import every kernel module (each registers its variants once, on first import)."""
+    import importlib
+
+    for name in _MODULES:
+        importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,50 @@
+"""Helpers shared by the Triton kernel modules: launch checks and small numeric utilities."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+
+class KernelInputError(ValueError):
+    """Inputs a kernel cannot take (wrong device, dtype, layout or shape), with what to do instead."""
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels defined now run in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_device(name: str, *tensors: torch.Tensor | None) -> None:
+    """All tensors on one device, and a device the compiled kernels can run on.
+
+    On the CPU the kernels only run through Triton's interpreter (tests); it has to be switched on
+    with ``TRITON_INTERPRET=1`` before the kernel modules are imported.
+    """
+    devs = {t.device for t in tensors if t is not None}
+    if len(devs) != 1:
+        raise KernelInputError(f"{name}: tensors on several devices {sorted(map(str, devs))}")
+    dev = devs.pop()
+    if dev.type == "cpu" and not interpreting():
+        raise KernelInputError(
+            f"{name}: Triton kernels need CUDA tensors; on the CPU they run only under "
+            "TRITON_INTERPRET=1 set before anneal.engine.kernels is imported (use the reference "
+            "variant on the CPU)"
+        )
+
+
+def check_contiguous_last(name: str, **tensors: torch.Tensor) -> None:
+    for arg, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise KernelInputError(f"{name}: {arg} must be contiguous in its last dim (got {t.stride()})")
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, triton.next_power_of_2(int(n)))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision: exact fp32 products for fp32 inputs (tests), tensor cores otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"

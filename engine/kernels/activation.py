@@ -1,0 +1,54 @@
+"""SiLU-and-mul (Triton): ``silu(x[:, :I]) * x[:, I:]``, elementwise over column tiles.
+
+For the fused form that feeds the down projection directly from the gate/up output (no ``[T, I]``
+intermediate), see ``anneal.engine.kernels.gemv.silu_mul_down_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from anneal.engine.kernels._common import KernelInputError, check_contiguous_last, check_device
+from anneal.engine.ops.registry import Param, variant
+
+
+@triton.jit
+def silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
+    """``silu(gate) * up`` rounded as the reference rounds: silu to OUT_DTYPE first, then the product."""
+    g = gate.to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
+    return (s * up.to(tl.float32)).to(OUT_DTYPE)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, silu_mul(g, u, out_ptr.dtype.element_ty), mask=mask)
+
+
+@variant(
+    "silu_and_mul", "triton",
+    params=(Param("block", (256, 512, 1024, 2048, 4096), 1024), Param("num_warps", (1, 2, 4, 8), 4)),
+    devices=("cuda",),
+    description="elementwise over [row, column tile]; reference rounding",
+)
+def build_silu_and_mul(block: int = 1024, num_warps: int = 4):
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        check_device("silu_and_mul", x)
+        if x.dim() != 2 or x.shape[1] % 2:
+            raise KernelInputError(f"silu_and_mul: need x[T, 2*I], got {tuple(x.shape)}")
+        check_contiguous_last("silu_and_mul", x=x)
+        T, I = x.shape[0], x.shape[1] // 2
+        out = torch.empty((T, I), dtype=x.dtype, device=x.device)
+        if T > 0 and I > 0:
+            grid = (T, triton.cdiv(I, block))
+            _silu_and_mul_kernel[grid](x, out, I, x.stride(0), out.stride(0), BLOCK=block, num_warps=num_warps)
+        return out
+
+    return silu_and_mul

@@ -1,0 +1,30 @@
+"""Kernel tests: on the CPU through Triton's interpreter, on CUDA with `pytest -m gpu tests/kernels`.
+
+TRITON_INTERPRET must be set before any ``triton.jit`` decorator runs, so it is set here, at
+collection, when the machine has no GPU. Each test is parametrized over ``device``: ``cpu`` cases
+(interpreter, small irregular shapes) and ``cuda`` cases marked ``gpu`` (compiled, larger shapes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from anneal.engine.kernels._common import interpreting  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _device_available(request):
+    dev = request.node.callspec.params.get("device") if hasattr(request.node, "callspec") else None
+    if dev == "cpu" and not interpreting():
+        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set automatically when no GPU is present)")
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if dev == "cuda" and interpreting():
+        pytest.skip("TRITON_INTERPRET=1 is set: the cuda cases must run compiled")

@@ -1,0 +1,43 @@
+"""Shared test helpers: tolerances, fresh random inputs that are never zero, poisoned outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+# (atol, rtol) per dtype, for comparing a variant with the reference on the same inputs.
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+# Attention and GEMMs sum long rows in a different order: a little more room.
+TOL_ACC = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (3e-3, 3e-3)}
+
+
+def gen(seed: int, device: str) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def randn(*shape, dtype, device, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """Normal values with no exact zeros (a zero input hides indexing bugs)."""
+    x = torch.randn(*shape, generator=g) * scale
+    x = torch.where(x.abs() < 1e-3, torch.full_like(x, 1e-3), x)
+    return x.to(dtype=dtype, device=device)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floats) or a huge value (ints) so unwritten outputs cannot pass."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+    return t
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol=TOL, what: str = "") -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    atol, rtol = tol[expected.dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
