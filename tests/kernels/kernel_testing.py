@@ -31,6 +31,8 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (floats) or a huge value (ints) so unwritten outputs cannot pass."""
     if t.is_floating_point():
         t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
     else:
         t.fill_(torch.iinfo(t.dtype).max)
     return t

@@ -67,3 +67,21 @@ def test_variants_declare_params():
     for op in ("rmsnorm", "add_rmsnorm", "silu_and_mul"):
         v = get_variant(op, "triton")
         assert v.params and v.devices == ("cuda",)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_reference_rounding_bf16(device):
+    """On the GPU (round-to-nearest casts) the elementwise kernels round exactly where the reference
+    does, so nearly every bf16 element is bit-identical. The interpreter truncates fp32->bf16 casts,
+    so this is checked only compiled."""
+    g = gen(300, device)
+    x = randn(64, 4096, dtype=torch.bfloat16, device=device, g=g)
+    r = randn(64, 4096, dtype=torch.bfloat16, device=device, g=g)
+    w = randn(4096, dtype=torch.bfloat16, device=device, g=g)
+    out, summed = build_op("add_rmsnorm", "triton")(x, r, w, 1e-6)
+    eout, esummed = ref.add_rmsnorm(x, r, w, 1e-6)
+    assert torch.equal(summed, esummed)
+    assert (out != eout).float().mean().item() < 1e-3
+    y = randn(64, 2 * 4096, dtype=torch.bfloat16, device=device, g=g)
+    assert (build_op("silu_and_mul", "triton")(y) != ref.silu_and_mul(y)).float().mean().item() < 1e-3

@@ -1,0 +1,133 @@
+"""Split qkv + optional per-head q/k RMSNorm (Qwen3) + rotate-half RoPE + paged KV-cache store.
+
+One program per token does all of it: q is written to a fresh ``[T, H, D]`` tensor, k (rotated) and
+v go straight into the cache slot ``slot_mapping[t]`` (skipped when ``-1``), so the rotated k never
+round-trips through memory. Rounding follows the reference: the normalised head is rounded to the
+activation dtype before its weight multiplies it, cos/sin are rounded to the activation dtype, and
+each product and sum of the rotation is rounded as the reference's elementwise ops round them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from anneal.engine.kernels._common import KernelInputError, check_contiguous_last, check_device, pow2
+from anneal.engine.ops.registry import Param, variant
+
+
+@triton.jit
+def _rnd(x, DT: tl.constexpr):
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope(
+    src, n_heads, w_ptr, cos, sin, eps,
+    HAS_NORM: tl.constexpr, D: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Load ``n_heads`` heads at ``src`` (head h at ``src + h*D``), norm + rotate them; fp32 halves."""
+    HALF: tl.constexpr = D // 2
+    h = tl.arange(0, BLOCK_HEADS)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < n_heads) & (d < HALF)
+    x1 = tl.load(src + h * D + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + h * D + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        dm = d < HALF
+        w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        x1 = _rnd(_rnd(x1 * rstd, DT) * w1, DT)
+        x2 = _rnd(_rnd(x2 * rstd, DT) * w2, DT)
+    o1 = _rnd(_rnd(x1 * cos, DT) - _rnd(x2 * sin, DT), DT)
+    o2 = _rnd(_rnd(x2 * cos, DT) + _rnd(x1 * sin, DT), DT)
+    return o1, o2, h, d, mask
+
+
+@triton.jit
+def _qk_rope_store_kernel(
+    qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q_ptr, qn_ptr, kn_ptr,
+    stride_qkv, stride_cs, H, HKV, eps,
+    HAS_NORM: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    DT = qkv_ptr.dtype.element_ty
+    HALF: tl.constexpr = D // 2
+    row = qkv_ptr + t * stride_qkv
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dd = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = _rnd(tl.load(cs_ptr + pos * stride_cs + dd, mask=dd < HALF, other=0.0), DT)
+    sin = _rnd(tl.load(cs_ptr + pos * stride_cs + HALF + dd, mask=dd < HALF, other=0.0), DT)
+
+    q1, q2, h, d, mask = _norm_rope(row, H, qn_ptr, cos, sin, eps, HAS_NORM, D, BLOCK_H, BLOCK_HALF, DT)
+    qo = q_ptr + t * H * D + h * D + d
+    tl.store(qo, q1.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(qo + HALF, q2.to(q_ptr.dtype.element_ty), mask=mask)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        k1, k2, hk, dk, mk = _norm_rope(row + H * D, HKV, kn_ptr, cos, sin, eps, HAS_NORM, D, BLOCK_HKV, BLOCK_HALF, DT)
+        ko = kc_ptr + slot * HKV * D + hk * D + dk
+        tl.store(ko, k1.to(kc_ptr.dtype.element_ty), mask=mk)
+        tl.store(ko + HALF, k2.to(kc_ptr.dtype.element_ty), mask=mk)
+        v = row + (H + HKV) * D + hk * D + dk
+        vo = vc_ptr + slot * HKV * D + hk * D + dk
+        tl.store(vo, tl.load(v, mask=mk).to(vc_ptr.dtype.element_ty), mask=mk)
+        tl.store(vo + HALF, tl.load(v + HALF, mask=mk).to(vc_ptr.dtype.element_ty), mask=mk)
+
+
+@variant(
+    "qk_rope_store", "triton",
+    params=(Param("num_warps", (1, 2, 4, 8), 4),),
+    devices=("cuda",),
+    description="one program per token: split, per-head q/k norm, rotate-half RoPE, cache store",
+)
+def build_qk_rope_store(num_warps: int = 4):
+    def qk_rope_store(
+        qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        num_heads: int, num_kv_heads: int,
+        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+    ) -> torch.Tensor:
+        name = "qk_rope_store"
+        check_device(name, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm)
+        T = qkv.shape[0]
+        D = cos_sin.shape[-1]
+        if D % 2 or qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D:
+            raise KernelInputError(
+                f"{name}: qkv {tuple(qkv.shape)} is not [T, (H + 2*Hkv) * D] for H={num_heads}, "
+                f"Hkv={num_kv_heads}, D={D} (D from cos_sin, must be even)"
+            )
+        want = (num_kv_heads, D)
+        if tuple(k_cache.shape[2:]) != want or k_cache.shape != v_cache.shape:
+            raise KernelInputError(f"{name}: caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} are not [NB, BS, {num_kv_heads}, {D}]")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise KernelInputError(f"{name}: k_cache and v_cache must be contiguous")
+        if positions.shape != (T,) or slot_mapping.shape != (T,):
+            raise KernelInputError(f"{name}: positions and slot_mapping must be [T={T}]")
+        if (q_norm is None) != (k_norm is None):
+            raise KernelInputError(f"{name}: pass both q_norm and k_norm or neither")
+        if q_norm is not None:
+            if q_norm.shape != (D,) or k_norm.shape != (D,):
+                raise KernelInputError(f"{name}: q_norm/k_norm must be [D={D}]")
+            if q_norm.dtype != qkv.dtype or k_norm.dtype != qkv.dtype:
+                raise KernelInputError(f"{name}: q_norm/k_norm dtype must be the activation dtype {qkv.dtype}")
+        check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin)
+        q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+        if T == 0:
+            return q
+        has_norm = q_norm is not None
+        _qk_rope_store_kernel[(T,)](
+            qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q,
+            q_norm if has_norm else qkv, k_norm if has_norm else qkv,
+            qkv.stride(0), cos_sin.stride(0), num_heads, num_kv_heads, float(eps),
+            HAS_NORM=has_norm, D=D, BLOCK_H=pow2(num_heads), BLOCK_HKV=pow2(num_kv_heads),
+            BLOCK_HALF=pow2(D // 2), num_warps=num_warps,
+        )
+        return q
+
+    return qk_rope_store

@@ -1,0 +1,70 @@
+"""qk_rope_store against the reference: q output, k/v written to the right cache slots, -1 skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anneal.engine.ops import reference as ref
+from anneal.engine.ops.registry import build_op
+from kernel_testing import DEVICES, DTYPES, assert_close, gen, poison_, randn
+
+
+def _cos_sin(max_pos, D, device):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    ang = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(device)
+
+
+CASES_CPU = [  # T, H, Hkv, D, num_blocks, block_size, qk_norm
+    (5, 4, 2, 16, 6, 4, False),
+    (3, 6, 2, 24, 4, 3, True),
+    (1, 3, 3, 8, 2, 16, True),
+]
+CASES_GPU = [
+    (1, 32, 8, 64, 64, 16, False),
+    (77, 32, 8, 128, 128, 16, True),
+    (300, 40, 8, 128, 64, 32, False),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_rope_store(device, dtype):
+    fn = build_op("qk_rope_store", "triton", {"num_warps": 2})
+    cases = CASES_CPU if device == "cpu" else CASES_GPU
+    for i, (T, H, Hkv, D, NB, BS, qk_norm) in enumerate(cases):
+        g = gen(400 + i, device)
+        qkv = randn(T, (H + 2 * Hkv) * D, dtype=dtype, device=device, g=g, scale=2.0)
+        positions = torch.randint(0, 500, (T,), generator=g).to(device)
+        cos_sin = _cos_sin(512, D, device)
+        # distinct random slots, some tokens padding (-1)
+        slots = torch.randperm(NB * BS, generator=g)[:T]
+        slots[torch.rand(T, generator=g) < 0.25] = -1
+        slots = slots.to(device)
+        qn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
+        kn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
+        kc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
+        vc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
+        kc_ref, vc_ref = kc0.clone(), vc0.clone()
+        kc, vc = kc0.clone(), vc0.clone()
+        q_ref = ref.qk_rope_store(qkv, positions, cos_sin, kc_ref, vc_ref, slots, H, Hkv, qn, kn, 1e-6)
+        q = fn(qkv, positions, cos_sin, kc, vc, slots, H, Hkv, qn, kn, 1e-6)
+        what = f"case {i} {dtype}"
+        assert_close(q, q_ref, what=what + " q")
+        assert_close(kc, kc_ref, what=what + " k_cache")
+        assert torch.equal(vc, vc_ref), what + " v_cache must be a plain copy"
+        # slots not written keep their old contents exactly
+        untouched = torch.ones(NB * BS, dtype=torch.bool)
+        untouched[slots[slots >= 0].cpu()] = False
+        assert torch.equal(kc.view(NB * BS, Hkv, D)[untouched.to(device)], kc0.view(NB * BS, Hkv, D)[untouched.to(device)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_rope_store_rejects_bad_shapes(device):
+    fn = build_op("qk_rope_store", "triton")
+    qkv = torch.ones(2, 40, device=device)
+    cache = torch.ones(2, 4, 1, 8, device=device)
+    with pytest.raises(ValueError, match="not \\[T, \\(H \\+ 2\\*Hkv\\) \\* D\\]"):
+        fn(qkv, torch.zeros(2, dtype=torch.long, device=device), _cos_sin(8, 8, device), cache, cache.clone(),
+           torch.zeros(2, dtype=torch.long, device=device), 4, 1, None, None, 1e-6)
