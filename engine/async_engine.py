@@ -1,0 +1,328 @@
+"""AsyncEngine: one thread owns the (not thread-safe) Engine and steps it; asyncio consumes outputs.
+
+The event loop never touches the Engine. It hands the engine thread commands (add a request, abort
+one, run a function between steps) through a locked deque, and each request gets an
+``asyncio.Queue`` that the engine thread fills with ``call_soon_threadsafe`` after every step.
+
+- Admission is bounded: at most ``max_num_seqs`` (from the current plan) + ``max_waiting`` requests
+  are in flight; beyond that :class:`EngineOverloaded` says when to retry (HTTP 429).
+- A consumer that goes away (client disconnect, cancelled task) aborts its request, which frees
+  its KV blocks at the engine thread's next turn.
+- ``stats`` is a snapshot the engine thread publishes after every turn (free blocks, running, ...).
+- ``shutdown`` lets in-flight requests finish for a grace period, then aborts the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloaded(Exception):
+    """Too many requests in flight; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineShuttingDown(Exception):
+    """The server is draining; new requests are refused."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running this request (it was aborted; the server keeps serving)."""
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread book-keeping of one request, for latency metrics."""
+
+    queue: asyncio.Queue
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+    num_output_tokens: int = 0
+
+
+@dataclass
+class RequestStream:
+    """The outputs of one request, in order; iterate it with ``async for``."""
+
+    request_id: str
+    _engine: "AsyncEngine"
+    _queue: asyncio.Queue
+    finished: bool = False
+    _closed: bool = field(default=False, repr=False)
+    _stop_reason: str = field(default="abort", repr=False)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = bool(item.finished)
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the admission slot; abort the request if it has not finished."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._release(self.request_id, abort=not self.finished, reason=self._stop_reason)
+
+    def stop(self) -> None:
+        """The server finished the request itself (a stop string matched): free it now."""
+        self._stop_reason = "stop"
+        self.close()
+
+
+class AsyncEngine:
+    """Owns the engine thread. Create it inside a running event loop, then ``start()``."""
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        max_waiting: int = 256,
+        metrics: Any = None,
+        retry_after_s: int = 1,
+    ):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.retry_after_s = retry_after_s
+        self.stats = engine.stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cv = threading.Condition()
+        self._cmds: collections.deque[tuple] = collections.deque()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._inflight: set[str] = set()  # event loop only
+        self._ids = itertools.count()
+        self._stopping = False
+        self._draining = False
+        self._thread: threading.Thread | None = None
+        self.dead: BaseException | None = None
+
+    # ---- event-loop side -------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.plan.scheduler.max_num_seqs + self.max_waiting
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="anneal-engine", daemon=True)
+        self._thread.start()
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9:09d}"
+
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, arrival: float | None = None
+    ) -> RequestStream:
+        """Submit a request; raises EngineOverloaded, EngineShuttingDown or the engine's ValueError."""
+        if self._draining or self._stopping or self.dead is not None:
+            raise EngineShuttingDown("the server is shutting down")
+        if len(self._inflight) >= self.capacity:
+            raise EngineOverloaded(
+                f"{len(self._inflight)} requests in flight, the limit is {self.capacity} "
+                f"(max_num_seqs + max_waiting); retry later",
+                retry_after=self.retry_after_s,
+            )
+        queue: asyncio.Queue = asyncio.Queue()
+        tracked = _Tracked(queue, arrival or time.monotonic(), len(prompt_token_ids))
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._inflight.add(request_id)
+        try:
+            self._submit(("add", request_id, prompt_token_ids, params, tracked, added))
+            await asyncio.wrap_future(added)
+        except BaseException:
+            # Rejected by the engine (nothing was added), or the caller was cancelled meanwhile.
+            self._inflight.discard(request_id)
+            if added.done() and added.exception() is None:
+                self.abort(request_id)
+            raise
+        return RequestStream(request_id, self, queue)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Free the request's KV blocks at the engine thread's next turn."""
+        self._submit(("abort", request_id, reason))
+
+    async def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps; return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Refuse new requests, let in-flight ones finish for ``grace_s``, abort the rest, stop."""
+        self._draining = True
+        deadline = time.monotonic() + grace_s
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    def _release(self, request_id: str, abort: bool, reason: str = "abort") -> None:
+        self._inflight.discard(request_id)
+        if abort:
+            self.abort(request_id, reason)
+
+    def _submit(self, cmd: tuple) -> None:
+        with self._cv:
+            self._cmds.append(cmd)
+            self._cv.notify()
+
+    # ---- engine-thread side ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._cmds and not self._stopping and not self._busy():
+                        self._cv.wait()
+                    cmds = list(self._cmds)
+                    self._cmds.clear()
+                    stopping = self._stopping
+                for cmd in cmds:
+                    self._apply(cmd)
+                if stopping:
+                    self._abort_all("the server shut down")
+                    self._publish(False)
+                    return
+                stepped = self._busy()
+                if stepped:
+                    self._step()
+                self._publish(stepped)
+        except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
+            log.exception("engine thread died")
+            self.dead = e
+            self._fail_all(EngineStepError(f"the engine thread died: {e}"))
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, params, tracked, added = cmd
+            try:
+                self.engine.add_request(rid, prompt, params)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                added.set_exception(e)
+                return
+            self._tracked[rid] = tracked
+            added.set_result(None)
+        elif kind == "abort":
+            _, rid, reason = cmd
+            tracked = self._tracked.pop(rid, None)
+            if tracked is not None:
+                self.engine.abort_request(rid)
+                self._observe_end(tracked, reason, "success" if reason == "stop" else "aborted")
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+            log.exception("engine step failed; aborting the requests in flight")
+            self._fail_all(EngineStepError(f"the engine step failed: {e}"))
+            return
+        now = time.monotonic()
+        deliveries: list[tuple[asyncio.Queue, Any]] = []
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue  # aborted meanwhile
+            self._observe_tokens(tracked, out, now)
+            deliveries.append((tracked.queue, out))
+            if out.finished:
+                del self._tracked[out.request_id]
+                self._observe_end(tracked, out.finish_reason or "stop", "success")
+        if self._tracked and not self.engine.has_unfinished_requests():
+            # The engine dropped requests without a final output: never leave a client hanging.
+            self._fail_all(EngineStepError("the engine dropped the request without finishing it"))
+        if deliveries:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _observe_end(self, tracked: _Tracked, finish_reason: str, status: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_request(
+                prompt_tokens=tracked.num_prompt_tokens,
+                generation_tokens=tracked.num_output_tokens,
+                latency_s=time.monotonic() - tracked.arrival,
+                finish_reason=finish_reason,
+                status=status,
+            )
+
+    def _observe_tokens(self, tracked: _Tracked, out: Any, now: float) -> None:
+        n = len(out.new_token_ids)
+        if n == 0:
+            return
+        if tracked.first_token is None:
+            tracked.first_token = now
+            if self.metrics is not None:
+                self.metrics.observe_ttft(now - tracked.arrival)
+            n -= 1
+        elif self.metrics is not None and tracked.last_token is not None:
+            gap = (now - tracked.last_token) / n
+            for _ in range(n):
+                self.metrics.observe_itl(gap)
+        tracked.last_token = now
+        tracked.num_output_tokens += len(out.new_token_ids)
+
+    def _abort_all(self, reason: str) -> None:
+        self._fail_all(EngineShuttingDown(reason))
+
+    def _fail_all(self, error: BaseException) -> None:
+        deliveries = []
+        for rid, tracked in list(self._tracked.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - best effort while failing
+                log.exception("abort of %s failed", rid)
+            deliveries.append((tracked.queue, error))
+            self._observe_end(tracked, "abort", "aborted")
+        self._tracked.clear()
+        if deliveries and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _publish(self, stepped: bool) -> None:
+        self.stats = self.engine.stats()
+        if self.metrics is not None:
+            self.metrics.observe_engine(self.stats, stepped=stepped)
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in deliveries:
+        queue.put_nowait(item)

@@ -1,0 +1,369 @@
+"""`anneal serve`: the public OpenAI-compatible HTTP API, /health and /metrics.
+
+Routes on the public port: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
+``stream``), ``GET /v1/models``, ``GET /health`` (engine state, including free KV blocks),
+``GET /metrics`` (Prometheus text). Nothing under ``/admin``: the admin API (``anneal.engine.admin``)
+listens on ``--admin-port`` only, and only when ``ANNEAL_ADMIN_TOKEN`` is set.
+
+Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
+JSON, invalid UTF-8, wrong types, empty prompt or messages, context overflow), 404 for an unknown
+model or route, 429 + ``Retry-After`` when the in-flight limit is reached, 503 + ``Retry-After``
+while draining, 500 if the engine fails (the server keeps serving).
+
+SIGTERM/SIGINT: stop accepting, let in-flight requests finish for ``--shutdown-timeout`` seconds,
+abort the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from anneal.engine import openai_protocol as p
+from anneal.engine import openai_serving as serving
+from anneal.engine.async_engine import (
+    AsyncEngine,
+    EngineOverloaded,
+    EngineShuttingDown,
+    EngineStepError,
+)
+from anneal.engine.metrics import CONTENT_TYPE, EngineMetrics
+from anneal.engine.openai_serving import APIError, ServingContext
+
+log = logging.getLogger("anneal.serve")
+
+
+# ---- request bodies ---------------------------------------------------------------------------
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    for err in errors:
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, p.UnsupportedParam):
+            return APIError(400, str(cause), param=cause.param)
+    first_loc = errors[0]["loc"] if errors else ()
+    param = str(first_loc[0]) if first_loc else None
+    parts: list[str] = []
+    for err in errors:
+        where = ".".join(str(x) for x in err["loc"]) or "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        part = f"{where}: {msg}"
+        if part not in parts:
+            parts.append(part)
+    more = f" (and {len(parts) - 3} more)" if len(parts) > 3 else ""
+    return APIError(400, "invalid request: " + "; ".join(parts[:3]) + more, param=param)
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start})") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise _validation_error(e) from e
+
+
+# ---- the app ----------------------------------------------------------------------------------
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _engine_error(e: Exception) -> APIError:
+    if isinstance(e, EngineOverloaded):
+        return APIError(
+            429, str(e), type="rate_limit_error", code="too_many_requests",
+            headers={"Retry-After": str(e.retry_after)},
+        )
+    if isinstance(e, EngineShuttingDown):
+        return APIError(503, str(e), type="server_error", code="shutting_down", headers={"Retry-After": "5"})
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e), type="server_error", code="engine_error")
+    if isinstance(e, UnicodeEncodeError):
+        return APIError(400, "the text contains invalid Unicode (a lone surrogate)")
+    raise e
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; cancel it (which aborts its engine request) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening any more
+    return task.result()
+
+
+def create_app(ctx: ServingContext, metrics: EngineMetrics) -> FastAPI:
+    """The public app. ``ctx.engine`` must be started by whoever runs the app."""
+    app = FastAPI(title="Anneal", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error_response(APIError(exc.status_code, message, type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(APIError(500, f"internal error: {exc}", type="server_error"))
+
+    async def generation(request: Request, req_model: type[BaseModel], prepare: Callable) -> Any:
+        arrival = time.monotonic()
+        try:
+            req = await parse_body(request, req_model)
+            gen = prepare(ctx, req, arrival)
+            if req.stream:
+                engine_stream = await serving.start_stream(ctx, gen)
+                return StreamingResponse(
+                    serving.stream(ctx, gen, engine_stream),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+            body = await _unless_disconnected(request, serving.complete(ctx, gen))
+            return body if isinstance(body, Response) else JSONResponse(body)
+        except APIError:
+            metrics.observe_rejected()
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
+            metrics.observe_rejected()
+            raise _engine_error(e) from e
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await generation(request, p.CompletionRequest, serving.prepare_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await generation(request, p.ChatCompletionRequest, serving.prepare_chat)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        card = p.ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
+        return p.ModelList(data=[card]).model_dump(mode="json")
+
+    @app.get("/health")
+    async def health() -> Any:
+        s = ctx.engine.stats
+        body = {
+            "status": "ok" if ctx.engine.dead is None else "dead",
+            "model": ctx.model_name,
+            "plan_hash": ctx.engine.engine.plan.hash,
+            "num_inflight": ctx.engine.num_inflight,
+            "capacity": ctx.engine.capacity,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv": {"free_blocks": s.num_free_blocks, "num_blocks": s.num_blocks},
+        }
+        return JSONResponse(body, status_code=200 if ctx.engine.dead is None else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``anneal serve``."""
+    parser.add_argument("--model", required=True, help="a Hugging Face model folder or random:<preset>")
+    parser.add_argument("--plan", help="a Plan or CompiledPlan file (JSON/YAML); default: the reference plan")
+    parser.add_argument("--host", default="0.0.0.0", help="address of both ports (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8000, help="public OpenAI API + /metrics")
+    parser.add_argument(
+        "--admin-port", type=int, default=8001, help="admin API; listens only when ANNEAL_ADMIN_TOKEN is set"
+    )
+    parser.add_argument("--layers", type=int, help="load only the first K layers (fast tier)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    parser.add_argument("--served-model-name", help="the model id clients send (default: --model)")
+    parser.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    parser.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized by the engine)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, help="sequences per step (overrides the plan)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, help="token budget per step (overrides the plan)"
+    )
+    parser.add_argument(
+        "--max-waiting", type=int, default=256,
+        help="requests that may wait beyond max-num-seqs; more get 429 + Retry-After",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights seed for random: models")
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="seconds in-flight requests may finish after SIGTERM before they are aborted",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _plan_from_args(args: argparse.Namespace) -> Any:
+    from anneal.engine.plan import Plan, load_plan
+
+    plan = load_plan(Path(args.plan).read_text()) if args.plan else Plan()
+    knobs = {
+        k: v
+        for k, v in {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        }.items()
+        if v is not None
+    }
+    if knobs:
+        data = plan.model_dump(mode="json")
+        data["scheduler"].update(knobs)
+        plan = Plan.model_validate(data)
+    return plan
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """The Engine the flags describe (loads the weights)."""
+    from anneal.engine.llm import Engine, EngineArgs
+
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Engine(
+        EngineArgs(
+            model=args.model,
+            device=device,
+            plan=_plan_from_args(args),
+            layers=args.layers,
+            max_model_len=args.max_model_len,
+            num_kv_blocks=args.num_kv_blocks,
+            block_size=args.block_size,
+            seed=args.seed,
+        )
+    )
+
+
+class _Server:
+    """A uvicorn server whose signals are handled by ``run_serve`` (uvicorn re-raises them)."""
+
+    def __init__(self, app: Any, host: str, port: int, args: argparse.Namespace):
+        import uvicorn
+
+        class Quiet(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # type: ignore[override]
+                yield
+
+        config = uvicorn.Config(
+            app, host=host, port=port, lifespan="off", log_level=args.log_level,
+            timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
+            access_log=args.log_level == "debug",
+        )
+        self.server = Quiet(config)
+
+
+def _admin_app(async_engine: AsyncEngine) -> Any | None:
+    if not os.environ.get("ANNEAL_ADMIN_TOKEN"):
+        return None
+    if importlib.util.find_spec("anneal.engine.admin") is None:
+        log.warning("ANNEAL_ADMIN_TOKEN is set but this build has no admin API; not listening")
+        return None
+    from anneal.engine.admin import create_admin_app
+
+    return create_admin_app(async_engine)
+
+
+async def serve(args: argparse.Namespace, engine: Any, tokenizer: Any) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop the engine."""
+    metrics = EngineMetrics()
+    metrics.set_plan(engine.plan.hash)
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, metrics=metrics)
+    async_engine.start()
+    ctx = ServingContext(
+        engine=async_engine,
+        tokenizer=tokenizer,
+        model_name=args.served_model_name or args.model,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.config.vocab_size,
+    )
+    servers = [_Server(create_app(ctx, metrics), args.host, args.port, args)]
+    admin = _admin_app(async_engine)
+    if admin is not None:
+        servers.append(_Server(admin, args.host, args.admin_port, args))
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        log.info("shutting down: draining in-flight requests")
+        for s in servers:
+            s.server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await asyncio.gather(*(s.server.serve() for s in servers))
+    finally:
+        await async_engine.shutdown(grace_s=1.0)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``anneal serve``: load the model, serve until SIGTERM, return the exit code."""
+    from anneal.engine.tokenizer import TokenizerError, load_tokenizer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = build_engine(args)
+        tokenizer = load_tokenizer(args.model, engine.config.vocab_size, engine.config.eos_token_ids)
+    except (OSError, ValueError, TokenizerError) as e:
+        log.error("cannot start: %s", e)
+        return 2
+    asyncio.run(serve(args, engine, tokenizer))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_serve_args(argparse.ArgumentParser(prog="anneal serve", description=__doc__.splitlines()[0]))
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
