@@ -6,6 +6,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 
 class KernelInputError(ValueError):
@@ -48,3 +49,19 @@ def pow2(n: int, minimum: int = 1) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` precision: exact fp32 products for fp32 inputs (tests), tensor cores otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def dot_upcast() -> bool:
+    """Whether ``mma`` must upcast its operands: Triton's interpreter (checked with triton 3.9)
+    returns garbage for ``tl.dot`` on bf16 operands, so under ``TRITON_INTERPRET=1`` the operands
+    are converted to fp32 first. Compiled kernels always use the operands' own dtype."""
+    return interpreting()
+
+
+@triton.jit
+def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``tl.dot(a, b)`` with fp32 accumulation; see ``dot_upcast`` for UPCAST."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)

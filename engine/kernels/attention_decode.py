@@ -1,0 +1,214 @@
+"""Paged decode attention, split-K (flash-decoding), GQA-aware (Triton).
+
+Kernel 1 (grid ``[B, Hkv, split_k]``): the program for (sequence b, kv head, split s) reads its
+share of the sequence's keys/values *once* and serves all ``G = H / Hkv`` query heads of that kv
+head together (the query heads are the rows of a ``tl.dot``, padded to 16). Each sequence's context
+is cut into ``split_k`` equal pieces (rounded up to ``block_n``) from its own ``context_lens``
+value, read on the device, so short sequences in a batch of long ones waste nothing but an early
+exit. The program keeps an online softmax and writes an unnormalised partial (acc, max, sum).
+
+Kernel 2 (grid ``[B, H]``): merges the valid splits of each (sequence, head) with the usual
+log-sum-exp rescaling. With ``split_k == 1`` kernel 1 normalises and writes the output itself.
+
+CUDA-graph safe: no host sync, grid and workspace depend only on shapes (``B``, ``H``,
+``block_tables.shape[1]``), never on context-length values. Padding entries of ``block_tables``
+past a sequence's length are never read. A sequence with ``context_len == 0`` gives zeros, as the
+reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from anneal.engine.kernels._common import KernelInputError, check_device, dot_precision, dot_upcast, mma, pow2
+from anneal.engine.ops.registry import Param, variant
+
+MAX_SPLIT_K = 64
+
+
+@triton.jit
+def _split_len(ctx, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens per split for a sequence of ``ctx`` tokens: a multiple of BLOCK_N, at least BLOCK_N."""
+    per = tl.cdiv(tl.cdiv(ctx, SPLIT_K), BLOCK_N) * BLOCK_N
+    return tl.maximum(per, BLOCK_N)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
+    scale_log2,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    H,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    split_len = _split_len(ctx, SPLIT_K, BLOCK_N)
+    start = s * split_len
+    if SPLIT_K > 1:
+        if start >= ctx:  # nothing to do; the merge ignores this split
+            return
+    end = tl.minimum(start + split_len, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < G
+    dm = d < D
+    heads = kvh * G + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gm[:, None] & dm[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        tm = t < end
+        blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
+        tok = t % BS
+        kmask = tm[:, None] & dm[None, :]
+        k = tl.load(kc_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=kmask, other=0.0)
+        sc = mma(q, tl.trans(k), PREC, UPCAST) * scale_log2
+        sc = tl.where(tm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=kmask, other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+
+    if SPLIT_K == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+    else:
+        row = (b * H + heads) * SPLIT_K + s  # partials are [B, H, SPLIT_K, (D)]
+        tl.store(po_ptr + row.to(tl.int64)[:, None] * BLOCK_D + d[None, :], acc, mask=gm[:, None])
+        tl.store(pm_ptr + row, m_i, mask=gm)
+        tl.store(pl_ptr + row, l_i, mask=gm)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    lens_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, stride_ob, stride_oh, H,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(lens_ptr + b)
+    n_valid = tl.cdiv(ctx, _split_len(ctx, SPLIT_K, BLOCK_N))
+    s = tl.arange(0, SPLIT_K)
+    sm = s < n_valid
+    row = (b * H + h) * SPLIT_K + s
+    m = tl.load(pm_ptr + row, mask=sm, other=float("-inf"))
+    l = tl.load(pl_ptr + row, mask=sm, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # 0 for invalid splits
+    denom = tl.sum(w * l, axis=0)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(po_ptr + row.to(tl.int64)[:, None] * BLOCK_D + d[None, :], mask=sm[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def auto_split_k(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
+    """A split count from static shapes only: about two waves of programs on the device's SMs,
+    never more splits than ``block_n`` tiles in the longest possible context."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, (2 * sms) // max(1, batch * num_kv_heads))
+    useful = max(1, triton.cdiv(max_tokens, block_n))
+    split = 1
+    while split * 2 <= min(want, useful, MAX_SPLIT_K):
+        split *= 2
+    return split
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, *, split_k: int = 0, block_n: int = 64,
+    num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    name = "attention_decode"
+    check_device(name, q, k_cache, v_cache, block_tables, context_lens)
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise KernelInputError(f"{name}: need q[B, H, D] and caches [NB, BS, Hkv, D], got {tuple(q.shape)}, "
+                               f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    B, H, D = q.shape
+    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != D or H % Hkv:
+        raise KernelInputError(f"{name}: head_dim {k_cache.shape[3]} vs {D}, or H={H} not a multiple of Hkv={Hkv}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
+        raise KernelInputError(f"{name}: block_tables must be [B={B}, NB] and context_lens [B]")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise KernelInputError(f"{name}: block_tables and context_lens must be int32")
+    for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if t.stride(-1) != 1:
+            raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    G = H // Hkv
+    out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    if split_k == 0:
+        split_k = auto_split_k(B, Hkv, block_tables.shape[1] * BS, block_n, q.device)
+    BLOCK_D = pow2(D, 16)
+    if split_k > 1:
+        po = torch.empty((B, H, split_k, BLOCK_D), dtype=torch.float32, device=q.device)
+        pm = torch.empty((B, H, split_k), dtype=torch.float32, device=q.device)
+        pl = torch.empty((B, H, split_k), dtype=torch.float32, device=q.device)
+    else:
+        po = pm = pl = out  # unused
+    LOG2E = 1.4426950408889634
+    _decode_split_kernel[(B, Hkv, split_k)](
+        q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H,
+        G=G, BLOCK_G=pow2(G, 16), D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, BS=BS, SPLIT_K=split_k,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), num_warps=num_warps, num_stages=num_stages,
+    )
+    if split_k > 1:
+        _decode_merge_kernel[(B, H)](
+            context_lens, out, po, pm, pl, out.stride(0), out.stride(1), H,
+            D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT_K=split_k, num_warps=4,
+        )
+    return out
+
+
+@variant(
+    "attention_decode", "triton_splitk",
+    params=(
+        Param("split_k", (0, 1, 2, 4, 8, 16, 32, 64), 0),  # 0 = auto from shapes and SM count
+        Param("block_n", (16, 32, 64, 128), 64),
+        Param("num_warps", (2, 4, 8), 4),
+        Param("num_stages", (1, 2, 3, 4), 2),
+    ),
+    devices=("cuda",),
+    description="flash-decoding over the paged cache: GQA heads share one K/V read, split-K + merge kernel",
+)
+def build_attention_decode(split_k: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+    def attention_decode(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        return paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale,
+            split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        )
+
+    return attention_decode

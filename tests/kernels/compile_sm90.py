@@ -1,0 +1,75 @@
+"""Compile every Triton kernel for sm_90 (H100/H200) without a GPU, to catch what the interpreter
+lets through (type changes across branches, dot shape limits, unsupported ops).
+
+Run as a script (it must run without TRITON_INTERPRET): ``python tests/kernels/compile_sm90.py``;
+``test_compile.py`` runs it in a subprocess. Each spec gives the pointer dtypes and the constexprs
+of one representative specialisation; other scalar arguments default to i32 (``eps``/``scale`` fp32).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+FLOAT_ARGS = {"eps", "scale", "scale_log2"}
+
+
+def specs():
+    from anneal.engine.kernels import activation, attention_decode, norm, rope
+
+    bf = "*bf16"
+    yield norm._rmsnorm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK_H=4096), 8
+    yield activation._silu_and_mul_kernel, {}, dict(BLOCK=1024), 4
+    yield rope._qk_rope_store_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": "*fp32"}, dict(
+        HAS_NORM=True, D=128, BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64), 4
+    for split in (1, 8):
+        yield attention_decode._decode_split_kernel, {
+            "bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32"}, dict(
+            G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=split, PREC="tf32", UPCAST=False), 4
+    yield attention_decode._decode_merge_kernel, {
+        "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32"}, dict(
+        D=128, BLOCK_D=128, BLOCK_N=64, SPLIT_K=16), 4
+    del bf
+
+
+def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2):
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in ptr_types:
+            sig[name] = ptr_types[name]
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16"
+        elif name in FLOAT_ARGS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = ASTSource(kernel, sig, constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def main() -> int:
+    failed = 0
+    for kernel, ptr_types, constexprs, warps in specs():
+        t0 = time.perf_counter()
+        try:
+            compiled = compile_one(kernel, ptr_types, constexprs, warps)
+            print(f"ok   {kernel.__name__} {constexprs} ({time.perf_counter() - t0:.1f}s, "
+                  f"{compiled.metadata.shared} B shared)")
+        except Exception as e:  # report every kernel, then fail
+            failed += 1
+            print(f"FAIL {kernel.__name__} {constexprs}: {type(e).__name__}: {e}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
