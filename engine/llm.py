@@ -1,27 +1,266 @@
-"""Engine facade — CONTRACT (implementation landing shortly; this docstring is the interface).
+"""The engine: weights loaded once, a KV cache, a scheduler, and a plan that can be swapped live.
 
-THE ENGINE API (being written right now by the lead in engine/llm.py, engine/sequence.py, engine/sampling_params.py; expected to land within ~60 minutes — check `git log --oneline` and the files; until then write against this interface):
-
-    from anneal.engine.llm import Engine, EngineArgs
-    from anneal.engine.sampling_params import SamplingParams
-    from anneal.engine.sequence import RequestOutput
-    engine = Engine(EngineArgs(model="random:tiny", device="cpu", plan=Plan(), layers=None,
-                               max_model_len=None, num_kv_blocks=None, block_size=16, seed=0))
-    engine.config            # ModelConfig: vocab_size, max_position_embeddings, eos_token_ids: list[int], name
-    engine.max_model_len     # int: longest prompt+output accepted
-    engine.add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None   # ValueError on bad input (too long, empty, ...)
-    engine.abort_request(request_id: str) -> bool   # frees its KV blocks at once
-    engine.step() -> list[RequestOutput]            # one scheduler step: schedule -> run -> postprocess
-    engine.has_unfinished_requests() -> bool
-    engine.stats() -> EngineStats   # num_running, num_waiting, num_free_blocks, num_blocks, last_batch_size,
-                                    # prefix_queried_tokens, prefix_hit_tokens (cumulative), steps
-    engine.plan -> Plan ; engine.apply_plan(plan) -> ApplyReport (timings)   # hot reload, issue 4
-    engine.generate(prompts: list[list[int]], params: SamplingParams) -> list[list[int]]   # offline helper
-    SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0, top_k=0 (0 = off), seed: int | None = None,
-                   stop_token_ids: list[int] = [], ignore_eos: bool = False, logprobs: int | None = None)  # pydantic
-    RequestOutput(request_id, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None,
-                  finished: bool, finish_reason: "stop" | "length" | "abort" | None,
-                  num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int)
-    TokenLogprobs(token_id: int, logprob: float, top: dict[int, float])
-The Engine is NOT thread-safe: one thread owns it and calls step(); other threads hand it add/abort through a queue. Stop *strings* are the server's job (detokenize and cut); stop token ids / EOS are the engine's.
+``step()`` reads as schedule -> run -> postprocess. The engine is not thread-safe: one thread owns
+it (the server's engine loop); others hand it requests through a queue. The API contract is in
+engine/ENGINE_API.md.
 """
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from anneal.engine.block_manager import BlockManager
+from anneal.engine.config import ModelConfig
+from anneal.engine.op_table import OpTable
+from anneal.engine.plan import Plan
+from anneal.engine.runner import ModelRunner
+from anneal.engine.sampling_params import SamplingParams
+from anneal.engine.scheduler import Scheduler
+from anneal.engine.sequence import RequestOutput, Sequence
+from anneal.engine.weights import DTYPES, load_weights, resolve_config
+
+
+class EngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    model: str = Field("random:tiny", description="HF model folder or random:<preset>")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: str = Field("auto", description="auto | float32 | float16 | bfloat16")
+    layers: int | None = Field(None, ge=1, description="load only the first k layers (fast tier)")
+    max_model_len: int | None = Field(None, ge=2)
+    block_size: int = Field(16, ge=1, le=256)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0.05, le=0.98)
+    seed: int = 0
+    plan: Plan = Field(default_factory=Plan)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    last_batch_size: int
+    last_num_tokens: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    steps: int
+
+
+@dataclass
+class ApplyReport:
+    plan_hash: str
+    build_s: float
+    warmup_s: float
+    capture_s: float
+    total_s: float
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {device}: no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    return d
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32  # bf16 matmuls are slow on most CPUs
+        return DTYPES["bfloat16" if cfg.torch_dtype == "float32" else cfg.torch_dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class Engine:
+    def __init__(self, args: EngineArgs | None = None, **kw):
+        args = args or EngineArgs(**kw)
+        self.args = args
+        self.config = resolve_config(args.model)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.config, self.device)
+        cfg = self.config
+        self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
+                                 cfg.max_position_embeddings)
+        t0 = time.perf_counter()
+        self.weights = load_weights(args.model, cfg, self.device, self.dtype, args.layers, args.seed)
+        self.load_s = time.perf_counter() - t0
+        self.num_layers = len(self.weights.layers)
+        num_blocks = args.num_kv_blocks or self._auto_num_blocks()
+        need = -(-self.max_model_len // args.block_size)
+        if num_blocks < need:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {args.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} (needs {need}); lower max_model_len or add blocks"
+            )
+        self.plan = args.plan
+        ops = OpTable.from_plan(self.plan, self.device.type)
+        self.blocks = BlockManager(num_blocks, args.block_size, self.plan.scheduler.enable_prefix_caching)
+        self.runner = ModelRunner(
+            cfg, self.weights, ops, self.device, self.dtype, num_blocks, args.block_size,
+            self.max_model_len,
+        )
+        self.scheduler = Scheduler(self.plan.scheduler, self.blocks, self.max_model_len)
+        self.capture_timings = self.runner.capture(self.plan.cuda_graph_batch_sizes)
+        self._rng = random.Random(args.seed)
+        self._requests: dict[str, Sequence] = {}
+        self._steps = 0
+        self._last = (0, 0)
+
+    # ---- sizing -----------------------------------------------------------------------------------
+
+    def _block_bytes(self) -> int:
+        c = self.config
+        return 2 * self.num_layers * self.args.block_size * c.kv_size * self.dtype.itemsize
+
+    def _auto_num_blocks(self) -> int:
+        per_block = self._block_bytes()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = total * (1 - self.args.gpu_memory_utilization) + 2 * 2**30  # activations, graphs
+            budget = max(free - reserve, 0)
+        else:
+            budget = 256 * 2**20
+        return max(int(budget // per_block), -(-self.max_model_len // self.args.block_size))
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        V = self.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < V)), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {V})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; this engine's context is "
+                f"{self.max_model_len} tokens (prompt + at least one generated token)"
+            )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, arrival=time.monotonic())
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+        return seq is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        result = self.runner.run(batch.items, batch.decode_only)
+        outputs = []
+        for (seq, n), token, lp in zip(batch.items, result.token_ids, result.logprobs):
+            seq.num_computed_tokens += n
+            self.blocks.mark_computed(seq)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                self._requests.pop(seq.request_id, None)
+            outputs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=[token],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_cached_tokens=seq.num_cached_tokens,
+                    num_output_tokens=seq.num_output_tokens,
+                    new_logprobs=[lp] if lp is not None else None,
+                )
+            )
+        self._steps += 1
+        self._last = (len(batch), batch.num_tokens)
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.config.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_blocks=self.blocks.num_blocks,
+            last_batch_size=self._last[0],
+            last_num_tokens=self._last[1],
+            prefix_queried_tokens=self.blocks.queried_tokens,
+            prefix_hit_tokens=self.blocks.hit_tokens,
+            num_preemptions=s.num_preemptions,
+            steps=self._steps,
+        )
+
+    # ---- plans ------------------------------------------------------------------------------------
+
+    def apply_plan(self, plan: Plan) -> ApplyReport:
+        """Swap the forward pass without reloading weights. On any failure the old plan keeps serving."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("apply_plan needs an idle engine (drain or pause requests first)")
+        t0 = time.perf_counter()
+        old_plan, old_ops = self.plan, self.runner.model.ops
+        try:
+            ops = OpTable.from_plan(plan, self.device.type)
+            t1 = time.perf_counter()
+            self.runner.model.ops = ops
+            timings = self.runner.capture(plan.cuda_graph_batch_sizes)
+        except Exception:
+            self.runner.model.ops = old_ops
+            self.runner.capture(old_plan.cuda_graph_batch_sizes)
+            raise
+        self.plan = plan
+        self.scheduler.knobs = plan.scheduler
+        self.blocks.enable_prefix_caching = plan.scheduler.enable_prefix_caching
+        return ApplyReport(
+            plan_hash=plan.hash,
+            build_s=t1 - t0,
+            warmup_s=timings["warmup_s"],
+            capture_s=timings["capture_s"],
+            total_s=time.perf_counter() - t0,
+        )
+
+    # ---- offline ----------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Run prompts to completion; returns each one's generated token ids."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{self._steps}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, plist):
+            self.add_request(rid, p, sp)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                out[o.request_id] += o.new_token_ids
+        return [out[r] for r in ids]

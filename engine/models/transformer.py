@@ -1,0 +1,94 @@
+"""The decoder of Llama 3.x and Qwen3 dense, written against the op table.
+
+Both families are the same pre-norm GQA transformer; Qwen3 adds a per-head RMSNorm on q and k
+before RoPE (the `qk_rope_store` op takes the norm weights, or None). Every computation goes through
+``self.ops`` so that a plan can swap implementations without touching this file.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from anneal.engine.config import ModelConfig
+from anneal.engine.context import AttnContext
+from anneal.engine.op_table import OpTable
+from anneal.engine.weights import Weights
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3 frequency scaling when the config asks for it."""
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(cfg: ModelConfig, max_pos: int, device: torch.device) -> torch.Tensor:
+    """``[max_pos, head_dim]`` float32: cos in the first half, sin in the second."""
+    inv = rope_inv_freq(cfg)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights: Weights, ops: OpTable, max_pos: int):
+        self.cfg = cfg
+        self.w = weights
+        self.ops = ops
+        self.num_layers = len(weights.layers)
+        self.cos_sin = rope_cos_sin(cfg, max_pos, weights.embed.device)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` for the ``T`` scheduled tokens.
+
+        ``kv``: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
+        """
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        T = ids.shape[0]
+        x = ops.embedding(ids, self.w.embed)
+        residual = None
+        for i, L in enumerate(self.w.layers):
+            if residual is None:
+                residual, h = x, ops.rmsnorm(x, L.input_norm, eps)
+            else:
+                h, residual = ops.add_rmsnorm(x, residual, L.input_norm, eps)
+            k_cache, v_cache = kv[i, 0], kv[i, 1]
+            qkv = ops.qkv_proj(h, L.qkv)
+            q = ops.qk_rope_store(
+                qkv, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping,
+                H, Hkv, L.q_norm, L.k_norm, eps,
+            )
+            if ctx.is_prefill:
+                a = ops.attention_prefill(
+                    q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.context_lens,
+                    ctx.max_seqlen_q, self.scale,
+                )
+            else:
+                a = ops.attention_decode(
+                    q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale
+                )
+            x = ops.o_proj(a.reshape(T, H * D), L.o)
+            h, residual = ops.add_rmsnorm(x, residual, L.post_norm, eps)
+            x = ops.down_proj(ops.silu_and_mul(ops.gate_up_proj(h, L.gate_up)), L.down)
+        h, _ = ops.add_rmsnorm(x, residual, self.w.final_norm, eps)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops.lm_head(hidden, self.w.lm_head)

@@ -1,0 +1,258 @@
+"""The model runner: the only part that touches the device.
+
+It owns the KV cache and turns a scheduled batch into tensors, runs the model, and samples. Mixed
+and prefill steps run eagerly through the varlen path. Decode-only steps on the GPU replay a CUDA
+graph captured per batch-size bucket (padded up to the bucket; padding rows store nothing and
+attend to nothing); graphs share one memory pool, and all inputs live in static buffers refilled
+before each replay. Greedy decode takes the argmax inside the graph; sampled requests take the
+graph's logits through the plan's `sample` op.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from anneal.engine.config import ModelConfig
+from anneal.engine.context import AttnContext
+from anneal.engine.models.transformer import Transformer
+from anneal.engine.op_table import OpTable
+from anneal.engine.sequence import Sequence, TokenLogprobs
+from anneal.engine.weights import Weights
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int | None]  # per item: the sampled token, or None for a partial prefill chunk
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        ops: OpTable,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+    ):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.model = Transformer(cfg, weights, ops, max_model_len)
+        L = len(weights.layers)
+        self.kv = torch.empty(
+            L, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+            device=device, dtype=dtype,
+        )
+        self.kv.normal_()  # never zeros: stale reads must show up as wrong outputs
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graph_pool = None
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    @property
+    def ops(self) -> OpTable:
+        return self.model.ops
+
+    # ---- inputs ---------------------------------------------------------------------------------
+
+    def _block_table_rows(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        bt = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            bt[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        return bt
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        d = self.device
+        return dict(
+            temperature=torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=d),
+            top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=d),
+            top_k=torch.tensor([s.params.top_k for s in seqs], dtype=torch.int32, device=d),
+            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=d),
+            steps=torch.tensor([len(s) for s in seqs], dtype=torch.int64, device=d),
+        )
+
+    # ---- running ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, items: list[tuple[Sequence, int]], decode_only: bool) -> StepResult:
+        seqs = [s for s, _ in items]
+        if decode_only and self.graphs and len(seqs) <= max(self.graphs):
+            logits, greedy = self._replay(seqs)
+        else:
+            logits, greedy, sample_rows = self.extend(items, decode_only)
+            seqs_sampling = [seqs[i] for i in sample_rows]
+            return self._finish(items, sample_rows, seqs_sampling, logits, greedy)
+        return self._finish(items, list(range(len(seqs))), seqs, logits, greedy)
+
+    def _finish(self, items, rows, seqs, logits, greedy) -> StepResult:
+        out: list[int | None] = [None] * len(items)
+        lps: list[TokenLogprobs | None] = [None] * len(items)
+        if not rows:
+            return StepResult(out, lps)
+        if all(s.params.temperature == 0 for s in seqs) and greedy is not None:
+            tokens = greedy
+        else:
+            tokens = self.ops.sample(logits, **self._sampling_tensors(seqs))
+        want_lp = [s.params.logprobs is not None for s in seqs]
+        if any(want_lp):
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            n_top = max(s.params.logprobs or 0 for s in seqs)
+            chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+            top_v, top_i = lp.topk(max(n_top, 1), dim=-1)
+            top_v, top_i = top_v.tolist(), top_i.tolist()
+        token_list = tokens.tolist()  # the one host sync of the step
+        for j, r in enumerate(rows):
+            out[r] = token_list[j]
+            if want_lp[j]:
+                n = seqs[j].params.logprobs or 0
+                lps[r] = TokenLogprobs(
+                    token_list[j], chosen[j], {top_i[j][t]: top_v[j][t] for t in range(n)}
+                )
+        return StepResult(out, lps)
+
+    def extend(self, items: list[tuple[Sequence, int]], decode_only: bool = False):
+        """Varlen pass over each item's next ``n`` tokens; logits of the items that finish their chunk."""
+        ids, pos, slots, cu = [], [], [], [0]
+        sample_rows, last_idx = [], []
+        for i, (s, n) in enumerate(items):
+            start = s.num_computed_tokens
+            ids += s.token_ids[start : start + n]
+            pos += range(start, start + n)
+            slots += self._slots(s, start, start + n)
+            cu.append(cu[-1] + n)
+            if start + n == len(s):
+                sample_rows.append(i)
+                last_idx.append(cu[-1] - 1)
+        d = self.device
+        seqs = [s for s, _ in items]
+        width = max(len(s.block_table) for s in seqs)
+        ctx = AttnContext(
+            is_prefill=not decode_only,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
+            block_tables=self._block_table_rows(seqs, width).to(d),
+            context_lens=torch.tensor(
+                [s.num_computed_tokens + n for s, n in items], dtype=torch.int32, device=d
+            ),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=d),
+            max_seqlen_q=max(n for _, n in items),
+        )
+        hidden = self.model.forward(
+            torch.tensor(ids, dtype=torch.int64, device=d),
+            torch.tensor(pos, dtype=torch.int64, device=d),
+            ctx,
+            self.kv,
+        )
+        if not sample_rows:
+            return None, None, []
+        logits = self.model.logits(hidden[torch.tensor(last_idx, device=d)]).float()
+        return logits, None, sample_rows
+
+    @torch.inference_mode()
+    def prefill_all_logits(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Logits at every scheduled position (tests compare them to Hugging Face)."""
+        ids, pos, slots, cu = [], [], [], [0]
+        for s, n in items:
+            start = s.num_computed_tokens
+            ids += s.token_ids[start : start + n]
+            pos += range(start, start + n)
+            slots += self._slots(s, start, start + n)
+            cu.append(cu[-1] + n)
+        d = self.device
+        seqs = [s for s, _ in items]
+        ctx = AttnContext(
+            is_prefill=True,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
+            block_tables=self._block_table_rows(seqs, max(len(s.block_table) for s in seqs)).to(d),
+            context_lens=torch.tensor(
+                [s.num_computed_tokens + n for s, n in items], dtype=torch.int32, device=d
+            ),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=d),
+            max_seqlen_q=max(n for _, n in items),
+        )
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=d)
+        hidden = self.model.forward(ids_t, torch.tensor(pos, device=d), ctx, self.kv)
+        return self.model.logits(hidden).float()
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------
+
+    def _alloc_static(self, max_bs: int) -> None:
+        d = self.device
+        self._bufs = dict(
+            ids=torch.zeros(max_bs, dtype=torch.int64, device=d),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=d),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=d),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=d),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=d),
+        )
+
+    def _decode_body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self._bufs
+        ctx = AttnContext(
+            is_prefill=False,
+            slot_mapping=b["slot_mapping"][:bs],
+            block_tables=b["block_tables"][:bs],
+            context_lens=b["context_lens"][:bs],
+        )
+        hidden = self.model.forward(b["ids"][:bs], b["positions"][:bs], ctx, self.kv)
+        logits = self.model.logits(hidden).float()
+        return logits, logits.argmax(dim=-1)
+
+    def capture(self, batch_sizes: list[int]) -> dict[str, float]:
+        """Warm the kernels up and capture one decode graph per bucket; returns timings (s)."""
+        self.graphs.clear()
+        self._graph_pool = None
+        if self.device.type != "cuda" or not batch_sizes:
+            return {"warmup_s": 0.0, "capture_s": 0.0}
+        self._alloc_static(max(batch_sizes))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for bs in sorted(batch_sizes, reverse=True):  # warm-up compiles every kernel variant
+                self._decode_body(bs)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            for bs in sorted(batch_sizes, reverse=True):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._graph_pool):
+                    logits, greedy = self._decode_body(bs)
+                if self._graph_pool is None:
+                    self._graph_pool = g.pool()
+                self.graphs[bs] = (g, logits, greedy)
+        torch.cuda.synchronize()
+        return {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1}
+
+    def _replay(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(seqs)
+        bs = min(b for b in self.graphs if b >= n)
+        b = self._bufs
+        positions = [len(s) - 1 for s in seqs]
+        host = torch.full((4, bs), -1, dtype=torch.int64)
+        host[0, :n] = torch.tensor([s.token_ids[-1] for s in seqs])
+        host[1, :n] = torch.tensor(positions)
+        host[2, :n] = torch.tensor([self._slots(s, p, p + 1)[0] for s, p in zip(seqs, positions)])
+        host[3, :n] = torch.tensor([p + 1 for p in positions])
+        host[0, n:] = 0
+        host[1, n:] = 0
+        host[3, n:] = 0
+        dev = host.to(self.device, non_blocking=True)
+        b["ids"][:bs].copy_(dev[0])
+        b["positions"][:bs].copy_(dev[1])
+        b["slot_mapping"][:bs].copy_(dev[2])
+        b["context_lens"][:bs].copy_(dev[3].to(torch.int32))
+        bt = self._block_table_rows(seqs, self.max_blocks_per_seq)
+        b["block_tables"][:n].copy_(bt.to(self.device, non_blocking=True))
+        b["block_tables"][n:bs].zero_()
+        g, logits, greedy = self.graphs[bs]
+        g.replay()
+        return logits[:n], greedy[:n]

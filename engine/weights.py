@@ -1,0 +1,215 @@
+"""Weights: read a Hugging Face safetensors folder straight to the device, or make random ones.
+
+The engine keeps projections fused (q|k|v and gate|up concatenated along the output dim) so a
+decode step launches one GEMV per fused projection. ``layers=k`` keeps only the first k decoder
+layers (the fast tier); embedding, final norm and lm_head are always kept.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from anneal.engine.config import ModelConfig, ModelError, config_from_hf
+from anneal.engine.presets import is_random, preset_config
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_size + 2*kv_size, hidden]
+    o: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2*intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in self.tensors():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.embed, self.final_norm, self.lm_head]
+        for L in self.layers:
+            out += [L.input_norm, L.qkv, L.o, L.post_norm, L.gate_up, L.down]
+            out += [t for t in (L.q_norm, L.k_norm) if t is not None]
+        return out
+
+
+def resolve_config(model: str) -> ModelConfig:
+    if is_random(model):
+        return preset_config(model.split(":", 1)[1])
+    return config_from_hf(model)
+
+
+def _expected_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    p = f"model.layers.{i}."
+    shapes = {
+        p + "input_layernorm.weight": (H,),
+        p + "self_attn.q_proj.weight": (cfg.q_size, H),
+        p + "self_attn.k_proj.weight": (cfg.kv_size, H),
+        p + "self_attn.v_proj.weight": (cfg.kv_size, H),
+        p + "self_attn.o_proj.weight": (H, cfg.q_size),
+        p + "post_attention_layernorm.weight": (H,),
+        p + "mlp.gate_proj.weight": (I, H),
+        p + "mlp.up_proj.weight": (I, H),
+        p + "mlp.down_proj.weight": (H, I),
+    }
+    if cfg.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (D,)
+        shapes[p + "self_attn.k_norm.weight"] = (D,)
+    return shapes
+
+
+class _SafetensorsFolder:
+    """Name -> file for a sharded (index.json) or single-file safetensors checkpoint."""
+
+    def __init__(self, folder: Path, device: torch.device):
+        from safetensors import safe_open
+
+        index = folder / "model.safetensors.index.json"
+        single = folder / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelError(f"{index}: no weight_map")
+            files = sorted(set(weight_map.values()))
+        elif single.is_file():
+            files = [single.name]
+            weight_map = None
+        else:
+            found = sorted(p.name for p in folder.glob("*.safetensors"))
+            if not found:
+                raise ModelError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+            files, weight_map = found, None
+        self.handles = {}
+        for f in files:
+            path = folder / f
+            if not path.is_file():
+                raise ModelError(f"{folder}: shard {f} listed in the index is missing")
+            self.handles[f] = safe_open(str(path), framework="pt", device=str(device))
+        self.where: dict[str, str] = {}
+        for f, h in self.handles.items():
+            for k in h.keys():
+                self.where[k] = f
+        if weight_map:
+            missing = [k for k, f in weight_map.items() if k not in self.where]
+            if missing:
+                raise ModelError(f"{folder}: tensors listed in the index are missing: {missing[:3]}")
+        self.folder = folder
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if name not in self.where:
+            raise ModelError(f"{self.folder}: checkpoint has no tensor {name!r}")
+        t = self.handles[self.where[name]].get_tensor(name)
+        if tuple(t.shape) != shape:
+            raise ModelError(
+                f"{self.folder}: tensor {name} has shape {tuple(t.shape)}, config expects {shape}"
+            )
+        if t.dtype not in DTYPES.values():
+            raise ModelError(f"{self.folder}: tensor {name} has unsupported dtype {t.dtype}")
+        return t.to(dtype)
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+
+def load_hf_weights(
+    cfg: ModelConfig, folder: Path, device: torch.device, dtype: torch.dtype, layers: int
+) -> Weights:
+    st = _SafetensorsFolder(Path(folder), device)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    embed = st.get("model.embed_tokens.weight", (V, H), dtype)
+    out_layers = []
+    for i in range(layers):
+        shapes = _expected_shapes(cfg, i)
+        t = {k.split(f"model.layers.{i}.", 1)[1]: st.get(k, s, dtype) for k, s in shapes.items()}
+        out_layers.append(
+            LayerWeights(
+                input_norm=t["input_layernorm.weight"],
+                qkv=torch.cat([t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"],
+                               t["self_attn.v_proj.weight"]]),
+                o=t["self_attn.o_proj.weight"],
+                post_norm=t["post_attention_layernorm.weight"],
+                gate_up=torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]]),
+                down=t["mlp.down_proj.weight"],
+                q_norm=t.get("self_attn.q_norm.weight"),
+                k_norm=t.get("self_attn.k_norm.weight"),
+            )
+        )
+    final_norm = st.get("model.norm.weight", (H,), dtype)
+    if cfg.tie_word_embeddings or not st.has("lm_head.weight"):
+        if not cfg.tie_word_embeddings:
+            raise ModelError(f"{folder}: untied model has no lm_head.weight")
+        lm_head = embed
+    else:
+        lm_head = st.get("lm_head.weight", (V, H), dtype)
+    return Weights(embed=embed, layers=out_layers, final_norm=final_norm, lm_head=lm_head)
+
+
+def random_weights(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, layers: int, seed: int = 0
+) -> Weights:
+    """Random weights with the real shapes, made on the device (std 0.02 like HF init).
+
+    Norm weights are drawn around 1 rather than set to 1, so tests exercise them.
+    """
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+
+    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+    def norm_w(n: int) -> torch.Tensor:
+        return (1.0 + normal(n, std=0.1).float()).to(dtype)
+
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    embed = normal(cfg.vocab_size, H)
+    out_layers = [
+        LayerWeights(
+            input_norm=norm_w(H),
+            qkv=normal(cfg.q_size + 2 * cfg.kv_size, H),
+            o=normal(H, cfg.q_size),
+            post_norm=norm_w(H),
+            gate_up=normal(2 * I, H),
+            down=normal(H, I),
+            q_norm=norm_w(cfg.head_dim) if cfg.qk_norm else None,
+            k_norm=norm_w(cfg.head_dim) if cfg.qk_norm else None,
+        )
+        for _ in range(layers)
+    ]
+    lm_head = embed if cfg.tie_word_embeddings else normal(cfg.vocab_size, H)
+    return Weights(embed=embed, layers=out_layers, final_norm=norm_w(H), lm_head=lm_head)
+
+
+def load_weights(
+    model: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+    layers: int | None = None, seed: int = 0,
+) -> Weights:
+    n = cfg.num_hidden_layers if layers is None else layers
+    if not 1 <= n <= cfg.num_hidden_layers:
+        raise ModelError(f"--layers {layers}: the model has {cfg.num_hidden_layers} layers")
+    with torch.no_grad():
+        if is_random(model):
+            return random_weights(cfg, device, dtype, n, seed)
+        return load_hf_weights(cfg, Path(model), device, dtype, n)
