@@ -1,0 +1,555 @@
+"""The local runner: plays kubelet for one node, running its pods' containers as local processes.
+
+Why: the e2e suite needs pods that really run (the operator, engines, coordinator jobs) without a
+container runtime. The runner registers node `anneal-local` (label `anneal.dev/local-exec=true`),
+keeps its lease fresh, and for each pod bound to it:
+- gives it its own loopback IP (127.1.x.y) as pod IP: programs must bind to $(POD_IP) or 0.0.0.0
+  (binding 0.0.0.0 takes the port on every pod IP, so two such pods cannot share a port);
+- runs each container's command + args (the image is ignored) in its own process group, with the
+  pod's env (downward API, ConfigMap/Secret refs) and its volumes as local directories (podspec.py);
+- reports phase, pod IP, container statuses, restarts (restartPolicy, back-off 1 s doubling to
+  10 s) and readiness (readinessProbe; livenessProbe failures restart the container);
+- publishes an EndpointSlice per Service selecting its pods. The API server refuses loopback IPs
+  as IPv4 endpoint addresses, so these slices are `addressType: FQDN` with the IP text as address;
+- on deletion, SIGTERMs the process groups (SIGKILL after the grace period, at most 10 s) and
+  removes the pod with grace period 0.
+Logs: `<state dir>/pods/<namespace>_<name>/<container>.log` (there is no `kubectl logs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from . import procs
+from .podspec import ConfigError, PodContext, base_env
+from .probes import ProbeState, run_probe
+from .rest import ApiError, Rest
+
+log = logging.getLogger("runner")
+MANAGER = "runner.anneal.dev"
+LABEL = "anneal.dev/local-exec"
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def micro_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class IpPool:
+    """Loopback pod IPs 127.1.0.2 … 127.1.255.254, handed out in order and reused after release."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._used: set[str] = set()
+        self._next = 2
+
+    def take(self) -> str:
+        with self._lock:
+            for _ in range(65534):
+                n, self._next = self._next, self._next + 1 if self._next < 65534 else 2
+                ip = f"127.1.{n // 256}.{n % 256}"
+                if n % 256 not in (0, 255) and ip not in self._used:
+                    self._used.add(ip)
+                    return ip
+        raise RuntimeError("no free loopback pod IP")
+
+    def release(self, ip: str) -> None:
+        with self._lock:
+            self._used.discard(ip)
+
+
+class Container:
+    """One container's process and the status the kubelet would report for it."""
+
+    def __init__(self, spec: dict, init: bool) -> None:
+        self.spec, self.name, self.init = spec, spec["name"], init
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.state: dict = {"waiting": {"reason": "ContainerCreating"}}
+        self.last_state: dict = {}
+        self.next_start = 0.0
+        self.done = False
+        self.ready = False
+        self.readiness: ProbeState | None = None
+        self.liveness: ProbeState | None = None
+        self.env: dict[str, str] = {}
+        self.cwd = ""
+
+    def status(self) -> dict:
+        ready = self.ready if not self.init else bool(self.done and self.exit_code() == 0)
+        return {"name": self.name, "image": self.spec.get("image", ""), "imageID": "",
+                "containerID": f"anneal-local://{self.proc.pid}" if self.proc else "",
+                "ready": ready, "restartCount": self.restarts, "started": "running" in self.state,
+                "state": self.state, "lastState": self.last_state}
+
+    def exit_code(self) -> int | None:
+        return self.state.get("terminated", {}).get("exitCode")
+
+
+class PodWorker(threading.Thread):
+    """Runs one pod: prepare, start containers, probe, restart, report; stop on deletion."""
+
+    def __init__(self, runner: "Runner", pod: dict) -> None:
+        meta = pod["metadata"]
+        super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
+        self.runner, self.pod = runner, pod
+        self.uid, self.ns, self.pod_name = meta["uid"], meta["namespace"], meta["name"]
+        self.ip = runner.ips.take()
+        self.dir = runner.state_dir / "pods" / f"{self.ns}_{self.pod_name}"
+        self.stop_event = threading.Event()
+        self.deleted = False  # the pod is being deleted through the API
+        self.vanished = False  # the pod is gone from the API (or the runner is stopping)
+        self.inits = [Container(c, True) for c in pod["spec"].get("initContainers", [])]
+        self.mains = [Container(c, False) for c in pod["spec"]["containers"]]
+        self.ctx: PodContext | None = None
+        self.config_error = ""
+        self.start_time = now_iso()
+        self.phase = "Pending"
+        self.transitions: dict[str, tuple[str, str]] = {}
+        self._last_report: str = ""
+
+    # -------------------------------------------------------------- lifecycle
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.is_set():
+                if self.deleted or self.vanished:
+                    break
+                self.step()
+                self.report()
+                self.stop_event.wait(0.2)
+        except Exception:
+            log.exception("pod worker %s/%s failed", self.ns, self.pod_name)
+        finally:
+            self.kill_all(self._grace())
+            if self.deleted and not self.vanished:
+                self.runner.delete_pod(self.ns, self.pod_name, self.uid)
+            self.runner.ips.release(self.ip)
+            self.runner.forget(self.uid)
+
+    def _grace(self) -> float:
+        if self.runner.stopping:
+            return 5.0
+        g = self.pod["metadata"].get("deletionGracePeriodSeconds",
+                                     self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+        return float(min(max(g or 0, 0.5), 10))
+
+    def kill_all(self, grace: float) -> None:
+        live = [c.proc for c in self.inits + self.mains if c.proc and c.proc.poll() is None]
+        for p in live:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(procs.group_alive(p.pid) for p in live):
+            time.sleep(0.05)
+        for p in live:
+            procs.kill_group(p.pid, grace=0)
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # -------------------------------------------------------------- the loop
+
+    def prepare(self) -> bool:
+        """Lay out the pod's directory and volumes; False (with a reason) while something is missing."""
+        if self.ctx is not None:
+            return True
+        ctx = PodContext(self.pod, self.dir, self.ip, self.runner.rest.get, self.request_token,
+                         self.runner.server, base_env(self.runner.venv, self.dir, (procs.MARKER, self.runner.cluster_id)))
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            ctx.materialize_volumes()
+            ctx.finish_service_account()
+        except (ConfigError, ApiError) as e:
+            self.config_error = str(e)
+            return False
+        self.ctx, self.config_error = ctx, ""
+        return True
+
+    def request_token(self, src: dict) -> str:
+        sa = self.pod["spec"].get("serviceAccountName") or "default"
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"audiences": [src["audience"]] if src.get("audience") else None,
+                         "expirationSeconds": max(int(src.get("expirationSeconds", 3607)), 86400),
+                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": self.pod_name,
+                                            "uid": self.uid}}}
+        out = self.runner.rest.create(f"/api/v1/namespaces/{self.ns}/serviceaccounts/{sa}/token", body)
+        return out["status"]["token"]
+
+    def step(self) -> None:
+        if self.phase in ("Succeeded", "Failed"):
+            return
+        if not self.prepare():
+            for c in self.inits + self.mains:
+                c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": self.config_error}}
+            return
+        policy = self.pod["spec"].get("restartPolicy", "Always")
+        for c in self.inits:
+            if c.done:
+                continue
+            self.drive(c, "Never" if policy == "Never" else "OnFailure")
+            if c.done and c.exit_code() != 0:
+                self.phase = "Failed"
+                return
+            if not c.done:
+                return  # init containers run one at a time, in order
+        for c in self.mains:
+            self.drive(c, policy)
+        if all(c.done for c in self.mains):
+            self.phase = "Succeeded" if all(c.exit_code() == 0 for c in self.mains) else "Failed"
+        elif any("running" in c.state or c.restarts for c in self.mains):
+            self.phase = "Running"
+
+    def drive(self, c: Container, policy: str) -> None:
+        now = time.monotonic()
+        if c.proc is not None and c.proc.poll() is not None:
+            self.exited(c, policy, now)
+        if c.proc is None and not c.done and now >= c.next_start:
+            self.start(c)
+        if c.proc is not None and c.proc.poll() is None and not c.init:
+            self.probe(c, now)
+
+    def start(self, c: Container) -> None:
+        ctx = self.ctx
+        try:
+            mounts = ctx.mounts(c.spec)
+            c.env = ctx.env(c.spec, mounts)
+            argv = ctx.argv(c.spec, c.env, mounts)
+            c.cwd = str(ctx.workdir(c.spec, mounts))
+        except ConfigError as e:
+            c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
+            c.next_start = time.monotonic() + 2
+            return
+        logf = self.dir / f"{c.name}.log"
+        try:
+            with open(logf, "ab") as out:
+                c.proc = subprocess.Popen(argv, env=c.env, cwd=c.cwd, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            c.state = {"waiting": {"reason": "RunContainerError", "message": f"{argv[0]}: {e}"}}
+            c.restarts += 1
+            c.next_start = time.monotonic() + self._backoff(c)
+            return
+        log.info("%s/%s: started %s (pid %d, ip %s)", self.ns, self.pod_name, c.name, c.proc.pid, self.ip)
+        c.state = {"running": {"startedAt": now_iso()}}
+        c.ready = False
+        if c.spec.get("readinessProbe"):
+            c.readiness = ProbeState(c.spec["readinessProbe"])
+        if c.spec.get("livenessProbe"):
+            c.liveness = ProbeState(c.spec["livenessProbe"])
+
+    def exited(self, c: Container, policy: str, now: float) -> None:
+        code = c.proc.returncode
+        code = 128 - code if code < 0 else code  # killed by a signal: 128 + signal number, as kubelet shows
+        started = c.state.get("running", {}).get("startedAt", now_iso())
+        c.state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                  "startedAt": started, "finishedAt": now_iso(),
+                                  "containerID": f"anneal-local://{c.proc.pid}"}}
+        log.info("%s/%s: %s exited with %d", self.ns, self.pod_name, c.name, code)
+        c.ready = False
+        restart = policy == "Always" or (policy == "OnFailure" and code != 0)
+        if not restart:
+            c.done = True
+            return
+        c.last_state = c.state
+        c.restarts += 1
+        c.proc = None
+        c.next_start = now + self._backoff(c)
+        c.state = {"waiting": {"reason": "CrashLoopBackOff",
+                               "message": f"back-off restarting failed container {c.name}"}}
+
+    @staticmethod
+    def _backoff(c: Container) -> float:
+        return min(10.0, 2.0 ** max(c.restarts - 1, 0))
+
+    def probe(self, c: Container, now: float) -> None:
+        if c.readiness is None:
+            c.ready = True
+        elif c.readiness.due(now):
+            ok, _ = run_probe(c.readiness.probe, c.spec, self.ip, c.env, c.cwd)
+            c.ready = c.readiness.record(ok, time.monotonic())
+        if c.liveness is not None and c.liveness.due(now):
+            ok, msg = run_probe(c.liveness.probe, c.spec, self.ip, c.env, c.cwd)
+            c.liveness.record(ok, time.monotonic())
+            if c.liveness.failures >= int(c.liveness.probe.get("failureThreshold", 3)):
+                log.info("%s/%s: %s failed liveness (%s), restarting", self.ns, self.pod_name, c.name, msg)
+                procs.kill_group(c.proc.pid, grace=2)
+
+    # -------------------------------------------------------------- status
+
+    def _condition(self, ctype: str, ok: bool) -> dict:
+        status = "True" if ok else "False"
+        prev = self.transitions.get(ctype)
+        if prev is None or prev[0] != status:
+            self.transitions[ctype] = (status, now_iso())
+        return {"type": ctype, "status": status, "lastProbeTime": None,
+                "lastTransitionTime": self.transitions[ctype][1]}
+
+    def status(self) -> dict:
+        inits_done = all(c.done and c.exit_code() == 0 for c in self.inits)
+        ready = (self.phase == "Running" and inits_done and all(c.ready for c in self.mains))
+        mine = {"PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready"}
+        conds = [self._condition("PodReadyToStartContainers", self.ctx is not None),
+                 self._condition("Initialized", inits_done),
+                 self._condition("ContainersReady", ready),
+                 self._condition("Ready", ready)]
+        conds += [c for c in self.pod.get("status", {}).get("conditions", []) if c["type"] not in mine]
+        st = {"phase": self.phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
+              "podIP": self.ip, "podIPs": [{"ip": self.ip}], "startTime": self.start_time,
+              "conditions": conds, "qosClass": self.pod.get("status", {}).get("qosClass", "BestEffort"),
+              "containerStatuses": [c.status() for c in self.mains]}
+        if self.inits:
+            st["initContainerStatuses"] = [c.status() for c in self.inits]
+        return st
+
+    def report(self) -> None:
+        st = self.status()
+        key = json.dumps(st, sort_keys=True)
+        if key == self._last_report:
+            return
+        try:
+            self.runner.rest.merge_patch(f"/api/v1/namespaces/{self.ns}/pods/{self.pod_name}/status",
+                                         {"metadata": {"uid": self.uid}, "status": st})
+            self._last_report = key
+        except ApiError as e:
+            if e.status in (404, 409):
+                self.vanished = e.status == 404
+            else:
+                log.warning("status of %s/%s: %s", self.ns, self.pod_name, e)
+
+    def endpoint_ready(self) -> bool:
+        return self.phase == "Running" and all(c.ready for c in self.mains)
+
+
+class Runner:
+    def __init__(self, rest: Rest, node: str, state_dir: Path, venv: Path, server: str) -> None:
+        self.rest, self.node, self.state_dir, self.venv, self.server = rest, node, state_dir, venv, server
+        self.cluster_id = os.environ.get(procs.MARKER, "")
+        self.ips = IpPool()
+        self.workers: dict[str, PodWorker] = {}
+        self._lock = threading.Lock()
+        self.stopping = False
+        self._slices: dict[str, str] = {}
+
+    # -------------------------------------------------------------- node
+
+    def register_node(self) -> None:
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node, "labels": {
+            LABEL: "true", "kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64", "anneal.dev/node-type": "local"}}}
+        try:
+            self.rest.create("/api/v1/nodes", node)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            self.rest.merge_patch(f"/api/v1/nodes/{self.node}", {"metadata": node["metadata"]})
+        self.node_status()
+
+    def node_status(self) -> None:
+        t = now_iso()
+        conds = [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                  "message": "anneal local runner is posting ready status"}]
+        conds += [{"type": k, "status": "False", "reason": f"KubeletHas{r}"} for k, r in
+                  (("MemoryPressure", "SufficientMemory"), ("DiskPressure", "NoDiskPressure"),
+                   ("PIDPressure", "SufficientPID"))]
+        for c in conds:
+            c.update(lastHeartbeatTime=t, lastTransitionTime=t)
+        capacity = {"cpu": "32", "memory": "256Gi", "pods": "250", "ephemeral-storage": "500Gi"}
+        self.rest.merge_patch(f"/api/v1/nodes/{self.node}/status", {"status": {
+            "capacity": capacity, "allocatable": capacity, "conditions": conds,
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.node}],
+            "nodeInfo": {"kubeletVersion": "anneal-local-runner", "operatingSystem": "linux",
+                         "architecture": "amd64", "containerRuntimeVersion": "local-process://1",
+                         "kernelVersion": os.uname().release, "osImage": "local", "kubeProxyVersion": "",
+                         "machineID": "", "systemUUID": "", "bootID": ""}}})
+
+    def renew_lease(self) -> None:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.node}"
+        self.rest.apply(path, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                               "metadata": {"name": self.node, "namespace": "kube-node-lease"},
+                               "spec": {"holderIdentity": self.node, "leaseDurationSeconds": 40,
+                                        "renewTime": micro_now()}}, MANAGER)
+
+    def heartbeat(self) -> None:
+        n = 0
+        while not self.stopping:
+            try:
+                self.renew_lease()
+                if n % 3 == 0:
+                    self.node_status()
+            except Exception as e:  # the API server may be restarting; keep trying
+                log.warning("heartbeat: %s", e)
+            n += 1
+            for _ in range(100):
+                if self.stopping:
+                    return
+                time.sleep(0.1)
+
+    # -------------------------------------------------------------- pods
+
+    def forget(self, uid: str) -> None:
+        with self._lock:
+            self.workers.pop(uid, None)
+
+    def delete_pod(self, ns: str, name: str, uid: str) -> None:
+        try:
+            self.rest.delete(f"/api/v1/namespaces/{ns}/pods/{name}",
+                             {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}})
+            log.info("%s/%s: deleted", ns, name)
+        except ApiError as e:
+            if e.status not in (404, 409):
+                log.warning("delete %s/%s: %s", ns, name, e)
+
+    def sync(self) -> list[dict]:
+        pods = self.rest.get("/api/v1/pods", fieldSelector=f"spec.nodeName={self.node}")["items"]
+        seen = set()
+        for pod in pods:
+            meta = pod["metadata"]
+            uid = meta["uid"]
+            seen.add(uid)
+            with self._lock:
+                w = self.workers.get(uid)
+            if w is not None:
+                w.pod = pod
+                if meta.get("deletionTimestamp"):
+                    w.deleted = True
+                continue
+            if meta.get("deletionTimestamp"):
+                self.delete_pod(meta["namespace"], meta["name"], uid)
+                continue
+            if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+                continue
+            w = PodWorker(self, pod)
+            with self._lock:
+                self.workers[uid] = w
+            w.start()
+        with self._lock:
+            gone = [w for uid, w in self.workers.items() if uid not in seen]
+        for w in gone:
+            w.vanished = True
+        return pods
+
+    # -------------------------------------------------------------- services
+
+    def publish_endpoints(self, pods: list[dict]) -> None:
+        """One FQDN EndpointSlice per Service that selects pods of this node."""
+        services = self.rest.get("/api/v1/services")["items"]
+        with self._lock:
+            workers = {w.uid: w for w in self.workers.values()}
+        for svc in services:
+            sel = svc["spec"].get("selector")
+            if not sel:
+                continue
+            ns, name = svc["metadata"]["namespace"], svc["metadata"]["name"]
+            matching = [p for p in pods if p["metadata"]["namespace"] == ns
+                        and all(p["metadata"].get("labels", {}).get(k) == v for k, v in sel.items())
+                        and p["metadata"]["uid"] in workers]
+            key = f"{ns}/{name}"
+            if not matching and key not in self._slices:
+                continue
+            ports, endpoints = [], []
+            for sp in svc["spec"].get("ports", []):
+                target = sp.get("targetPort", sp["port"])
+                number = self._target_port(target, matching)
+                if number is not None:
+                    ports.append({"name": sp.get("name", ""), "port": number, "protocol": sp.get("protocol", "TCP")})
+            for p in matching:
+                w = workers[p["metadata"]["uid"]]
+                terminating = bool(p["metadata"].get("deletionTimestamp"))
+                ready = w.endpoint_ready() and not terminating
+                endpoints.append({"addresses": [w.ip], "nodeName": self.node,
+                                  "conditions": {"ready": ready, "serving": w.endpoint_ready(),
+                                                 "terminating": terminating},
+                                  "targetRef": {"kind": "Pod", "namespace": ns, "name": p["metadata"]["name"],
+                                                "uid": p["metadata"]["uid"]}})
+            body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                    "metadata": {"name": f"{name}-anneal-local", "namespace": ns,
+                                 "labels": {"kubernetes.io/service-name": name,
+                                            "endpointslice.kubernetes.io/managed-by": MANAGER},
+                                 "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": name,
+                                                      "uid": svc["metadata"]["uid"]}]},
+                    "addressType": "FQDN", "endpoints": endpoints, "ports": ports}
+            digest = json.dumps(body, sort_keys=True)
+            if self._slices.get(key) == digest:
+                continue
+            try:
+                self.rest.apply(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/{name}-anneal-local",
+                                body, MANAGER)
+                self._slices[key] = digest
+            except ApiError as e:
+                log.warning("endpointslice %s: %s", key, e)
+
+    @staticmethod
+    def _target_port(target, pods: list[dict]) -> int | None:
+        if isinstance(target, int) or str(target).isdigit():
+            return int(target)
+        for p in pods:
+            for c in p["spec"]["containers"]:
+                for port in c.get("ports", []):
+                    if port.get("name") == target:
+                        return int(port["containerPort"])
+        return None
+
+    # -------------------------------------------------------------- main
+
+    def run(self, period: float = 0.5) -> None:
+        self.register_node()
+        threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True).start()
+        log.info("node %s registered; running pods", self.node)
+        while not self.stopping:
+            try:
+                pods = self.sync()
+                self.publish_endpoints(pods)
+            except Exception as e:
+                log.warning("sync: %s", e)
+            time.sleep(period)
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            w.vanished = True
+        for w in workers:
+            w.join(timeout=15)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kubeconfig", required=True, type=Path)
+    ap.add_argument("--node", default="anneal-local")
+    ap.add_argument("--state-dir", required=True, type=Path)
+    ap.add_argument("--venv", type=Path, default=Path(os.environ.get("ANNEAL_VENV", "/root/.cache/anneal/venv")))
+    ap.add_argument("--server", help="API server URL given to pods (default: the kubeconfig's)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
+    rest = Rest(args.kubeconfig)
+    runner = Runner(rest, args.node, args.state_dir, args.venv, args.server or rest.server)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    loop = threading.Thread(target=runner.run, name="sync", daemon=True)
+    loop.start()
+    while not stop.is_set() and loop.is_alive():
+        stop.wait(0.5)
+    log.info("stopping: killing pod processes")
+    runner.shutdown()
+
+
+if __name__ == "__main__":
+    main()

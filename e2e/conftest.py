@@ -1,0 +1,43 @@
+"""The e2e suite's fixtures: one real local control plane per test session.
+
+`cluster` (session-scoped) builds the binaries if needed (cached after the first build), starts
+etcd, kube-apiserver, controller manager, scheduler, kwok with fake GPU nodes and the local runner,
+and yields the `LocalCluster`:
+  .kubeconfig                      path of an admin kubeconfig
+  .kubectl(*args, input=None)      -> subprocess.CompletedProcess (text)
+  .helm(*args)                     -> subprocess.CompletedProcess (text)
+  .api()                           -> kubernetes.client.ApiClient
+  .service_url(name, namespace, port) -> "http://<pod ip>:<port>" of a ready local pod
+  .pod_log(namespace, name, container=None) -> what a runner pod's process printed
+Every test under e2e/ is marked `e2e`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cluster import LocalCluster  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("cluster")
+    gpu_nodes = int(os.environ.get("ANNEAL_E2E_GPU_NODES", "2"))
+    c = LocalCluster(state, gpu_nodes=gpu_nodes).start()
+    try:
+        yield c
+    finally:
+        c.stop()
