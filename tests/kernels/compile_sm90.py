@@ -22,7 +22,7 @@ FLOAT_ARGS = {"eps", "scale", "scale_log2"}
 
 
 def specs():
-    from anneal.engine.kernels import activation, attention_decode, norm, rope
+    from anneal.engine.kernels import activation, attention_decode, attention_prefill, norm, rope
 
     bf = "*bf16"
     yield norm._rmsnorm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK_H=4096), 8
@@ -36,6 +36,8 @@ def specs():
     yield attention_decode._decode_merge_kernel, {
         "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32"}, dict(
         D=128, BLOCK_D=128, BLOCK_N=64, SPLIT_K=16), 4
+    yield attention_prefill._prefill_kernel, {"bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32"}, dict(
+        G=4, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BS=16, PREC="tf32", UPCAST=False), 4
     del bf
 
 

@@ -1,0 +1,141 @@
+"""Varlen causal prefill attention over the paged cache (Triton, flash-attention style).
+
+Grid ``[cdiv(max_seqlen_q, block_m), B, H]``: the program for (query block, sequence b, head h)
+takes ``block_m`` of sequence b's new tokens, whose positions are ``context_len - q_len + i``
+(so chunked prefill and prefix-cache hits, where earlier tokens are already cached, work the same
+way), and streams the cached keys/values ``0 .. last position`` of its block through an online
+softmax with the causal mask. Key/value tiles are gathered through ``block_tables``; entries past
+the sequence's length are never read.
+
+``max_seqlen_q`` must be at least the longest ``q_len`` (it sizes the grid without a host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from anneal.engine.kernels._common import KernelInputError, check_device, dot_precision, dot_upcast, mma, pow2
+from anneal.engine.ops.registry import Param, variant
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    if mb * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(lens_ptr + b)
+    kvh = h // G
+
+    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    im = i < q_len
+    qpos = ctx - q_len + i
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    rows = (q_start + i).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=im[:, None] & dm[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    hi = tl.minimum(ctx, ctx - q_len + (mb + 1) * BLOCK_M)  # last position in this block + 1
+    for n0 in range(0, hi, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        tm = t < hi
+        blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
+        tok = t % BS
+        kmask = tm[:, None] & dm[None, :]
+        k = tl.load(kc_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=kmask, other=0.0)
+        sc = mma(q, tl.trans(k), PREC, UPCAST) * scale_log2
+        # Rows past q_len have qpos >= ctx: they see every valid key, stay finite, and are not stored.
+        sc = tl.where(tm[None, :] & (t[None, :] <= qpos[:, None]), sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=kmask, other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=im[:, None] & dm[None, :])
+
+
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, *,
+    block_m=64, block_n=64, num_warps=4, num_stages=2,
+):
+    name = "attention_prefill"
+    check_device(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise KernelInputError(f"{name}: need q[T, H, D] and caches [NB, BS, Hkv, D], got {tuple(q.shape)}, "
+                               f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    T, H, D = q.shape
+    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != D or H % Hkv:
+        raise KernelInputError(f"{name}: head_dim {k_cache.shape[3]} vs {D}, or H={H} not a multiple of Hkv={Hkv}")
+    B = context_lens.shape[0]
+    if cu_seqlens_q.shape != (B + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != B:
+        raise KernelInputError(f"{name}: need cu_seqlens_q[B+1], block_tables[B, NB], context_lens[B] (B={B})")
+    for t, n in ((block_tables, "block_tables"), (cu_seqlens_q, "cu_seqlens_q"), (context_lens, "context_lens")):
+        if t.dtype != torch.int32:
+            raise KernelInputError(f"{name}: {n} must be int32, got {t.dtype}")
+    for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if t.stride(-1) != 1:
+            raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    out = torch.empty_like(q)
+    if T == 0 or B == 0 or max_seqlen_q <= 0:
+        return out
+    grid = (triton.cdiv(int(max_seqlen_q), block_m), B, H)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        float(scale) * 1.4426950408889634,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        G=H // Hkv, D=D, BLOCK_D=pow2(D, 16), BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+@variant(
+    "attention_prefill", "triton",
+    params=(
+        Param("block_m", (16, 32, 64, 128), 64),
+        Param("block_n", (16, 32, 64, 128), 64),
+        Param("num_warps", (2, 4, 8), 4),
+        Param("num_stages", (1, 2, 3, 4), 2),
+    ),
+    devices=("cuda",),
+    description="varlen causal flash attention over the paged cache, one program per (query block, seq, head)",
+)
+def build_attention_prefill(block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+    def attention_prefill(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int, scale: float,
+    ) -> torch.Tensor:
+        return paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale,
+            block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        )
+
+    return attention_prefill
