@@ -1,0 +1,107 @@
+"""The board the proposer agents share: the search setting and the best findings so far.
+
+Why: agents run concurrently and build on each other (plan search seeds from the tuned kernels;
+the final plan composes the tuned ops, the fitted graph buckets and the chosen scheduler knobs).
+They talk through this board, never through each other.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from anneal.engine.plan import KernelSource, OpChoice, Plan, SchedulerKnobs
+from anneal.agents.space import CandidateSpace
+from anneal.agents.types import BenchSpec, LatencyObjective
+
+
+@dataclass
+class SearchSetting:
+    """What every agent needs to know about this compilation."""
+
+    space: CandidateSpace
+    base: Plan  # the baseline plan (the engine's current/reference plan)
+    decode_spec: BenchSpec  # the plan-level fast-tier objective: one decode step at the typical batch
+    batch_dist: dict[int, float]  # decode batch size -> probability, from the traffic shape
+    buckets: list[int]  # representative decode batch sizes for per-op tuning
+    context_len: int
+    prompt_len: int
+    objective: LatencyObjective = field(default_factory=LatencyObjective)
+    seed: int = 0
+    workload_requests: int = 8
+
+    def rng(self, agent: str) -> random.Random:
+        """A reproducible random stream per agent (a resumed run proposes the same candidates)."""
+        return random.Random(f"{self.seed}/{agent}")
+
+    def spec_for(self, op: str, batch_size: int) -> BenchSpec:
+        """How to time ``op``: prefill ops in a prefill step, the rest in a decode step."""
+        if op == "attention_prefill":
+            return BenchSpec(mode="prefill", batch_size=1, prompt_len=self.prompt_len,
+                             context_len=self.prompt_len, steps=2, warmup=1, repeats=3)
+        return self.decode_spec.model_copy(update={"batch_size": batch_size})
+
+    def workload_spec(self) -> BenchSpec:
+        return BenchSpec(mode="workload", num_requests=self.workload_requests, steps=1, warmup=0,
+                         repeats=1, context_len=self.context_len, prompt_len=self.prompt_len)
+
+
+@dataclass
+class Board:
+    """Best findings so far, per concern; thread-safe."""
+
+    best_ops: dict[str, tuple[OpChoice, float]] = field(default_factory=dict)  # op -> (choice, ms)
+    kernels: dict[str, KernelSource] = field(default_factory=dict)  # "op/impl" -> agent-written source
+    scheduler: SchedulerKnobs | None = None
+    graph_batch_sizes: list[int] | None = None
+    plans: list[tuple[float, Plan, str]] = field(default_factory=list)  # (ms, plan, agent) decode-spec
+    notes: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def offer_op(self, op: str, choice: OpChoice, ms: float, kernel: KernelSource | None = None) -> None:
+        with self._lock:
+            if kernel is not None:
+                self.kernels[f"{op}/{choice.impl}"] = kernel
+            if op not in self.best_ops or ms < self.best_ops[op][1]:
+                self.best_ops[op] = (choice, ms)
+
+    def offer_plan(self, ms: float, plan: Plan, agent: str) -> None:
+        with self._lock:
+            if any(p.hash == plan.hash for _, p, _ in self.plans):
+                return
+            self.plans.append((ms, plan, agent))
+            self.plans.sort(key=lambda t: t[0])
+
+    def set(self, **kw: Any) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self, k, v)
+
+    def note(self, text: str) -> None:
+        with self._lock:
+            self.notes.append(text)
+
+    def top_plans(self, k: int) -> list[tuple[float, Plan, str]]:
+        with self._lock:
+            return list(self.plans[:k])
+
+    def composite(self, base: Plan) -> Plan:
+        """The base plan with every tuned op, the fitted graph buckets and the chosen scheduler."""
+        with self._lock:
+            plan = base.with_ops(**{op: ch for op, (ch, _) in self.best_ops.items()})
+            needed = [self.kernels[f"{op}/{ch.impl}"] for op, (ch, _) in sorted(self.best_ops.items())
+                      if f"{op}/{ch.impl}" in self.kernels]
+            upd: dict[str, Any] = {"name": "composite", "kernels": [*base.kernels, *needed]}
+            if self.scheduler is not None:
+                upd["scheduler"] = self.scheduler
+            if self.graph_batch_sizes is not None:
+                upd["cuda_graph_batch_sizes"] = list(self.graph_batch_sizes)
+        return plan.model_copy(update=upd)
+
+    @property
+    def best_ms(self) -> float:
+        with self._lock:
+            return self.plans[0][0] if self.plans else math.inf

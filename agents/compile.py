@@ -1,0 +1,391 @@
+"""`anneal compile`: one compilation from engines to a verified CompiledPlan and its report.
+
+The loop: connect to (or start) the fast- and slow-tier engines; read the search space and the
+hardware from the fast tier; run the proposer agents concurrently until the search share of the
+budget is spent; promote the best candidates on the slow tier (traffic replay, verification,
+consistent re-measurement, baseline in the same run); write ``plan.json``, ``report.md`` + plots
+and ``ledger.sqlite``. Re-running with the same ``--out`` resumes: finished experiments are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from anneal.engine.plan import CompiledPlan, Plan
+from anneal.agents.board import Board, SearchSetting
+from anneal.agents.cost_model import CostModel
+from anneal.agents.engine_client import EngineClient, EngineError
+from anneal.agents.graph_buckets import GraphBucketAgent, batch_size_distribution, quantile_sizes
+from anneal.agents.kernel_tuner import KernelTuner
+from anneal.agents.lab import Lab
+from anneal.agents.ledger import Ledger
+from anneal.agents.llm_writer import maybe_writer
+from anneal.agents.local_engines import LocalEngines
+from anneal.agents.plan_search import PlanSearch
+from anneal.agents.promotion import Promotion, promote
+from anneal.agents.report import now_iso, write_artifact, write_report
+from anneal.agents.scheduler_tuner import SchedulerTuner, score
+from anneal.agents.space import CandidateSpace
+from anneal.agents.swarm import run_swarm, summary
+from anneal.agents.types import BenchSpec, Candidate, CompileSettings, EngineState, LatencyObjective
+
+AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner", "llm-writer")
+SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
+
+
+class CompileError(RuntimeError):
+    """A compile that cannot go on; the message says what to do."""
+
+
+def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `anneal compile` (the lead wires this into the CLI)."""
+    p = parser
+    p.add_argument("--model", required=True, help="Hugging Face model folder or random:<preset>")
+    p.add_argument("--traffic", required=True, help="preset (chat, rag, agentic, batch) or a YAML/JSON TrafficShape")
+    p.add_argument("--budget", type=float, default=120.0, help="seconds for the whole compile (default 120)")
+    p.add_argument("--out", default="anneal-out", help="output folder (plan.json, report.md, ledger.sqlite)")
+    p.add_argument("--engines", default=None, help="FAST_URL,SLOW_URL of running engines' admin APIs; "
+                   "without it both tiers start as local `anneal serve` processes")
+    p.add_argument("--report-to", default=None, metavar="NS/NAME", help="CompilationJob to report progress to")
+    p.add_argument("--fast-layers", type=int, default=None, help="layers of the fast-tier engine (default 1)")
+    p.add_argument("--device", default=None, help="device of locally started engines (default: cuda if available, else cpu)")
+    p.add_argument("--agents", default=None, help=f"comma-separated subset of {','.join(AGENT_NAMES)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=None,
+                   help="scale the traffic's lengths to fit this many tokens (default 256 on the CPU)")
+    p.add_argument("--cross-traffic", default=None,
+                   help="also measure baseline and winner on this other traffic shape (the loss is reported)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per replica the cost model may split the model over")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    return p
+
+
+def _options() -> dict[str, Any]:
+    """Extra options from the operator (env ANNEAL_COMPILE_OPTIONS, JSON)."""
+    raw = os.environ.get("ANNEAL_COMPILE_OPTIONS")
+    if not raw:
+        return {}
+    try:
+        opts = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CompileError(f"ANNEAL_COMPILE_OPTIONS is not JSON: {e}") from None
+    return opts if isinstance(opts, dict) else {}
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    """Entry point of `anneal compile`; returns the exit status."""
+    opts = _options()
+    agents = args.agents.split(",") if args.agents else list(opts.get("agents") or AGENT_NAMES)
+    unknown = sorted(set(agents) - set(AGENT_NAMES))
+    if unknown:
+        print(f"anneal compile: unknown agents {unknown}; known: {', '.join(AGENT_NAMES)}", file=sys.stderr)
+        return 2
+    engines = None
+    if args.engines:
+        urls = [u.strip() for u in args.engines.split(",") if u.strip()]
+        if len(urls) != 2:
+            print("anneal compile: --engines needs FAST_URL,SLOW_URL", file=sys.stderr)
+            return 2
+        engines = (urls[0], urls[1])
+    device = args.device or _default_device()
+    try:
+        settings = CompileSettings(
+            model=args.model, traffic=args.traffic, budget_s=args.budget, out=args.out, engines=engines,
+            report_to=args.report_to, fast_layers=args.fast_layers or int(opts.get("fastLayers") or 1),
+            seed=args.seed, device=device,
+        )
+        compiled = compile_plan(
+            settings, agents=agents, max_len=args.max_len, cross_traffic=args.cross_traffic,
+            gpus=args.gpus, progress=not args.quiet, verification=opts.get("verification") or {},
+        )
+    except (CompileError, EngineError, ValueError) as e:
+        print(f"anneal compile: {e}", file=sys.stderr)
+        _report(args.report_to, phase="Done", message=f"failed: {e}"[:500])
+        return 1
+    gain = next((g for g in compiled.gains if g.metric == "tokens_per_s"), None)
+    print(f"plan {compiled.plan.hash} written to {Path(args.out) / 'plan.json'}"
+          + (f"; tokens/s x{gain.ratio:.3f} vs baseline" if gain else ""))
+    return 0
+
+
+def _default_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+# ---- progress to the CompilationJob ----------------------------------------------------------------
+
+def _report(target: str | None, **fields: Any) -> None:
+    """Progress into the CompilationJob's status, when asked and the operator package provides it."""
+    if not target:
+        return
+    try:
+        from anneal.operator import progress  # noqa: PLC0415
+    except ImportError:
+        return
+    ns, _, name = target.partition("/")
+    fn = getattr(progress, "report", None)
+    if fn is None or not name:
+        return
+    try:
+        fn(ns, name, **fields)
+    except Exception as e:  # noqa: BLE001 - a status write must not end the compile
+        print(f"anneal compile: progress report to {target} failed: {e}", file=sys.stderr)
+
+
+# ---- the loop --------------------------------------------------------------------------------------
+
+def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
+                 workload_requests: int) -> tuple[SearchSetting, Any]:
+    """The search setting from the engine's space and the traffic shape (lengths scaled to fit)."""
+    if max_len:
+        traffic = traffic.scaled(max_len)
+    space = CandidateSpace.from_state(state)
+    base = state.plan
+    conc = traffic.concurrency or max(1.0, (traffic.arrival_rate or 1.0) * 4)
+    dist = batch_size_distribution(conc, base.scheduler.max_num_seqs)
+    typical = quantile_sizes(dist, (0.5,))[0]
+    buckets = sorted({1, typical})
+    prompt = max(1, round(traffic.prompt_len.quantile(0.5)))
+    output = max(1, round(traffic.output_len.quantile(0.5)))
+    context = prompt + output // 2
+    decode = BenchSpec(mode="decode", batch_size=typical, context_len=context, prompt_len=prompt,
+                       steps=8, warmup=2, repeats=5, seed=seed)
+    setting = SearchSetting(space=space, base=base, decode_spec=decode, batch_dist=dist, buckets=buckets,
+                            context_len=context, prompt_len=prompt, seed=seed,
+                            workload_requests=workload_requests)
+    return setting, traffic
+
+
+def _agents(names: list[str]):
+    out = []
+    for n in names:
+        if n == "kernel-tuner":
+            out.append(KernelTuner())
+        elif n == "plan-search":
+            out.append(PlanSearch())
+        elif n == "graph-buckets":
+            out.append(GraphBucketAgent())
+        elif n == "scheduler-tuner":
+            out.append(SchedulerTuner())
+        elif n == "llm-writer":
+            w = maybe_writer()
+            if w is not None:
+                out.append(w)
+    return out
+
+
+def compile_plan(
+    settings: CompileSettings, *, agents: list[str] | None = None, max_len: int | None = None,
+    cross_traffic: str | None = None, gpus: int = 1, progress: bool = True,
+    verification: dict[str, Any] | None = None, clients: dict[str, EngineClient] | None = None,
+) -> CompiledPlan:
+    """One compilation; writes plan.json, report.md (+ PNGs) and ledger.sqlite under ``settings.out``."""
+    from anneal.engine.traffic import load_traffic
+
+    t0_wall, t0 = time.time(), time.monotonic()
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    traffic = load_traffic(settings.traffic)
+    if max_len is None and settings.device == "cpu":
+        max_len = 256
+    local: LocalEngines | None = None
+    if clients is None:
+        if settings.engines:
+            clients = {"fast": EngineClient(settings.engines[0], name="fast-tier engine"),
+                       "slow": EngineClient(settings.engines[1], name="slow-tier engine")}
+        else:
+            local = LocalEngines(settings.model, out, fast_layers=settings.fast_layers, device=settings.device)
+            _say(progress, f"starting the fast-tier ({settings.fast_layers} layers) and slow-tier engines ...")
+            clients = local.start()
+    ledger = Ledger(out / "ledger.sqlite")
+    try:
+        return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
+                        max_len, cross_traffic, gpus, progress, verification or {})
+    finally:
+        ledger.close()
+        for c in clients.values():
+            c.close()
+        if local is not None:
+            local.stop()
+
+
+def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_len, cross_traffic, gpus,
+             progress, verification) -> CompiledPlan:
+    out = Path(settings.out)
+    fast_state, slow_state = clients["fast"].state(), clients["slow"].state()
+    if fast_state.model != slow_state.model:
+        raise CompileError(f"the tiers serve different models: fast {fast_state.model}, slow {slow_state.model}")
+    if settings.model and settings.model not in (fast_state.model, fast_state.model.split("/")[-1]):
+        _say(progress, f"note: engines serve {fast_state.model} (asked for {settings.model})")
+    run_id = uuid.uuid4().hex[:12]
+    ledger.set_meta("runs", [*(ledger.get_meta("runs", []) or []), run_id])
+    requests = 8 if settings.device == "cpu" else 64
+    setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len,
+                                    workload_requests=requests)
+    traffic_json = traffic.model_dump(mode="json", exclude_none=True)
+    try:
+        cost = CostModel.from_state(fast_state)
+    except ValueError as e:
+        _say(progress, f"cost model off: {e}")
+        cost = None
+    lab = Lab(ledger=ledger, engines=clients, cost_model=cost, run_id=run_id, traffic=traffic_json,
+              deadline=t0 + settings.budget_s * SEARCH_SHARE)
+    board = Board()
+    baseline = slow_state.plan.model_copy(update={"name": None})
+    _report(settings.report_to, phase="Searching", experiments=0,
+            message=f"searching on {fast_state.model} ({fast_state.num_layers_loaded} layers)")
+
+    agents = _agents(agent_names)
+    _say(progress, f"search space: {setting.space.size:.3g} plans; agents: {', '.join(a.name for a in agents)}; "
+                   f"resuming from {len(ledger)} ledger rows" if len(ledger) else
+         f"search space: {setting.space.size:.3g} plans; agents: {', '.join(a.name for a in agents)}")
+    results = _search_with_progress(agents, lab, setting, board, settings, progress)
+    _say(progress, f"search finished ({summary(results)}); {lab.run} new experiments, {lab.reused} reused")
+
+    # Promotion on the slow tier.
+    _report(settings.report_to, phase="Verifying", experiments=len(ledger), message="promoting on the slow tier")
+    cands: list[Candidate] = []
+    seen = {baseline.hash}
+    for ms, plan, agent in board.top_plans(settings.top_k):
+        if plan.hash not in seen:
+            seen.add(plan.hash)
+            cands.append(Candidate(plan=plan, agent=agent, note=f"fast-tier {ms:.3f} ms"))
+    comp = board.composite(baseline).model_copy(update={"name": None})
+    if comp.hash not in seen:
+        cands.append(Candidate(plan=comp, agent="composite", note="tuned ops + graphs + scheduler"))
+    wspec = setting.workload_spec().model_copy(update={"seed": settings.seed})
+    _say(progress, f"promoting {len(cands)} candidates on the slow tier (baseline measured in the same run) ...")
+    promo = promote(lab, cands, baseline, wspec, objective=setting.objective,
+                    max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification))
+
+    tp_choice = None
+    winner = promo.winner
+    if cost is not None:
+        hw = cost.hw.model_copy(update={"num_devices": max(1, gpus)})
+        tp_choice = CostModel(shape=cost.shape, hw=hw).choose_tp(setting.decode_spec)
+        if gpus > 1 and tp_choice[0] != winner.parallelism.tensor_parallel:
+            winner = winner.model_copy(update={"parallelism": {"tensor_parallel": tp_choice[0]}})
+            winner = Plan.model_validate(winner.model_dump())
+
+    cross = _cross_measure(lab, cross_traffic, max_len, promo, wspec) if cross_traffic else None
+    verification_doc: dict[str, Any] = (
+        {**promo.verification.model_dump(), "tier": "slow"} if promo.verification
+        else {"passed": True, "note": "the baseline plan was kept; nothing new to verify", "checks": []}
+    )
+    if tp_choice and gpus > 1:
+        verification_doc["parallelism_note"] = "tensor-parallel degree chosen by the cost model, not measured"
+    compiled = CompiledPlan(
+        plan=winner.model_copy(update={"name": f"anneal-{winner.hash[:8]}"}),
+        model=fast_state.model, hardware=fast_state.gpu_name or fast_state.device,
+        traffic=traffic_json, gains=promo.gains, verification=verification_doc, created_at=now_iso(),
+    )
+    write_artifact(out, compiled)
+    per_op = _per_op(ledger, baseline, promo.winner, cost, setting)
+    wall = time.monotonic() - t0
+    write_report(
+        out, compiled, baseline, ledger.experiments(), t0=t0_wall, wall_s=wall,
+        spec_key=setting.decode_spec.key(), per_op=per_op, base_m=promo.baseline_m, win_m=promo.winner_m,
+        rejected=promo.rejected, notes=board.notes, calibration=cost.calibrations() if cost else {},
+        tp_choice=tp_choice, cross=cross,
+    )
+    gain = next((g.ratio for g in promo.gains if g.metric == "tokens_per_s"), None)
+    _report(settings.report_to, phase="Done", experiments=len(ledger), best_speedup=gain,
+            best_plan_hash=compiled.plan.hash, message=f"done in {wall:.0f}s")
+    return compiled
+
+
+def _verify_kwargs(v: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for src, dst in (("numPrompts", "num_prompts"), ("num_prompts", "num_prompts"), ("steps", "steps")):
+        if src in v:
+            out[dst] = v[src]
+    tol = v.get("tolerances")
+    if isinstance(tol, dict):
+        out["tolerances"] = tol
+    return out
+
+
+def _per_op(ledger: Ledger, base: Plan, win: Plan, cost: CostModel | None, setting: SearchSetting):
+    """Per-op ms before/after: measured per-op timings when the engine reported them, else predicted."""
+    def measured(plan: Plan) -> dict[str, float] | None:
+        for e in reversed(ledger.experiments(kind="benchmark")):
+            if e.plan_hash == plan.hash and e.measurement and e.measurement.per_op_ms:
+                return e.measurement.per_op_ms
+        return None
+
+    b, w = measured(base), measured(win)
+    if b and w:
+        return b, w, "measured"
+    if cost is None:
+        return None
+    return (cost.predict(base, setting.decode_spec).per_op_ms, cost.predict(win, setting.decode_spec).per_op_ms,
+            "cost model, calibrated")
+
+
+def _cross_measure(lab: Lab, spec_name: str, max_len: int | None, promo: Promotion, wspec: BenchSpec):
+    """The winner and baseline on another traffic shape: what the plan loses off its own shape."""
+    from anneal.engine.traffic import load_traffic
+
+    other = load_traffic(spec_name)
+    if max_len:
+        other = other.scaled(max_len)
+    tj = other.model_dump(mode="json", exclude_none=True)
+    res: dict[str, Any] = {"traffic": other.name or spec_name}
+    for label, plan in (("baseline", promo.baseline), ("compiled", promo.winner)):
+        exp = lab.measure(Candidate(plan=plan, agent="cross", note=f"{label} on {spec_name}"),
+                          wspec.model_copy(update={"seed": wspec.seed + 100}), "slow", prune=False,
+                          traffic=tj, budgeted=False)
+        res[f"{label}_tokens_per_s"] = round(score(exp.measurement), 3) if exp.measurement else None
+    if res.get("baseline_tokens_per_s") and res.get("compiled_tokens_per_s"):
+        res["ratio"] = round(res["compiled_tokens_per_s"] / res["baseline_tokens_per_s"], 3)
+    return res
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _search_with_progress(agents, lab: Lab, setting: SearchSetting, board: Board, settings, progress: bool):
+    if not progress:
+        return run_swarm(agents, lab, setting, board)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = max(1.0, lab.deadline - time.monotonic())
+    with Progress(TextColumn("[bold]search"), BarColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task("", total=total)
+        last_report = [0.0]
+
+        def tick() -> None:
+            best = board.best_ms
+            desc = (f"{lab.run} run, {lab.reused} reused, best {best:.3f} ms"
+                    if best < float("inf") else f"{lab.run} run, {lab.reused} reused")
+            bar.update(task, completed=min(total, total - max(0.0, lab.time_left())), description=desc)
+            if time.monotonic() - last_report[0] > 10.0:
+                last_report[0] = time.monotonic()
+                _report(settings.report_to, phase="Searching", experiments=lab.run + lab.reused, message=desc)
+
+        return run_swarm(agents, lab, setting, board, tick=tick)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m anneal.agents.compile`), same flags as `anneal compile`."""
+    p = add_compile_args(argparse.ArgumentParser(prog="anneal compile", description=__doc__))
+    return run_compile(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

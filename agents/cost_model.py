@@ -1,0 +1,305 @@
+"""A roofline cost model, calibrated online per (op, implementation) by the timings the engine reports.
+
+Why: an experiment costs engine time, a prediction costs nothing. Each op's time is
+``max(bytes / bandwidth, flops / matmul rate) + launch cost`` for the model's shapes at a batch
+size and context length; the bandwidth and matmul rate come from the engine's microbenchmarks at
+start (``/admin/state`` -> ``hardware``) when known, else from the GPU's data sheet. Observed
+per-op timings fit a multiplicative correction per (op, impl[, params]) as a running geometric mean,
+so the model learns what the roofline misses (launch gaps, bad tiling). The search uses it to prune
+candidates predicted to lose and to pick the tensor-parallel degree (NVLink all-reduce included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from anneal.engine.plan import Plan
+from anneal.agents.types import BenchSpec, EngineState, HardwareSpec, Measurement, ModelShape, Prediction
+
+# Data-sheet numbers (dense bf16; per-direction NVLink per GPU). Microbenchmarks override bandwidth
+# and matmul rate when the engine reports them.
+GPU_SPECS: dict[str, dict[str, float]] = {
+    "H200": dict(mem_gbps=4800, matmul_tflops=989, memory_gb=141, link_gbps=450),
+    "H100": dict(mem_gbps=3350, matmul_tflops=989, memory_gb=80, link_gbps=450),
+    "A100": dict(mem_gbps=2039, matmul_tflops=312, memory_gb=80, link_gbps=300),
+    "L40S": dict(mem_gbps=864, matmul_tflops=362, memory_gb=48, link_gbps=0),
+}
+
+# Public architecture shapes of the `random:<preset>` models, for engines that do not report a config.
+MODEL_SHAPES: dict[str, ModelShape] = {
+    "llama-3.2-1b": ModelShape(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                               head_dim=64, intermediate_size=8192, vocab_size=128256),
+    "llama-3.1-8b": ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                               head_dim=128, intermediate_size=14336, vocab_size=128256),
+    "qwen3-8b": ModelShape(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                           head_dim=128, intermediate_size=12288, vocab_size=151936),
+}
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2, "bf16": 2}
+
+PER_LAYER_OPS = ("add_rmsnorm", "qkv_proj", "qk_rope_store", "attention", "o_proj",
+                 "gate_up_proj", "silu_and_mul", "down_proj")
+ONCE_OPS = ("embedding", "rmsnorm", "lm_head", "sample")
+
+
+def shape_from_state(state: EngineState) -> ModelShape:
+    """The model's shape from the engine's reported config, else from the preset table."""
+    dtype_bytes = _DTYPE_BYTES.get(state.dtype.replace("torch.", ""), 2)
+    cfg = state.config or {}
+    name = state.model.split(":", 1)[-1].lower()
+    if not cfg and state.model.startswith("random:"):
+        try:  # torch-free: the engine's own preset table
+            from anneal.engine.presets import PRESETS
+
+            cfg = dict(PRESETS.get(name, {}))
+        except ImportError:
+            cfg = {}
+    if cfg:
+        H = int(cfg.get("hidden_size"))
+        heads = int(cfg.get("num_attention_heads", cfg.get("num_heads", 1)))
+        return ModelShape(
+            hidden_size=H,
+            num_layers=int(cfg.get("num_hidden_layers", cfg.get("num_layers", state.num_layers_total or 1))),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads", cfg.get("num_kv_heads", heads))),
+            head_dim=int(cfg.get("head_dim") or H // heads),
+            intermediate_size=int(cfg.get("intermediate_size")),
+            vocab_size=int(cfg.get("vocab_size")),
+            dtype_bytes=dtype_bytes,
+        )
+    if name in MODEL_SHAPES:
+        return MODEL_SHAPES[name].model_copy(update={"dtype_bytes": dtype_bytes})
+    raise ValueError(
+        f"no shape for model {state.model!r}: the engine reports no config and it is not one of "
+        f"{sorted(MODEL_SHAPES)}"
+    )
+
+
+def hardware_from_state(state: EngineState, num_devices: int = 1) -> HardwareSpec:
+    """Data-sheet numbers for the GPU, overridden by the engine's own microbenchmarks."""
+    name = state.gpu_name or state.device
+    sheet = next((v for k, v in GPU_SPECS.items() if k.lower() in name.lower()), None)
+    hw = HardwareSpec(name=name, mem_gbps=50.0, matmul_tflops=0.5, memory_gb=16, num_devices=num_devices,
+                      launch_us=5.0 if state.device.startswith("cuda") else 20.0)
+    if sheet:
+        hw = hw.model_copy(update=sheet)
+    upd: dict[str, float] = {}
+    if state.hardware.copy_gbps:
+        upd["mem_gbps"] = state.hardware.copy_gbps
+    if state.hardware.matmul_tflops:
+        upd["matmul_tflops"] = state.hardware.matmul_tflops
+    return hw.model_copy(update=upd)
+
+
+@dataclass
+class OpCost:
+    bytes: float
+    flops: float
+    launches: int = 1
+
+
+def op_costs(shape: ModelShape, spec: BenchSpec, tp: int = 1) -> dict[str, OpCost]:
+    """Bytes moved and FLOPs of each op for one step of ``spec`` (per layer for the layer ops)."""
+    b = shape.dtype_bytes
+    H, D, I, V = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size
+    Hq, Hkv = shape.num_heads / tp, max(1.0, shape.num_kv_heads / tp)
+    if spec.mode == "prefill":
+        T, B, L = spec.prompt_len * spec.batch_size, spec.batch_size, spec.prompt_len
+        attn_keys = L / 2  # causal: each query sees half the prompt on average
+    else:
+        B, L = spec.batch_size, spec.context_len
+        T, attn_keys = B, L
+
+    def linear(n_out: float, k_in: float) -> OpCost:
+        return OpCost(bytes=b * (n_out * k_in + T * (n_out + k_in)), flops=2.0 * T * n_out * k_in)
+
+    qkv_out = (Hq + 2 * Hkv) * D
+    return {
+        "embedding": OpCost(bytes=2.0 * b * T * H, flops=0),
+        "add_rmsnorm": OpCost(bytes=2 * 4.0 * b * T * H, flops=2 * 6.0 * T * H, launches=2),
+        "qkv_proj": linear(qkv_out, H),
+        "qk_rope_store": OpCost(bytes=b * T * qkv_out * 2, flops=6.0 * T * (Hq + Hkv) * D),
+        "attention": OpCost(
+            bytes=b * (2.0 * B * attn_keys * Hkv * D + 2 * T * Hq * D),
+            flops=4.0 * T * Hq * attn_keys * D,
+        ),
+        "o_proj": linear(H, Hq * D),
+        "gate_up_proj": linear(2 * I / tp, H),
+        "silu_and_mul": OpCost(bytes=b * T * 3 * I / tp, flops=4.0 * T * I / tp),
+        "down_proj": linear(H, I / tp),
+        "rmsnorm": OpCost(bytes=3.0 * b * B * H, flops=6.0 * B * H),
+        "lm_head": OpCost(bytes=b * (V * H / tp + B * (H + V / tp)), flops=2.0 * B * V * H / tp),
+        "sample": OpCost(bytes=4.0 * B * V * 2, flops=10.0 * B * V),
+    }
+
+
+def _op_key(op: str, spec: BenchSpec) -> str:
+    """Plan op names for the model's op slots (attention is prefill or decode by mode)."""
+    if op == "attention":
+        return "attention_prefill" if spec.mode == "prefill" else "attention_decode"
+    return op
+
+
+@dataclass
+class _Fit:
+    """A running geometric mean of observed / predicted."""
+
+    log_sum: float = 0.0
+    n: int = 0
+
+    def add(self, ratio: float) -> None:
+        if ratio > 0 and math.isfinite(ratio):
+            self.log_sum += math.log(ratio)
+            self.n += 1
+
+    @property
+    def factor(self) -> float:
+        return math.exp(self.log_sum / self.n) if self.n else 1.0
+
+
+@dataclass
+class CostModel:
+    """Roofline prediction of step time for a plan, with online per-(op, impl) corrections."""
+
+    shape: ModelShape
+    hw: HardwareSpec
+    layers: int | None = None  # layers the engine runs (fast tier loads a few)
+    _fits: dict[str, _Fit] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def from_state(cls, state: EngineState) -> "CostModel":
+        return cls(shape=shape_from_state(state), hw=hardware_from_state(state),
+                   layers=state.num_layers_loaded or None)
+
+    # ---- prediction ----------------------------------------------------------------------------
+
+    def roofline_ms(self, cost: OpCost, graphs: bool = False) -> float:
+        mem_s = cost.bytes / (self.hw.mem_gbps * 1e9)
+        flop_s = cost.flops / (self.hw.matmul_tflops * 1e12)
+        launch = (self.hw.graph_launch_us if graphs else self.hw.launch_us) * cost.launches
+        return 1e3 * max(mem_s, flop_s) + launch / 1e3
+
+    def _factor(self, op: str, plan: Plan, calibrated: bool = True) -> tuple[float, bool]:
+        if not calibrated:
+            return 1.0, False
+        ch = plan.choice(op)
+        with self._lock:
+            for key in (_fit_key(op, ch.impl, ch.params), _fit_key(op, ch.impl)):
+                fit = self._fits.get(key)
+                if fit and fit.n:
+                    return fit.factor, True
+        return 1.0, False
+
+    def predict(
+        self, plan: Plan, spec: BenchSpec, tp: int | None = None, *, calibrated: bool = True,
+        step_factor: bool = True,
+    ) -> Prediction:
+        """Predicted ms of one benchmark step (decode/prefill) of ``plan``.
+
+        ``calibrated=False`` gives the bare roofline; ``step_factor=False`` leaves out the fitted
+        whole-step overhead factor.
+        """
+        tp = tp or plan.parallelism.tensor_parallel
+        layers = self.layers or self.shape.num_layers
+        graphs = bool(plan.cuda_graph_batch_sizes) and spec.mode == "decode" and spec.batch_size <= max(
+            plan.cuda_graph_batch_sizes or [0]) and self.hw.name.lower() != "cpu"
+        per_op: dict[str, float] = {}
+        corrected = False
+        for op, cost in op_costs(self.shape, spec, tp).items():
+            name = _op_key(op, spec)
+            factor, known = self._factor(name, plan, calibrated)
+            corrected |= known
+            n = layers if op in PER_LAYER_OPS else 1
+            per_op[name] = n * self.roofline_ms(cost, graphs) * factor
+        total = sum(per_op.values()) + layers * self.allreduce_ms(spec, tp)
+        if calibrated and step_factor:
+            with self._lock:
+                step = self._fits.get(_step_key(spec.mode))
+                if step and step.n:
+                    total *= step.factor
+                    corrected = True
+        return Prediction(ms=total, per_op_ms=per_op, corrected=corrected)
+
+    def allreduce_ms(self, spec: BenchSpec, tp: int) -> float:
+        """Two ring all-reduces of the hidden state per layer under tensor parallelism."""
+        if tp <= 1:
+            return 0.0
+        if self.hw.link_gbps <= 0:
+            return math.inf
+        T = spec.batch_size * (spec.prompt_len if spec.mode == "prefill" else 1)
+        nbytes = T * self.shape.hidden_size * self.shape.dtype_bytes
+        one = 2.0 * (tp - 1) / tp * nbytes / (self.hw.link_gbps * 1e9) * 1e3
+        return 2 * (one + self.hw.link_latency_us / 1e3)
+
+    # ---- calibration ---------------------------------------------------------------------------
+
+    def observe(self, plan: Plan, spec: BenchSpec, m: Measurement) -> None:
+        """Fit the corrections from one measurement (per op when the engine reports per-op times)."""
+        raw = self.predict(plan, spec, calibrated=False)
+        if m.per_op_ms:
+            with self._lock:
+                for op, ms in m.per_op_ms.items():
+                    if op in raw.per_op_ms and raw.per_op_ms[op] > 0:
+                        ch = plan.choice(op)
+                        ratio = ms / raw.per_op_ms[op]
+                        self._fits.setdefault(_fit_key(op, ch.impl, ch.params), _Fit()).add(ratio)
+                        self._fits.setdefault(_fit_key(op, ch.impl), _Fit()).add(ratio)
+        if spec.mode in ("decode", "prefill"):
+            # What the per-op model still misses (framework overhead between ops) as one factor.
+            per_op_only = self.predict(plan, spec, step_factor=False).ms
+            if per_op_only > 0:
+                with self._lock:
+                    self._fits.setdefault(_step_key(spec.mode), _Fit()).add(m.median_ms / per_op_only)
+
+    def calibrations(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {k: {"factor": f.factor, "n": f.n} for k, f in sorted(self._fits.items())}
+
+    # ---- decisions -----------------------------------------------------------------------------
+
+    def should_prune(self, plan: Plan, spec: BenchSpec, best_ms: float, margin: float = 0.25) -> bool:
+        """Prune only when every op's impl has been calibrated and it still predicts a clear loss."""
+        if not math.isfinite(best_ms):
+            return False
+        pred = self.predict(plan, spec)
+        calibrated = all(self._factor(op, plan)[1] for op in pred.per_op_ms)
+        return calibrated and pred.ms > best_ms * (1.0 + margin)
+
+    def choose_tp(
+        self, spec: BenchSpec, objective: str = "latency", kv_gb: float = 0.0
+    ) -> tuple[int, dict[int, float]]:
+        """The tensor-parallel degree for this hardware: 1, 2, 4, 8 up to the GPU count.
+
+        ``latency`` minimises the step time; ``throughput`` maximises tokens/s per GPU. A degree whose
+        weights and KV cache do not fit in memory is skipped.
+        """
+        table: dict[int, float] = {}
+        tp = 1
+        while tp <= self.hw.num_devices:
+            fits = (self.shape.weight_bytes / 1e9 + kv_gb) / tp < 0.9 * self.hw.memory_gb
+            if fits:
+                ms = self.predict(Plan(), spec, tp=tp).ms
+                table[tp] = ms if objective == "latency" else ms * tp
+            tp *= 2
+        if not table:
+            raise ValueError(
+                f"the model ({self.shape.weight_bytes / 1e9:.0f} GB) does not fit on "
+                f"{self.hw.num_devices} x {self.hw.memory_gb:.0f} GB"
+            )
+        best = min(table, key=lambda k: (table[k], k))
+        return best, table
+
+
+def _fit_key(op: str, impl: str, params: dict[str, Any] | None = None) -> str:
+    if params is None:
+        return f"{op}/{impl}"
+    return f"{op}/{impl}/{json.dumps(params, sort_keys=True)}"
+
+
+def _step_key(mode: str) -> str:
+    return f"step/{mode}"

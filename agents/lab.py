@@ -1,0 +1,177 @@
+"""The lab: where agents get candidates measured — ledger, engines, cost model and budget in one place.
+
+Why one place: every measurement goes through the same steps (reuse a finished experiment from the
+ledger, predict, prune, measure, calibrate, record), and one engine must never time two candidates
+at once (they would slow each other down), so agents running concurrently queue here per tier.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from anneal.engine.plan import Plan
+from anneal.agents.cost_model import CostModel
+from anneal.agents.engine_client import EngineClient, EngineError
+from anneal.agents.ledger import Ledger, experiment_key
+from anneal.agents.types import (
+    BenchSpec, Candidate, CheckResult, Experiment, KernelResult, Measurement, Tier, Verdict, VerifyReport,
+)
+
+
+class BudgetExhausted(Exception):
+    """The search budget is spent: agents stop proposing."""
+
+
+@dataclass
+class Lab:
+    ledger: Ledger
+    engines: dict[str, EngineClient]  # tier -> client
+    cost_model: CostModel | None = None
+    deadline: float = math.inf  # time.monotonic() deadline for new fast-tier experiments
+    run_id: str = ""
+    traffic: dict[str, Any] | None = None
+    prune_margin: float = 0.25
+    on_experiment: Callable[[Experiment], None] | None = None
+    _locks: dict[str, threading.Lock] = field(default_factory=dict)
+    _best: dict[str, tuple[float, Plan]] = field(default_factory=dict)
+    _state_lock: threading.Lock = field(default_factory=threading.Lock)
+    reused: int = 0
+    run: int = 0
+
+    def __post_init__(self) -> None:
+        self._locks = {tier: threading.Lock() for tier in self.engines}
+
+    # ---- budget --------------------------------------------------------------------------------
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def check_budget(self) -> None:
+        if self.time_left() <= 0:
+            raise BudgetExhausted()
+
+    # ---- measuring -----------------------------------------------------------------------------
+
+    def best(self, spec: BenchSpec) -> tuple[float, Plan | None]:
+        with self._state_lock:
+            ms, plan = self._best.get(spec.key(), (math.inf, None))
+        return ms, plan
+
+    def measure(
+        self, cand: Candidate, spec: BenchSpec, tier: Tier = "fast", *, prune: bool = True,
+        traffic: dict[str, Any] | None = None, budgeted: bool = True,
+    ) -> Experiment:
+        """Measure one candidate (or reuse its finished experiment) and record it."""
+        key = experiment_key(cand.hash, tier, "benchmark", spec)
+        old = self.ledger.lookup(key)
+        if old is not None:
+            with self._state_lock:
+                self.reused += 1
+            self._note_best(old, spec)
+            return old
+        if budgeted:
+            self.check_budget()
+        pred = self.cost_model.predict(cand.plan, spec) if self.cost_model and spec.mode != "workload" else None
+        exp = Experiment(
+            run_id=self.run_id, key=key, plan=cand.plan, plan_hash=cand.hash, tier=tier,
+            kind="benchmark", agent=cand.agent, note=cand.note, spec=spec, prediction=pred,
+            verdict=Verdict(status="measured"), started_at=time.time(),
+            detail={"parent": cand.parent} if cand.parent else {},
+        )
+        best_ms, _ = self.best(spec)
+        if prune and self.cost_model and spec.mode != "workload" and self.cost_model.should_prune(
+            cand.plan, spec, best_ms, self.prune_margin
+        ):
+            exp = exp.model_copy(update={"verdict": Verdict(
+                status="pruned",
+                reason=f"predicted {pred.ms:.3f} ms > best {best_ms:.3f} ms x {1 + self.prune_margin:.2f}",
+            )})
+            return self._record(exp)
+        try:
+            with self._locks[tier]:
+                m = self.engines[tier].benchmark(cand.plan, spec, traffic if traffic is not None else (
+                    self.traffic if spec.mode == "workload" else None))
+        except EngineError as e:
+            exp = exp.model_copy(update={"verdict": Verdict(status="failed", reason=str(e))})
+            return self._record(exp)
+        if not (m.median_ms > 0 and math.isfinite(m.median_ms)):
+            exp = exp.model_copy(update={"measurement": m, "verdict": Verdict(
+                status="failed", reason=f"engine returned a non-positive time {m.median_ms}")})
+            return self._record(exp)
+        if self.cost_model and spec.mode != "workload":
+            self.cost_model.observe(cand.plan, spec, m)
+        exp = exp.model_copy(update={"measurement": m})
+        self._note_best(exp, spec)
+        return self._record(exp)
+
+    def _note_best(self, exp: Experiment, spec: BenchSpec) -> None:
+        if exp.verdict.status != "measured" or exp.measurement is None:
+            return
+        with self._state_lock:
+            cur = self._best.get(spec.key(), (math.inf, None))[0]
+            if exp.measurement.median_ms < cur:
+                self._best[spec.key()] = (exp.measurement.median_ms, exp.plan)
+
+    def _record(self, exp: Experiment) -> Experiment:
+        exp = exp.model_copy(update={"finished_at": time.time()})
+        exp = self.ledger.record(exp)
+        with self._state_lock:
+            self.run += 1
+        if self.on_experiment:
+            self.on_experiment(exp)
+        return exp
+
+    # ---- kernels and verification ---------------------------------------------------------------
+
+    def register_kernel(
+        self, agent: str, op: str, impl: str, source: str, params: dict[str, list[Any]],
+        tier: Tier = "fast", note: str = "",
+    ) -> tuple[KernelResult, Experiment]:
+        """Register an agent-written kernel on ``tier``; the result (pass or reject) is a ledger row."""
+        started = time.time()
+        try:
+            with self._locks[tier]:
+                res = self.engines[tier].register_kernel(op, impl, source, params)
+        except EngineError as e:
+            res = KernelResult(ok=False, stage="engine", error=str(e))
+        plan = Plan()
+        status = "registered" if res.ok else "rejected"
+        reason = "" if res.ok else f"kernel {op}/{impl} failed at {res.stage}: {res.error or ''}".strip()
+        exp = Experiment(
+            run_id=self.run_id, key=f"kernel|{tier}|{op}/{impl}|{_short_hash(source)}", plan=plan,
+            plan_hash=plan.hash, tier=tier, kind="kernel", agent=agent, note=note,
+            verdict=Verdict(status=status, reason=reason), started_at=started,
+            detail={"op": op, "impl": impl, "source": source, "result": res.model_dump()},
+        )
+        return res, self._record(exp)
+
+    def verify(
+        self, cand: Candidate, tier: Tier = "slow", checks: list[str] | None = None, **kw: Any
+    ) -> tuple[VerifyReport, Experiment]:
+        """Run the engine's verification suite on a plan; failure reasons go to the ledger."""
+        key = experiment_key(cand.hash, tier, "verify")
+        started = time.time()
+        try:
+            with self._locks[tier]:
+                rep = self.engines[tier].verify(cand.plan, checks, **kw)
+        except EngineError as e:
+            rep = VerifyReport(passed=False, plan_hash=cand.hash,
+                               checks=[CheckResult(name="engine", passed=False, detail=str(e))])
+        verdict = Verdict(status="verified" if rep.passed else "rejected",
+                          reason="verification passed" if rep.passed else f"verification failed: {rep.reason()}")
+        exp = Experiment(
+            run_id=self.run_id, key=key, plan=cand.plan, plan_hash=cand.hash, tier=tier,
+            kind="verify", agent=cand.agent, note=cand.note, verdict=verdict, started_at=started,
+            detail={"report": rep.model_dump()},
+        )
+        return rep, self._record(exp)
+
+
+def _short_hash(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

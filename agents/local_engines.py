@@ -1,0 +1,108 @@
+"""Both tier engines as local `anneal serve` processes, for `anneal compile` without `--engines`.
+
+Why: on a laptop or a single GPU box the compile should just work — start a fast-tier engine
+(first ``k`` layers) and a slow-tier engine (all layers) with a fresh admin token, wait until their
+admin APIs answer, and stop them (and only them) at the end, even when the compile fails.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from anneal.agents.engine_client import EngineClient, EngineError
+
+_LAUNCH = "import sys; from anneal.cli import main; sys.exit(main())"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalEngine:
+    tier: str
+    proc: subprocess.Popen
+    admin_url: str
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalEngines:
+    """Starts, waits for and stops the two tier engines."""
+
+    model: str
+    out: Path
+    fast_layers: int = 1
+    device: str = "cpu"
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    engines: dict[str, LocalEngine] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+
+    def start(self, timeout_s: float = 600.0) -> dict[str, EngineClient]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "ANNEAL_ADMIN_TOKEN": self.token}
+        for tier, layers in (("fast", self.fast_layers), ("slow", None)):
+            port, admin = free_port(), free_port()
+            cmd = [sys.executable, "-c", _LAUNCH, "serve", "--model", self.model, "--host", "127.0.0.1",
+                   "--port", str(port), "--admin-port", str(admin), "--device", self.device,
+                   *self.extra_args]
+            if layers is not None:
+                cmd += ["--layers", str(layers)]
+            log = self.out / f"engine-{tier}.log"
+            fh = open(log, "wb")
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+            fh.close()
+            self.engines[tier] = LocalEngine(tier, proc, f"http://127.0.0.1:{admin}", log)
+        clients = {}
+        try:
+            for tier, eng in self.engines.items():
+                c = EngineClient(eng.admin_url, self.token, name=f"{tier}-tier engine")
+                try:
+                    c.wait_ready(timeout_s, proc_alive=eng.alive)
+                except EngineError as e:
+                    c.close()
+                    raise EngineError(f"{e}\n--- {eng.log} (last lines) ---\n{eng.log_tail()}") from None
+                clients[tier] = c
+        except BaseException:
+            for c in clients.values():
+                c.close()
+            self.stop()
+            raise
+        return clients
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the engines this object started (their own process groups), politely first."""
+        for eng in self.engines.values():
+            if eng.alive():
+                try:
+                    os.killpg(eng.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        for eng in self.engines.values():
+            try:
+                eng.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(eng.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                eng.proc.wait()

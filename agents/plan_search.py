@@ -1,0 +1,80 @@
+"""Plan-level evolutionary search: mutate and cross the best plans found so far, never enumerate.
+
+Why: ops interact (a fused norm changes what the projection after it reads; a bigger graph set
+changes capture memory), so per-op tuning alone misses combinations. A small population evolves
+by tournament selection, crossover and mutation over the candidate space, seeded with the
+baseline, the kernel tuner's findings and a few random plans; the cost model prunes children
+predicted to lose before they cost engine time.
+"""
+
+from __future__ import annotations
+
+import math
+
+from anneal.engine.plan import Plan
+from anneal.agents.board import Board, SearchSetting
+from anneal.agents.lab import BudgetExhausted, Lab
+from anneal.agents.types import Candidate
+
+
+class PlanSearch:
+    name = "plan-search"
+
+    def __init__(self, population: int = 6, max_children: int | None = None, stall_limit: int = 40):
+        self.population = population
+        self.max_children = max_children
+        self.stall_limit = stall_limit  # stop after this many children in a row add nothing new
+
+    def run(self, lab: Lab, setting: SearchSetting, board: Board) -> None:
+        rng = setting.rng(self.name)
+        space, spec = setting.space, setting.decode_spec
+        pop: list[tuple[float, Plan]] = []
+        seen: set[str] = set()
+
+        def evaluate(plan: Plan, note: str, parent: str | None = None) -> None:
+            seen.add(plan.hash)
+            exp = lab.measure(Candidate(plan=plan, agent=self.name, note=note, parent=parent), spec)
+            if exp.verdict.status == "measured" and exp.measurement is not None:
+                ms = exp.measurement.median_ms
+                pop.append((ms, plan))
+                pop.sort(key=lambda t: t[0])
+                del pop[self.population:]
+                board.offer_plan(ms, plan, self.name)
+
+        try:
+            evaluate(setting.base, "baseline")
+            for i in range(max(1, self.population // 2)):
+                evaluate(space.random_plan(rng, setting.base), f"random #{i}")
+            children, stall = 0, 0
+            while self.max_children is None or children < self.max_children:
+                lab.check_budget()
+                tuned = board.composite(setting.base)
+                if tuned.hash not in seen:
+                    evaluate(tuned.model_copy(update={"name": None}), "kernel-tuner findings")
+                    continue
+                if not pop:
+                    evaluate(space.random_plan(rng, setting.base), "random restart")
+                    continue
+                a = _tournament(pop, rng)
+                if len(pop) > 1 and rng.random() < 0.5:
+                    b = _tournament(pop, rng)
+                    child = space.mutate(space.crossover(a, b, rng), rng, n=rng.randint(0, 1))
+                    note = f"crossover {a.hash[:6]}x{b.hash[:6]}"
+                else:
+                    child = space.mutate(a, rng, n=rng.randint(1, 2))
+                    note = f"mutate {a.hash[:6]}"
+                if child.hash in seen:
+                    stall += 1
+                    if stall >= self.stall_limit:
+                        return  # the reachable neighbourhood is exhausted
+                    continue
+                stall = 0
+                children += 1
+                evaluate(child, note, parent=a.hash)
+        except BudgetExhausted:
+            return
+
+
+def _tournament(pop: list[tuple[float, Plan]], rng, k: int = 2) -> Plan:
+    picks = [pop[rng.randrange(len(pop))] for _ in range(min(k, len(pop)))]
+    return min(picks, key=lambda t: t[0] if math.isfinite(t[0]) else math.inf)[1]

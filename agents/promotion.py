@@ -1,0 +1,136 @@
+"""Promotion: fast-tier winners re-measured on the slow tier replaying the traffic, verified, re-checked.
+
+Why: the fast tier (a few layers) ranks candidates cheaply but is not the deployment; a winner
+there can lose with all layers under real request streams. So the top candidates and the baseline
+are measured on the slow tier with the traffic shape's workload, in the same run; the best one
+within the latency bounds must pass ``POST /admin/verify``; then winner and baseline are measured
+again, interleaved, and the winner is rejected when its timings disagree with themselves (spread
+above ``max_spread``) — a kernel that defers work or races another stream does not time consistently.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from anneal.engine.plan import Gain, Plan
+from anneal.agents.lab import Lab
+from anneal.agents.scheduler_tuner import score
+from anneal.agents.types import BenchSpec, Candidate, Experiment, LatencyObjective, Measurement, VerifyReport
+
+
+@dataclass
+class Promotion:
+    winner: Plan
+    baseline: Plan
+    winner_m: list[Measurement]
+    baseline_m: list[Measurement]
+    verification: VerifyReport | None
+    gains: list[Gain] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (plan hash, reason)
+    is_baseline: bool = False
+
+
+def _median(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(xs: list[float]) -> float:
+    return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 and statistics.median(xs) else 0.0
+
+
+def ensure_kernels(lab: Lab, plan: Plan, tier: str = "slow") -> str | None:
+    """Register the plan's agent-written kernels on ``tier``; the first failure's reason, if any."""
+    for k in plan.kernels:
+        res, _ = lab.register_kernel("promotion", k.op, k.impl, k.source, dict(k.params), tier=tier,
+                                     note="carry kernel to the slow tier")
+        if not res.ok and "already" not in (res.error or ""):
+            return f"kernel {k.op}/{k.impl} failed on the {tier} tier at {res.stage}: {res.error}"
+    return None
+
+
+def promote(
+    lab: Lab, candidates: list[Candidate], baseline: Plan, spec: BenchSpec, *,
+    objective: LatencyObjective | None = None, latency_slack: float = 1.05, max_spread: float = 0.5,
+    rounds: int = 2, verify_kwargs: dict[str, Any] | None = None,
+) -> Promotion:
+    """Pick the verified, consistently timed winner among ``candidates`` on the slow tier."""
+    base_cand = Candidate(plan=baseline, agent="baseline", note="baseline (same run)")
+    base_exp = lab.measure(base_cand, spec, "slow", prune=False, budgeted=False)
+    if base_exp.measurement is None:
+        raise RuntimeError(f"the baseline could not be measured on the slow tier: {base_exp.verdict.reason}")
+    bm = base_exp.measurement
+    bound = objective or LatencyObjective()
+    if bound.itl_p90_ms is None and bm.itl_p90_ms is not None:
+        bound = bound.model_copy(update={"itl_p90_ms": bm.itl_p90_ms * latency_slack})
+    if bound.ttft_p90_ms is None and bm.ttft_p90_ms is not None:
+        bound = bound.model_copy(update={"ttft_p90_ms": bm.ttft_p90_ms * latency_slack})
+
+    rejected: list[tuple[str, str]] = []
+    ranked: list[tuple[float, Candidate, Experiment]] = []
+    for cand in candidates:
+        if cand.hash == baseline.hash:
+            continue
+        why = ensure_kernels(lab, cand.plan)
+        if why:
+            rejected.append((cand.hash, why))
+            continue
+        exp = lab.measure(cand, spec, "slow", prune=False, budgeted=False)
+        if exp.measurement is None or exp.verdict.status != "measured":
+            rejected.append((cand.hash, exp.verdict.reason or exp.verdict.status))
+            continue
+        if not bound.satisfied(exp.measurement):
+            rejected.append((cand.hash, f"latency bound: itl p90 {exp.measurement.itl_p90_ms} ms, "
+                                        f"ttft p90 {exp.measurement.ttft_p90_ms} ms vs {bound}"))
+            continue
+        ranked.append((score(exp.measurement), cand, exp))
+    ranked.sort(key=lambda t: -t[0])
+
+    for s, cand, exp in ranked:
+        if s <= score(bm):
+            break  # slower than the baseline on the slow tier: not worth serving
+        rep, _ = lab.verify(cand, "slow", **(verify_kwargs or {}))
+        if not rep.passed:
+            rejected.append((cand.hash, f"verification failed: {rep.reason()}"))
+            continue
+        wins, bases = [exp.measurement], [bm]
+        for r in range(1, rounds + 1):
+            again = spec.model_copy(update={"seed": spec.seed + r})
+            b = lab.measure(base_cand, again, "slow", prune=False, budgeted=False).measurement
+            w = lab.measure(cand, again, "slow", prune=False, budgeted=False).measurement
+            if b is not None:
+                bases.append(b)
+            if w is not None:
+                wins.append(w)
+        scores = [score(m) for m in wins]
+        worst_own = max((m.spread for m in wins), default=0.0)
+        if len(wins) < rounds + 1 or _spread(scores) > max_spread or worst_own > max_spread:
+            rejected.append((cand.hash, f"inconsistent timing: re-measured tokens/s {scores} "
+                                        f"(spread {_spread(scores):.2f}, worst own spread {worst_own:.2f}, "
+                                        f"limit {max_spread})"))
+            continue
+        if statistics.median(scores) <= statistics.median(score(m) for m in bases):
+            rejected.append((cand.hash, "no gain over the baseline when re-measured"))
+            continue
+        return Promotion(winner=cand.plan, baseline=baseline, winner_m=wins, baseline_m=bases,
+                         verification=rep, gains=gains(bases, wins), rejected=rejected)
+    return Promotion(winner=baseline, baseline=baseline, winner_m=[bm], baseline_m=[bm],
+                     verification=None, gains=gains([bm], [bm]), rejected=rejected, is_baseline=True)
+
+
+def gains(base: list[Measurement], cand: list[Measurement]) -> list[Gain]:
+    """Median gains, both sides measured in this run on the slow tier."""
+    out = []
+    pairs = [
+        ("tokens_per_s", [score(m) for m in base], [score(m) for m in cand], "tok/s"),
+        ("median_ms", [m.median_ms for m in base], [m.median_ms for m in cand], "ms"),
+        ("itl_p90_ms", [m.itl_p90_ms for m in base], [m.itl_p90_ms for m in cand], "ms"),
+        ("ttft_p90_ms", [m.ttft_p90_ms for m in base], [m.ttft_p90_ms for m in cand], "ms"),
+    ]
+    for name, b, c, unit in pairs:
+        mb, mc = _median(b), _median(c)
+        if mb is not None and mc is not None:
+            out.append(Gain(metric=name, baseline=mb, candidate=mc, unit=unit))
+    return out

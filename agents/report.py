@@ -1,0 +1,211 @@
+"""The compile's outputs: the CompiledPlan artifact, report.md and its PNG plots.
+
+Why: a plan is only worth rolling out with the evidence next to it — the gain against the baseline
+measured in the same run, the verification report, how the search progressed, where the time per
+op went before and after, and how well the cost model predicted (its error beside each measurement).
+Files are written to a temporary name and renamed, so nothing half-written is left behind.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from anneal.engine.plan import CompiledPlan, Plan
+from anneal.agents.types import Experiment, Measurement
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_artifact(out: Path, compiled: CompiledPlan) -> Path:
+    path = out / "plan.json"
+    _atomic_write(path, (compiled.model_dump_json(indent=2) + "\n").encode())
+    return path
+
+
+def plan_diff(base: Plan, plan: Plan) -> list[str]:
+    """What the plan changes against the baseline, one line per change."""
+    lines = []
+    for op in sorted(set(base.canonical()["ops"])):
+        a, b = base.choice(op), plan.choice(op)
+        if a != b:
+            lines.append(f"`{op}`: {a.impl} {a.params or ''} -> **{b.impl}** {b.params or ''}")
+    if base.fusions != plan.fusions:
+        lines.append(f"fusions: {base.fusions} -> {plan.fusions}")
+    if base.cuda_graph_batch_sizes != plan.cuda_graph_batch_sizes:
+        lines.append(f"CUDA-graph batch sizes: {base.cuda_graph_batch_sizes} -> {plan.cuda_graph_batch_sizes}")
+    if base.scheduler != plan.scheduler:
+        lines.append(f"scheduler: {base.scheduler.model_dump()} -> {plan.scheduler.model_dump()}")
+    if base.parallelism != plan.parallelism:
+        lines.append(f"tensor parallel: {base.parallelism.tensor_parallel} -> {plan.parallelism.tensor_parallel}")
+    for k in plan.kernels:
+        lines.append(f"agent-written kernel `{k.op}/{k.impl}` ({len(k.source)} chars of source)")
+    return lines or ["(none: the baseline plan stays)"]
+
+
+def prediction_error(exps: list[Experiment]) -> tuple[float | None, int]:
+    """Median |predicted - measured| / measured over measured experiments with a prediction."""
+    errs = [abs(e.prediction.ms - e.measurement.median_ms) / e.measurement.median_ms
+            for e in exps if e.prediction and e.measurement and e.measurement.median_ms > 0]
+    return (statistics.median(errs), len(errs)) if errs else (None, 0)
+
+
+# ---- plots ---------------------------------------------------------------------------------------
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_progress(path: Path, exps: list[Experiment], spec_key: str, t0: float) -> None:
+    """Every fast-tier measurement of the plan-level objective over time, and the best so far."""
+    plt = _plt()
+    pts = sorted((e.finished_at - t0, e.measurement.median_ms) for e in exps
+                 if e.tier == "fast" and e.measurement and e.spec and e.spec.key() == spec_key)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if pts:
+        xs, ys = zip(*pts)
+        best, cur = [], math.inf
+        for y in ys:
+            cur = min(cur, y)
+            best.append(cur)
+        ax.scatter(xs, ys, s=12, alpha=0.5, label="measured candidates")
+        ax.step(xs, best, where="post", color="C3", label="best so far")
+        ax.legend()
+    ax.set_xlabel("seconds into the compile")
+    ax.set_ylabel("decode step (ms, fast tier)")
+    ax.set_title("Search progress")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_per_op(path: Path, before: dict[str, float], after: dict[str, float], source: str) -> None:
+    plt = _plt()
+    ops = sorted(set(before) | set(after), key=lambda o: -before.get(o, after.get(o, 0)))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = range(len(ops))
+    ax.bar([i - 0.2 for i in x], [before.get(o, 0) for o in ops], width=0.4, label="baseline")
+    ax.bar([i + 0.2 for i in x], [after.get(o, 0) for o in ops], width=0.4, label="compiled")
+    ax.set_xticks(list(x), ops, rotation=45, ha="right")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"Per-op time ({source})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_tradeoff(path: Path, base: list[Measurement], win: list[Measurement]) -> None:
+    """Throughput vs latency of the slow-tier replays, baseline and compiled plan."""
+    plt = _plt()
+    from anneal.agents.scheduler_tuner import score
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, ms, c in (("baseline", base, "C0"), ("compiled", win, "C3")):
+        lat = [m.itl_p90_ms if m.itl_p90_ms is not None else m.median_ms for m in ms]
+        ax.scatter([score(m) for m in ms], lat, label=label, color=c)
+    ax.set_xlabel("tokens/s (slow tier, traffic replay)")
+    ax.set_ylabel("p90 ITL (ms)" if any(m.itl_p90_ms is not None for m in base + win) else "median (ms)")
+    ax.set_title("Throughput vs latency")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- report.md -----------------------------------------------------------------------------------
+
+def write_report(
+    out: Path, compiled: CompiledPlan, baseline: Plan, exps: list[Experiment], *, t0: float,
+    wall_s: float, spec_key: str, per_op: tuple[dict[str, float], dict[str, float], str] | None,
+    base_m: list[Measurement], win_m: list[Measurement], rejected: list[tuple[str, str]],
+    notes: list[str], calibration: dict[str, Any], tp_choice: tuple[int, dict[int, float]] | None,
+    cross: dict[str, Any] | None = None,
+) -> Path:
+    plot_progress(out / "search_progress.png", exps, spec_key, t0)
+    if per_op:
+        plot_per_op(out / "per_op.png", *per_op)
+    plot_tradeoff(out / "throughput_latency.png", base_m, win_m)
+
+    ran = [e for e in exps if e.verdict.status != "pruned" and e.kind == "benchmark"]
+    by_status: dict[str, int] = {}
+    for e in exps:
+        by_status[e.verdict.status] = by_status.get(e.verdict.status, 0) + 1
+    per_hour = len(ran) / wall_s * 3600 if wall_s > 0 else 0.0
+    err, n_err = prediction_error(exps)
+    L: list[str] = [
+        f"# Anneal compile: {compiled.model} on {compiled.hardware}",
+        "",
+        f"- traffic: `{compiled.traffic.get('name') or 'custom'}`; created {compiled.created_at}",
+        f"- plan hash `{compiled.plan.hash}` (baseline `{baseline.hash}`)",
+        f"- {len(exps)} experiments in {wall_s:.0f} s ({per_hour:.0f} measured experiments/hour); "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(by_status.items())),
+        "",
+        "## Gain against the baseline (slow tier, traffic replay, same run)",
+        "",
+        "| metric | baseline | compiled | ratio |",
+        "|---|---|---|---|",
+    ]
+    for g in compiled.gains:
+        L.append(f"| {g.metric} | {g.baseline:.4g} {g.unit} | {g.candidate:.4g} {g.unit} | {g.ratio:.3f} |")
+    if compiled.plan.hash == baseline.hash:
+        L += ["", "No candidate beat the baseline and passed every gate: the baseline plan is kept."]
+    L += ["", "## What changed", ""] + [f"- {line}" for line in plan_diff(baseline, compiled.plan)]
+    L += ["", "## Verification", ""]
+    checks = compiled.verification.get("checks", [])
+    if checks:
+        L += ["| check | passed | detail |", "|---|---|---|"]
+        L += [f"| {c['name']} | {'yes' if c['passed'] else 'NO'} | {c.get('detail', '')} |" for c in checks]
+    else:
+        L.append(compiled.verification.get("note", "not run"))
+    if rejected:
+        L += ["", "## Rejected at promotion", ""] + [f"- `{h[:12]}`: {why}" for h, why in rejected]
+    bad = [e for e in exps if e.verdict.status in ("rejected", "failed")]
+    if bad:
+        L += ["", "## Rejected or failed experiments", ""]
+        L += [f"- #{e.id} {e.kind} by {e.agent} ({e.note}): {e.verdict.status}: {e.verdict.reason[:300]}"
+              for e in bad[:40]]
+    L += ["", "## Cost model", ""]
+    L.append(f"Median prediction error: {err:.1%} over {n_err} measurements" if err is not None
+             else "No predictions to compare.")
+    if tp_choice:
+        tp, table = tp_choice
+        L.append(f"\nTensor-parallel degree chosen: {tp} (predicted ms by degree: "
+                 + ", ".join(f"{k}: {v:.3f}" for k, v in table.items()) + ")")
+    if calibration:
+        L += ["", "| op/impl | correction | observations |", "|---|---|---|"]
+        L += [f"| {k} | {v['factor']:.3f} | {v['n']} |" for k, v in calibration.items() if k.count("/") == 1]
+    if cross:
+        L += ["", "## Measured on another traffic shape", ""]
+        L += [f"- {k}: {v}" for k, v in cross.items()]
+    if notes:
+        L += ["", "## Agent notes", ""] + [f"- {n}" for n in notes]
+    L += ["", "## Plots", "", "![search progress](search_progress.png)", ""]
+    if per_op:
+        L += [f"![per-op time](per_op.png)", ""]
+    L += ["![throughput vs latency](throughput_latency.png)", ""]
+    path = out / "report.md"
+    _atomic_write(path, "\n".join(L).encode())
+    return path
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def to_json(x: Any) -> str:
+    return json.dumps(x, default=str)

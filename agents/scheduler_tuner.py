@@ -1,0 +1,56 @@
+"""Scheduler knobs against a latency objective: the most tokens/s whose p90 ITL and TTFT stay in bounds.
+
+Why a workload and not a step: max_num_seqs, the token budget and chunked prefill only show in how
+a stream of requests is scheduled, so each setting replays the traffic shape's workload on the
+fast tier. Settings are tried in a seeded random order (a resumed run retries the same ones) and
+the grid is small, so no exhaustive sweep is needed to stay within budget.
+"""
+
+from __future__ import annotations
+
+from anneal.agents.board import Board, SearchSetting
+from anneal.agents.lab import BudgetExhausted, Lab
+from anneal.agents.types import Candidate, Measurement
+
+
+def score(m: Measurement) -> float:
+    """Tokens/s when reported, else the inverse of the request time."""
+    return m.tokens_per_s if m.tokens_per_s else 1e3 / m.median_ms
+
+
+class SchedulerTuner:
+    name = "scheduler-tuner"
+
+    def __init__(self, max_settings: int = 12):
+        self.max_settings = max_settings
+
+    def run(self, lab: Lab, setting: SearchSetting, board: Board) -> None:
+        rng = setting.rng(self.name)
+        grid = setting.space.scheduler_grid(limit_seqs=max(setting.batch_dist, default=64))
+        rng.shuffle(grid)
+        grid = [setting.base.scheduler, *[g for g in grid if g != setting.base.scheduler]]
+        spec = setting.workload_spec()
+        best = None
+        try:
+            for knobs in grid[: self.max_settings]:
+                plan = setting.base.model_copy(update={"scheduler": knobs, "name": None})
+                exp = lab.measure(Candidate(plan=plan, agent=self.name, note=_label(knobs)), spec)
+                m = exp.measurement
+                if exp.verdict.status != "measured" or m is None:
+                    continue
+                if not setting.objective.satisfied(m):
+                    board.note(f"scheduler {_label(knobs)}: outside latency bounds "
+                               f"(itl p90 {m.itl_p90_ms}, ttft p90 {m.ttft_p90_ms})")
+                    continue
+                if best is None or score(m) > best[0]:
+                    best = (score(m), knobs)
+        except BudgetExhausted:
+            pass
+        if best is not None:
+            board.set(scheduler=best[1])
+            board.note(f"scheduler: {_label(best[1])} at {best[0]:.1f} tok/s")
+
+
+def _label(k) -> str:
+    return (f"max_num_seqs={k.max_num_seqs} max_batched_tokens={k.max_num_batched_tokens} "
+            f"chunked={k.chunked_prefill}")

@@ -1,0 +1,165 @@
+"""The candidate space: what a plan may choose, read from the engine, with moves for plan search.
+
+Search spaces are data (STYLE.md 4): op variants and their parameters come from the registry as
+the engine reports it (``GET /admin/state`` -> ``variants``), the engine knobs (CUDA-graph buckets,
+scheduler, fusions) from the Plan schema. Plan-level search samples, mutates and crosses plans
+over this space; it never enumerates it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from anneal.engine.plan import OpChoice, Plan, SchedulerKnobs
+from anneal.agents.types import EngineState
+
+MAX_NUM_SEQS = (8, 16, 32, 64, 128, 256)
+MAX_BATCHED_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
+GRAPH_SETS = (
+    (),
+    (1, 2, 4, 8),
+    (1, 2, 4, 8, 16, 32),
+    (1, 2, 4, 8, 16, 32, 64, 128),
+    (1, 4, 16, 64),
+)
+
+
+@dataclass
+class OpSpace:
+    """The implementations of one op and each one's parameter choices (first = default)."""
+
+    op: str
+    impls: dict[str, dict[str, list[Any]]]
+
+    def configs(self, impl: str) -> list[dict[str, Any]]:
+        """Every parameter combination of ``impl`` (a variant declares few, so this stays small)."""
+        params = self.impls.get(impl, {})
+        if not params:
+            return [{}]
+        names = sorted(params)
+        return [dict(zip(names, vals)) for vals in itertools.product(*(params[n] for n in names))]
+
+    def default(self, impl: str) -> dict[str, Any]:
+        return {n: ch[0] for n, ch in self.impls.get(impl, {}).items() if ch}
+
+    def random_choice(self, rng: random.Random) -> OpChoice:
+        impl = rng.choice(sorted(self.impls))
+        params = {n: rng.choice(ch) for n, ch in self.impls[impl].items() if ch}
+        return OpChoice(impl=impl, params=params)
+
+    def mutate(self, choice: OpChoice, rng: random.Random) -> OpChoice:
+        """Change one parameter of the current impl, or (less often) switch impl."""
+        params = self.impls.get(choice.impl, {})
+        tunable = [n for n, ch in params.items() if len(ch) > 1]
+        if tunable and (len(self.impls) == 1 or rng.random() < 0.7):
+            name = rng.choice(tunable)
+            others = [v for v in params[name] if v != choice.params.get(name, params[name][0])]
+            return OpChoice(impl=choice.impl, params={**choice.params, name: rng.choice(others)})
+        return self.random_choice(rng)
+
+    @property
+    def size(self) -> int:
+        return sum(len(self.configs(i)) for i in self.impls)
+
+
+@dataclass
+class CandidateSpace:
+    """Everything a plan may choose on one engine."""
+
+    ops: dict[str, OpSpace]
+    fusions: list[str] = field(default_factory=list)
+    graph_sets: tuple[tuple[int, ...], ...] = GRAPH_SETS
+    max_num_seqs: tuple[int, ...] = MAX_NUM_SEQS
+    max_batched_tokens: tuple[int, ...] = MAX_BATCHED_TOKENS
+    uses_graphs: bool = False  # CUDA graphs exist only on the GPU
+
+    @classmethod
+    def from_state(cls, state: EngineState) -> "CandidateSpace":
+        """Read the registry's declared variants as the engine reports them."""
+        ops: dict[str, OpSpace] = {}
+        for op, impls in state.variants.items():
+            usable = set(state.ops.get(op, impls))  # ops lists what runs on this device
+            chosen = {i: {p: list(ch) for p, ch in prm.items()} for i, prm in impls.items() if i in usable}
+            chosen.setdefault("reference", {})
+            ops[op] = OpSpace(op=op, impls=chosen)
+        for op, impls in state.ops.items():
+            if op not in ops:
+                ops[op] = OpSpace(op=op, impls={i: {} for i in impls} or {"reference": {}})
+        fusions = list((state.model_extra or {}).get("fusions") or [])
+        return cls(ops=ops, fusions=fusions, uses_graphs=state.device.startswith("cuda"))
+
+    # ---- the searchable parts ------------------------------------------------------------------
+
+    def tunable_ops(self) -> list[str]:
+        """Ops with more than one configuration: where kernel tuning can matter."""
+        return sorted(op for op, s in self.ops.items() if s.size > 1)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.ops.values():
+            n *= s.size
+        n *= 2 ** len(self.fusions) * len(self.max_num_seqs) * len(self.max_batched_tokens) * 2
+        return n * (len(self.graph_sets) if self.uses_graphs else 1)
+
+    def random_plan(self, rng: random.Random, base: Plan | None = None) -> Plan:
+        base = base or Plan()
+        ops = {op: s.random_choice(rng) for op, s in self.ops.items()}
+        fusions = {f: rng.random() < 0.5 for f in self.fusions}
+        upd: dict[str, Any] = {"ops": ops, "fusions": fusions, "name": None}
+        if self.uses_graphs:
+            upd["cuda_graph_batch_sizes"] = list(rng.choice(self.graph_sets))
+        return base.model_copy(update=upd)
+
+    def mutate(self, plan: Plan, rng: random.Random, n: int = 1) -> Plan:
+        """``n`` small moves: one op's parameter or impl, a fusion flag, or a scheduler knob."""
+        for _ in range(n):
+            moves = ["op"] * 4 + (["fusion"] if self.fusions else []) + ["sched"]
+            if self.uses_graphs:
+                moves.append("graphs")
+            move = rng.choice(moves)
+            if move == "op" and self.ops:
+                op = rng.choice(sorted(self.ops))
+                plan = plan.with_ops(**{op: self.ops[op].mutate(plan.choice(op), rng)})
+            elif move == "fusion":
+                f = rng.choice(self.fusions)
+                plan = plan.model_copy(update={"fusions": {**plan.fusions, f: not plan.fusions.get(f, False)}})
+            elif move == "graphs":
+                plan = plan.model_copy(update={"cuda_graph_batch_sizes": list(rng.choice(self.graph_sets))})
+            else:
+                plan = plan.model_copy(update={"scheduler": self.mutate_scheduler(plan.scheduler, rng)})
+        return plan.model_copy(update={"name": None})
+
+    def mutate_scheduler(self, s: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:
+        knob = rng.choice(["max_num_seqs", "max_num_batched_tokens", "chunked_prefill"])
+        if knob == "chunked_prefill":
+            return s.model_copy(update={"chunked_prefill": not s.chunked_prefill})
+        values = self.max_num_seqs if knob == "max_num_seqs" else self.max_batched_tokens
+        return s.model_copy(update={knob: rng.choice(values)})
+
+    def crossover(self, a: Plan, b: Plan, rng: random.Random) -> Plan:
+        """Each op, fusion and knob group taken from one parent at random."""
+        ops = {op: (a if rng.random() < 0.5 else b).choice(op) for op in self.ops}
+        fusions = {f: (a if rng.random() < 0.5 else b).fusions.get(f, False) for f in self.fusions}
+        return a.model_copy(update={
+            "ops": ops, "fusions": fusions, "name": None,
+            "scheduler": (a if rng.random() < 0.5 else b).scheduler,
+            "cuda_graph_batch_sizes": (a if rng.random() < 0.5 else b).cuda_graph_batch_sizes,
+        })
+
+    def scheduler_grid(self, limit_seqs: int | None = None) -> list[SchedulerKnobs]:
+        """The scheduler knob settings the scheduler agent sweeps (small: a few dozen)."""
+        out = []
+        for seqs in self.max_num_seqs:
+            if limit_seqs and seqs > limit_seqs * 2:
+                continue
+            for tok in self.max_batched_tokens:
+                for chunked in (True, False):
+                    if tok < seqs:
+                        continue
+                    out.append(SchedulerKnobs(max_num_seqs=seqs, max_num_batched_tokens=tok,
+                                              chunked_prefill=chunked))
+        return out

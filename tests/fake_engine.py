@@ -1,0 +1,181 @@
+"""FAKE ENGINE — a stand-in for the engine's *numbers* only, for the compiler's unit tests.
+
+It speaks the admin API's wire format (engine/ADMIN_API.md) over real HTTP, but its timings are a
+made-up deterministic function of the plan (some impls/params faster, seeded noise), its kernel
+check only looks for a marker string, and its verification fails plans naming a "bad" impl. It
+exists so the search, ledger, resume and report logic can be tested without a model; everything
+about real kernels, real timing and real verification is tested against a real `anneal serve`.
+
+Run standalone for subprocess tests: ``python tests/fake_engine.py --port P --token T``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from anneal.engine.plan import OP_NAMES, Plan
+
+VARIANTS = {
+    "rmsnorm": {"reference": {}, "triton": {"block": [64, 128, 256]}},
+    "silu_and_mul": {"reference": {}, "triton": {"block": [128, 256]}},
+    "attention_decode": {"reference": {}, "splitk": {"split_k": [1, 2, 4], "block_n": [16, 32]}},
+    "qkv_proj": {"reference": {}},
+}
+# Fake per-op ms of the reference, and how much each (impl, param) changes it.
+BASE_MS = {"rmsnorm": 0.2, "silu_and_mul": 0.3, "attention_decode": 1.0, "qkv_proj": 0.5}
+FACTOR = {("triton", "block", 128): 0.6, ("triton", "block", 256): 0.8, ("triton", "block", 64): 0.9,
+          ("splitk", "split_k", 4): 0.5, ("splitk", "split_k", 2): 0.7, ("splitk", "block_n", 32): 0.9}
+
+
+def fake_per_op(plan: Plan, batch: int) -> dict[str, float]:
+    out = {}
+    for op, base in BASE_MS.items():
+        ch = plan.choice(op)
+        f = 1.0 if ch.impl == "reference" else 0.95
+        for name, value in ch.params.items():
+            f *= FACTOR.get((ch.impl, name, value), 1.0)
+        if ch.impl.startswith("llm_"):
+            f = 0.4
+        out[op] = base * f * (1 + 0.05 * batch)
+    return out
+
+
+class FakeEngine:
+    def __init__(self, token: str = "tok", layers: int = 1, noise: float = 0.02, model: str = "random:tiny",
+                 bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0):
+        self.token, self.layers, self.noise, self.model = token, layers, noise, model
+        self.bad_impls, self.delay_s = set(bad_impls), delay_s
+        self.plan = Plan()
+        self.calls: dict[str, int] = {}
+        self.kernels: dict[str, dict] = {}
+        self.lock = threading.Lock()
+
+    def state(self) -> dict:
+        variants = {op: {i: dict(p) for i, p in v.items()} for op, v in VARIANTS.items()}
+        for key, k in self.kernels.items():
+            variants.setdefault(k["op"], {"reference": {}})[k["impl"]] = k["params"]
+        return {
+            "model": self.model, "device": "cpu", "gpu_name": None, "dtype": "float32",
+            "num_layers_loaded": self.layers, "num_layers_total": 4,
+            "plan": self.plan.model_dump(mode="json"), "plan_hash": self.plan.hash,
+            "kv": {"num_blocks": 64, "free_blocks": 64, "block_size": 16},
+            "ops": {op: list(v) for op, v in variants.items()}, "variants": variants,
+            "hardware": {"copy_gbps": 20.0, "matmul_tflops": 0.2},
+        }
+
+    def benchmark(self, body: dict) -> dict:
+        import time
+
+        plan = Plan.model_validate(body.get("plan") or self.plan.model_dump())
+        for op, ch in plan.ops.items():
+            if ch.impl not in self.state()["variants"].get(op, {"reference": {}}):
+                raise ValueError(f"op {op} has no variant {ch.impl}")
+        with self.lock:
+            self.calls[plan.hash] = self.calls.get(plan.hash, 0) + 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        seed = int(hashlib.sha256(f"{plan.hash}{body.get('seed')}{body.get('mode')}".encode()).hexdigest()[:8], 16)
+        rng = random.Random(seed)
+        batch = int(body.get("batch_size", 1))
+        per_op = fake_per_op(plan, batch)
+        step = sum(per_op.values()) * self.layers + 0.1
+        if body.get("mode") == "workload":
+            s = plan.scheduler
+            eff = min(1.0, s.max_num_seqs / 16) * (1.05 if s.chunked_prefill else 1.0)
+            step = step / max(eff, 0.2)
+        samples = [step * (1 + self.noise * rng.uniform(-1, 1)) for _ in range(int(body.get("repeats", 5)))]
+        samples.sort()
+        med = samples[len(samples) // 2]
+        out = {"plan_hash": plan.hash, "median_ms": med, "p10_ms": samples[0], "p90_ms": samples[-1],
+               "tokens_per_s": 1e3 * batch / med if body.get("mode") != "workload" else 1e3 * 16 / med,
+               "samples_ms": samples, "per_op_ms": {k: v * self.layers for k, v in per_op.items()}}
+        if body.get("mode") == "workload":
+            out["itl_p90_ms"] = med * 1.1
+            out["ttft_p90_ms"] = med * 3
+        return out
+
+    def verify(self, body: dict) -> dict:
+        plan = Plan.model_validate(body["plan"])
+        bad = [op for op in OP_NAMES if plan.choice(op).impl in self.bad_impls]
+        checks = [{"name": "quality", "passed": not bad, "detail": f"bad impl in {bad}" if bad else "",
+                   "metrics": {}}]
+        return {"passed": not bad, "plan_hash": plan.hash, "checks": checks}
+
+    def kernel(self, body: dict) -> dict:
+        src = body["source"]
+        if "def build" not in src:
+            return {"ok": False, "stage": "compile", "error": "no build() in source"}
+        if "WRONG" in src:
+            return {"ok": False, "stage": "check", "error": "max_rel_err 1.0 > 1e-3", "max_rel_err": 1.0}
+        self.kernels[f"{body['op']}/{body['impl']}"] = {"op": body["op"], "impl": body["impl"],
+                                                         "params": body.get("params") or {}}
+        return {"ok": True, "stage": "registered", "error": None, "max_rel_err": 0.0, "ms": 0.1}
+
+
+def make_server(engine: FakeEngine, port: int = 0) -> ThreadingHTTPServer:
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):  # quiet
+            pass
+
+        def _send(self, code: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _handle(self, method: str) -> None:
+            if self.path == "/fake/calls":
+                return self._send(200, engine.calls)
+            if self.headers.get("Authorization") != f"Bearer {engine.token}":
+                return self._send(401, {"error": {"message": "bad token", "type": "auth"}})
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n) or b"{}")
+            try:
+                if method == "GET" and self.path == "/admin/state":
+                    return self._send(200, engine.state())
+                if method == "POST" and self.path == "/admin/benchmark":
+                    return self._send(200, engine.benchmark(body))
+                if method == "POST" and self.path == "/admin/verify":
+                    return self._send(200, engine.verify(body))
+                if method == "POST" and self.path == "/admin/kernels":
+                    return self._send(200, engine.kernel(body))
+                if method == "PUT" and self.path == "/admin/plan":
+                    engine.plan = Plan.model_validate(body)
+                    return self._send(200, {"plan_hash": engine.plan.hash, "timings": {}})
+            except Exception as e:  # noqa: BLE001
+                return self._send(400, {"error": {"message": str(e), "type": "invalid"}})
+            return self._send(404, {"error": {"message": "not found", "type": "not_found"}})
+
+        def do_GET(self):
+            self._handle("GET")
+
+        def do_POST(self):
+            self._handle("POST")
+
+        def do_PUT(self):
+            self._handle("PUT")
+
+    return ThreadingHTTPServer(("127.0.0.1", port), H)
+
+
+def serve_in_thread(engine: FakeEngine) -> tuple[ThreadingHTTPServer, str]:
+    srv = make_server(engine)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--token", default="tok")
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--delay", type=float, default=0.0)
+    a = ap.parse_args()
+    make_server(FakeEngine(a.token, a.layers, delay_s=a.delay), a.port).serve_forever()
