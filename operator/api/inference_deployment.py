@@ -1,0 +1,273 @@
+"""InferenceDeployment: a served model and the policy that keeps compiling plans for it.
+
+Spec, defaults, validation, status and condition names of the one resource, kept together.
+The drift and rollout parts of the status are written by the drift/rollout logic; the schema is
+complete now so that logic needs no breaking CRD change.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from anneal.operator.api.base import (
+    Condition,
+    Duration,
+    EnvVar,
+    FreeForm,
+    KubeModel,
+    Name,
+    Placement,
+    PlanSource,
+    SecretKeyRef,
+    duration_seconds,
+)
+
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+
+MODEL_PATTERN = r"^(random:[a-z0-9][a-z0-9.\-]*|/[^\s]*|[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*)$"
+Model = Field(
+    min_length=1,
+    max_length=512,
+    pattern=MODEL_PATTERN,
+    description="Hugging Face model folder (absolute path, e.g. on modelVolume), Hub id org/name, "
+    "or random:<preset> (random weights with real shapes, for benchmarks)",
+)
+TrafficPreset = Literal["chat", "rag", "agentic", "batch"]
+AgentName = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$")
+
+
+class ModelVolume(KubeModel):
+    """A PersistentVolumeClaim holding model folders, mounted read-only into engine pods."""
+
+    claim_name: Name = Field(description="PersistentVolumeClaim name")
+    mount_path: str = Field("/models", pattern=r"^/[^\s]*$", description="where the claim is mounted")
+
+
+class Serving(KubeModel):
+    """Arguments of `anneal serve` in the engine container."""
+
+    device: Literal["cuda", "cpu"] | None = Field(
+        None, description="default: cuda when the pod has GPUs, cpu otherwise"
+    )
+    layers: int | None = Field(None, ge=1, le=1024, description="load only the first K layers")
+    extra_args: list[str] = Field(default_factory=list, max_length=64, description="appended to the command")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="extra environment")
+    startup_timeout: Duration = Field(
+        "15m", description="how long an engine may load weights before it counts as failed"
+    )
+
+
+class PrometheusQuery(KubeModel):
+    """Where and over what window traffic metrics are read."""
+
+    url: str | None = Field(
+        None, pattern=r"^https?://", description="Prometheus base URL; default: the operator's setting"
+    )
+    window: Duration = Field("15m", description="range over which the traffic shape is measured")
+    selector: str = Field(
+        "", max_length=1024, description="extra PromQL label matchers, e.g. cluster=\"eu-1\""
+    )
+
+
+class DriftPolicy(KubeModel):
+    """When the observed traffic has moved far enough from the compiled one to recompile."""
+
+    threshold: float = Field(0.25, ge=0.0, le=1.0, description="drift score (0..1) that triggers a compile")
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {"promptLength": 1.0, "outputLength": 1.0, "concurrency": 1.0, "prefixReuse": 1.0},
+        description="weight of each part of the drift score",
+    )
+    min_requests: int = Field(500, ge=0, le=10**9, description="requests in the window before drift counts")
+    check_interval: Duration = Field("5m", description="how often drift is computed")
+    cooldown: Duration = Field("6h", description="least time between two compilations")
+
+
+class SearchPolicy(KubeModel):
+    """How a compilation triggered by this policy searches."""
+
+    budget: Duration = Field("1h", description="search time of one compilation")
+    fast_layers: int = Field(2, ge=1, le=1024, description="layers loaded by the fast-tier engine")
+    agents: list[str] = Field(
+        default_factory=lambda: ["search"], min_length=1, max_length=16, description="proposer agents"
+    )
+    llm_credentials: SecretKeyRef | None = Field(None, description="Secret key holding an LLM API key")
+
+
+class VerificationTolerances(KubeModel):
+    """What a candidate plan must satisfy before it may serve."""
+
+    logits_rtol: float = Field(2e-2, gt=0.0, le=1.0, description="relative logits error allowed")
+    min_greedy_agreement: float = Field(0.99, ge=0.0, le=1.0, description="greedy-token agreement required")
+    bit_exact: bool = Field(False, description="require bit-identical outputs")
+    kv_contamination: bool = Field(True, description="run the KV-cache contamination tests")
+
+
+class MetricGate(KubeModel):
+    """A PromQL query over the canary's own series that must stay within [min, max]."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "has(self.min) || has(self.max)", "message": "a gate needs min or max"}
+            ]
+        }
+    )
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$", description="gate name")
+    query: str = Field(
+        min_length=1, max_length=4096, description="PromQL; {{pod}} and {{namespace}} are substituted"
+    )
+    min: float | None = Field(None, description="fail when the query result is below")
+    max: float | None = Field(None, description="fail when the query result is above")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "MetricGate":
+        if self.min is None and self.max is None:
+            raise ValueError("a gate needs min or max")
+        return self
+
+
+class CanaryAnalysis(KubeModel):
+    """How a canary replica is judged before the plan reaches all replicas."""
+
+    initial_delay: Duration = Field("2m", description="wait before the first analysis")
+    interval: Duration = Field("1m", description="time between analyses")
+    iterations: int = Field(5, ge=1, le=1000, description="passing analyses needed to promote")
+    failure_limit: int = Field(2, ge=0, le=100, description="failed analyses that trigger a rollback")
+    max_error_rate_increase: float = Field(0.01, ge=0.0, le=1.0, description="vs. the stable replicas")
+    max_latency_regression: float = Field(0.10, ge=0.0, le=10.0, description="relative p95 latency increase")
+    gates: list[MetricGate] = Field(default_factory=list, max_length=32, description="extra metric gates")
+
+
+class RolloutStrategy(KubeModel):
+    """How a verified plan reaches the replicas."""
+
+    type: Literal["Canary", "Rolling"] = Field("Canary", description="Canary: one replica first")
+    in_place: bool = Field(
+        True, description="apply plans through the engines' admin API without restarting pods when possible"
+    )
+    canary: CanaryAnalysis = Field(default_factory=CanaryAnalysis)
+
+
+class CompilationPolicy(KubeModel):
+    """When to compile new plans for this deployment and how to roll them out."""
+
+    mode: Literal["auto", "preview", "off"] = Field(
+        "preview",
+        description="auto: compile on drift and roll out; preview: compile and report what would roll "
+        "out (status.proposedPlan); off: never compile",
+    )
+    paused: bool = Field(False, description="hold: no new compilation and no rollout step")
+    abort_rollout: bool = Field(False, description="roll back an in-progress rollout and hold")
+    pinned_plan: PlanSource | None = Field(
+        None, description="serve exactly this plan; compiled plans are only reported"
+    )
+    traffic: TrafficPreset | None = Field(
+        None, description="compile for this preset instead of the observed traffic"
+    )
+    prometheus: PrometheusQuery = Field(default_factory=PrometheusQuery)
+    drift: DriftPolicy = Field(default_factory=DriftPolicy)
+    search: SearchPolicy = Field(default_factory=SearchPolicy)
+    verification: VerificationTolerances = Field(default_factory=VerificationTolerances)
+    rollout: RolloutStrategy = Field(default_factory=RolloutStrategy)
+
+
+class InferenceDeploymentSpec(Placement):
+    """A served model: engine image, replicas, GPUs and placement, serving args, plan, policy."""
+
+    model: str = Model
+    model_volume: ModelVolume | None = Field(None, description="volume holding model folders")
+    image: str | None = Field(
+        None, min_length=1, max_length=512, description="engine image; default: the operator's setting"
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="when the kubelet pulls the engine image"
+    )
+    replicas: int = Field(1, ge=0, le=256, description="engine pods")
+    serving: Serving = Field(default_factory=Serving)
+    plan: PlanSource | None = Field(None, description="the plan to serve; default: the reference plan")
+    compilation: CompilationPolicy = Field(default_factory=CompilationPolicy)
+
+    @model_validator(mode="after")
+    def _startup(self) -> "InferenceDeploymentSpec":
+        duration_seconds(self.serving.startup_timeout)
+        return self
+
+
+# --- status -------------------------------------------------------------------------------------
+
+Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+
+# Typed condition names; Ready is True only when all of them are.
+PLAN_RESOLVED = "PlanResolved"
+RESOURCES_READY = "ResourcesReady"
+SCHEDULABLE = "Schedulable"
+AVAILABLE = "Available"
+PLAN_SERVING = "PlanServing"
+CONDITIONS = (PLAN_RESOLVED, RESOURCES_READY, SCHEDULABLE, AVAILABLE, PLAN_SERVING)
+
+
+class PlanRef(KubeModel):
+    """A plan by hash and where it came from."""
+
+    hash: str = Field(min_length=1, max_length=64, description="plan content hash")
+    source: str = Field("", description="e.g. spec.plan, pinnedPlan, CompilationJob/<name>, default")
+    config_map: str | None = Field(None, description="ConfigMap holding the CompiledPlan")
+    speedup: float | None = Field(None, description="measured gain over the baseline, when compiled")
+
+
+class DriftStatus(KubeModel):
+    """How far the observed traffic is from the traffic the serving plan was compiled for."""
+
+    score: float | None = Field(None, ge=0.0, description="weighted drift, 0 = same shape")
+    parts: dict[str, float] = Field(default_factory=dict, description="per-part drift")
+    observed: FreeForm | None = Field(None, description="observed TrafficShape")
+    compiled: FreeForm | None = Field(None, description="TrafficShape the serving plan was compiled for")
+    requests: int | None = Field(None, ge=0, description="requests in the window")
+    observed_at: str | None = Field(None, description="when the observed shape was read")
+    message: str = Field("", description="why drift is not computed, when it is not")
+
+
+RolloutState = Literal[
+    "Idle", "Compiling", "Verifying", "Canary", "Promoting", "RollingBack", "Held", "Succeeded", "Failed"
+]
+
+
+class RolloutStatus(KubeModel):
+    """Where a plan rollout stands (rollout state lives here, not in annotations)."""
+
+    state: RolloutState = Field("Idle", description="where the rollout stands")
+    from_plan_hash: str | None = Field(None, description="plan served before the rollout")
+    to_plan_hash: str | None = Field(None, description="plan being rolled out")
+    canary_pod: str | None = Field(None, description="the replica serving the new plan first")
+    compilation_job: str | None = Field(None, description="CompilationJob that produced the plan")
+    analyses_passed: int = Field(0, ge=0, description="canary analyses passed")
+    analyses_failed: int = Field(0, ge=0, description="canary analyses failed")
+    started_at: str | None = Field(None, description="when the rollout started")
+    message: str = Field("", description="what the rollout waits for or why it stopped")
+
+
+class InferenceDeploymentStatus(KubeModel):
+    """Observed state. Written by the operator only when it changed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    phase: Phase = Field("Pending", description="Pending, Progressing, Ready, Degraded or Failed")
+    observed_generation: int | None = Field(None, description="spec generation the status reflects")
+    replicas: int = Field(0, ge=0, description="engine pods that exist")
+    ready_replicas: int = Field(0, ge=0, description="engine pods that pass their readiness probe")
+    updated_replicas: int = Field(0, ge=0, description="engine pods with the configured plan")
+    plan_hash: str | None = Field(None, description="hash of the plan the engines are configured with")
+    plan_source: str | None = Field(None, description="where the configured plan came from")
+    serving_plan_hash: str | None = Field(
+        None, description="plan hash every ready replica was rolled out with"
+    )
+    endpoint: str | None = Field(None, description="in-cluster URL of the OpenAI-compatible API")
+    proposed_plan: PlanRef | None = Field(None, description="a compiled plan not (yet) rolled out")
+    last_compilation_job: str | None = Field(None, description="the latest CompilationJob for this deployment")
+    drift: DriftStatus | None = Field(None, description="observed vs. compiled traffic")
+    rollout: RolloutStatus | None = Field(None, description="the plan rollout in progress or last finished")
+    conditions: list[Condition] = Field(default_factory=list, description="typed conditions and their aggregate Ready")

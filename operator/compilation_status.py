@@ -1,0 +1,172 @@
+"""The CompilationJob state machine as a pure function: what the reconcile saw -> the phase, the
+conditions and the actions to take. The handler executes the actions; this module decides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from anneal.engine.plan import CompiledPlan
+from anneal.operator import conditions as cond
+from anneal.operator import naming, pod_health
+from anneal.operator.api import compilation_job as api
+from anneal.operator.compilation_objects import TIERS
+from anneal.operator.plan_source import speedup
+
+# Actions the handler knows how to do.
+PROVISION = "provision"  # secret, RBAC, ConfigMaps, engine pods (create if absent)
+START_COORDINATOR = "start-coordinator"
+RESTART_ENGINES = "restart-engines"  # delete engine pods and the coordinator Job; back to Provisioning
+RELEASE_ENGINES = "release-engines"  # terminal: delete engine pods, free the GPUs
+APPLY_RESULT = "apply-result"
+
+
+@dataclass
+class JobObserved:
+    phase: str
+    created_at: datetime
+    now: datetime
+    deadline_s: float
+    retries: int
+    restarts: int = 0
+    target_problem: tuple[str, str] | None = None  # (reason, message) why the target cannot work
+    pods: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    job: dict[str, Any] | None = None
+    coordinator_pods: list[dict[str, Any]] = field(default_factory=list)
+    result: dict[str, str] | None = None  # data of the result ConfigMap
+    progress: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Decision:
+    phase: str
+    reason: str
+    message: str
+    actions: list[str] = field(default_factory=list)
+    conditions: list[cond.Observation] = field(default_factory=list)
+    result_hash: str | None = None
+    best_speedup: float | None = None
+    restarts: int = 0
+
+
+def _job_condition(job: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for c in ((job or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_ and c.get("status") == "True":
+            return c
+    return None
+
+
+def validate_result(data: dict[str, str] | None) -> tuple[CompiledPlan | None, str]:
+    """The CompiledPlan in the result ConfigMap, or (None, why not)."""
+    if not data or naming.PLAN_KEY not in data:
+        return None, "the coordinator wrote no result plan"
+    try:
+        compiled = CompiledPlan.model_validate_json(data[naming.PLAN_KEY])
+    except Exception as exc:
+        return None, f"the result is not a CompiledPlan: {str(exc)[:300]}"
+    if compiled.verification.get("passed") is not True:
+        return None, "the result plan did not pass verification (verification.passed is not true)"
+    return compiled, ""
+
+
+def _coordinator_failure(obs: JobObserved) -> str:
+    failed = _job_condition(obs.job, "Failed")
+    text = f"{failed.get('reason', '')}: {failed.get('message', '')}" if failed else ""
+    for pod in obs.coordinator_pods:
+        p = pod_health.problem(pod)
+        if p:
+            text = f"{text}; {p.message}" if text else p.message
+            break
+    return text or "the coordinator Job failed"
+
+
+def decide(obs: JobObserved) -> Decision:
+    engines_ready = all(obs.pods.get(t) is not None and pod_health.is_ready(obs.pods[t]) for t in TIERS)
+    target_ok = cond.Observation(api.TARGET_RESOLVED, True, "Resolved")
+    if obs.target_problem:
+        target_ok = cond.Observation(api.TARGET_RESOLVED, False, *obs.target_problem)
+
+    def out(phase: str, reason: str, message: str, actions=(), **kw: Any) -> Decision:
+        engines = cond.Observation(
+            api.ENGINES_READY, engines_ready if phase not in api.TERMINAL_PHASES else None,
+            "Ready" if engines_ready else ("Released" if phase in api.TERMINAL_PHASES else "NotReady"),
+            "" if engines_ready else ", ".join(f"{t}: {_pod_state(obs.pods.get(t))}" for t in TIERS),
+        )
+        running = obs.job is not None and not _job_condition(obs.job, "Complete") and not _job_condition(obs.job, "Failed")
+        coordinator = cond.Observation(
+            api.COORDINATOR_RUNNING, True if running else (None if obs.job is None else False),
+            "Running" if running else ("NotStarted" if obs.job is None else "Finished"),
+        )
+        result = kw.pop("result_obs", cond.Observation(api.RESULT_VALID, None, "NoResultYet"))
+        return Decision(
+            phase, reason, message, list(actions), [target_ok, engines, coordinator, result],
+            restarts=kw.pop("restarts", obs.restarts), **kw,
+        )
+
+    if obs.phase in api.TERMINAL_PHASES:
+        engines_left = any(obs.pods.get(t) is not None for t in TIERS)
+        return out(obs.phase, "Finished", "", [RELEASE_ENGINES] if engines_left else [])
+
+    elapsed = (obs.now - obs.created_at).total_seconds()
+    if elapsed > obs.deadline_s:
+        return out("Failed", "DeadlineExceeded", f"not finished within {int(obs.deadline_s)}s", [RELEASE_ENGINES])
+
+    if obs.target_problem:
+        return out("Pending", obs.target_problem[0], obs.target_problem[1])
+
+    # Engines: a dead one is recreated (with the coordinator, whose addresses are now stale).
+    problems = {t: pod_health.problem(obs.pods[t]) for t in TIERS if obs.pods.get(t) is not None}
+    dead = {t: p for t, p in problems.items() if p and (p.fatal or p.reason == "EngineCrashing")}
+    if obs.job is not None:  # a vanished engine mid-search leaves the coordinator with a stale address
+        for t in TIERS:
+            if obs.pods.get(t) is None:
+                dead.setdefault(t, pod_health.Problem("EngineMissing", f"{t} engine pod disappeared", True))
+    if dead:
+        tier, p = next(iter(dead.items()))
+        if obs.restarts >= obs.retries:
+            return out("Failed", "EngineFailed", f"{tier} engine: {p.message}", [RELEASE_ENGINES])
+        return out(
+            "Provisioning", "RestartingEngines", f"{tier} engine failed ({p.message}); retry {obs.restarts + 1}/{obs.retries}",
+            [RESTART_ENGINES], restarts=obs.restarts + 1,
+        )
+
+    if obs.job is None:
+        if not engines_ready:
+            waiting = ", ".join(f"{t}: {_pod_state(obs.pods.get(t))}" for t in TIERS)
+            unsched = next((p for p in problems.values() if p and p.reason == "Unschedulable"), None)
+            reason = "EnginesUnschedulable" if unsched else "WaitingForEngines"
+            return out("Provisioning", reason, unsched.message if unsched else waiting, [PROVISION])
+        return out("Searching", "CoordinatorStarted", "both engines ready", [PROVISION, START_COORDINATOR])
+
+    if _job_condition(obs.job, "Failed"):
+        return out("Failed", "CoordinatorFailed", _coordinator_failure(obs), [RELEASE_ENGINES])
+    if _job_condition(obs.job, "Complete"):
+        compiled, why = validate_result(obs.result)
+        if compiled is None:
+            return out(
+                "Failed", "InvalidResult", why, [RELEASE_ENGINES],
+                result_obs=cond.Observation(api.RESULT_VALID, False, "InvalidResult", why),
+            )
+        gain = speedup(compiled)
+        return out(
+            "Succeeded", "Verified", f"plan {compiled.plan_hash} verified" + (f", {gain:.2f}x" if gain else ""),
+            [RELEASE_ENGINES, APPLY_RESULT],
+            result_obs=cond.Observation(api.RESULT_VALID, True, "Verified", f"plan {compiled.plan_hash}"),
+            result_hash=compiled.plan_hash, best_speedup=gain,
+        )
+    reported = obs.progress.get("phase")
+    phase = "Verifying" if reported in ("Verifying", "Done") else "Searching"
+    return out(phase, "CoordinatorRunning", str(obs.progress.get("message") or ""), [PROVISION])
+
+
+def _pod_state(pod: dict[str, Any] | None) -> str:
+    if pod is None:
+        return "absent"
+    if pod_health.is_ready(pod):
+        return "ready"
+    return (pod.get("status") or {}).get("phase", "Pending")
+
+
+def phase_rank(phase: str) -> int:
+    return api.PHASE_ORDER.index(phase) if phase in api.PHASE_ORDER else len(api.PHASE_ORDER)
