@@ -17,7 +17,7 @@ package is imported), which is how the CPU tests run them.
 
 from __future__ import annotations
 
-_MODULES = ("norm", "activation", "rope", "attention_decode", "attention_prefill")
+_MODULES = ("norm", "activation", "rope", "attention_decode", "attention_prefill", "gemv")
 
 
 def register_all() -> None:

@@ -1,0 +1,259 @@
+"""Small-M GEMM / GEMV for decode projections (Triton), split-K; the fused SiLU-mul + down-proj;
+and the fused lm_head + argmax.
+
+``y[M, N] = x[M, K] @ W[N, K]^T`` with W row-major (the nn.Linear layout). Decode projections are
+memory-bound on W, so the kernel is built to stream W once at full bandwidth:
+
+* grid ``[cdiv(N, block_n), split_k, cdiv(M, BLOCK_M)]``; each program reads a ``block_n x K/split_k``
+  slab of W in ``block_k`` steps. Split-K fills the SMs when N alone gives too few programs (o_proj,
+  down_proj at bs 1); partial sums go to an fp32 workspace and a second kernel adds them in a fixed
+  order (deterministic, no atomics).
+* ``M == 1``: multiply-accumulate in registers and one reduction at the end (no tensor cores: a
+  single row gains nothing from them). ``M > 1``: ``tl.dot`` with the M tile padded to 16.
+* any M is correct (M is tiled); above ``max_m`` rows (prefill) the call goes to ``torch``'s GEMM,
+  which is what large M wants (``max_m=0``: always Triton).
+
+Fused entry points (their signatures are not one reference op's, so they are plain functions the
+plan's fusions call, not registry variants):
+
+* ``silu_mul_down_proj(gate_up[T, 2I], W[N, I])`` = ``down_proj(silu_and_mul(gate_up), W)``: the
+  activation is applied while x is loaded, rounded as the reference rounds its intermediate, so the
+  ``[T, I]`` tensor and one launch disappear. At decode that is one kernel launch and a tiny
+  round trip per layer (it pays at small batch, where launches and gaps dominate); at large M the
+  activation is recomputed once per N tile, which is why this is a separate choice for the plan.
+* ``lm_head_argmax(x[B, K], W[V, K]) -> tokens[B] int64`` = ``argmax(lm_head(x, W), -1)``: each
+  program reduces its logits tile to (max, index) and a second kernel picks the winner, so the
+  ``[B, V]`` logits are never written. Logits are rounded to x's dtype before comparing and ties go
+  to the lowest index, as ``torch.argmax`` on the reference's logits does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from anneal.engine.kernels._common import KernelInputError, check_device, dot_precision, dot_upcast, mma, pow2
+from anneal.engine.kernels.activation import silu_mul
+from anneal.engine.ops.registry import Param, variant
+
+MAX_SPLIT_K = 16
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    DT = x_ptr.dtype.element_ty
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm = m < M
+    nm = n < N
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+
+    if BLOCK_M == 1:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < k_hi
+        w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        xm = mm[:, None] & km[None, :]
+        if SILU_MUL:  # x is [M, 2K] gate|up; the activation is rounded as the reference rounds it
+            g = tl.load(x_rows + k[None, :], mask=xm, other=0.0)
+            u = tl.load(x_rows + K + k[None, :], mask=xm, other=0.0)
+            xt = silu_mul(g, u, DT)
+        else:
+            xt = tl.load(x_rows + k[None, :], mask=xm, other=0.0)
+        if BLOCK_M == 1:
+            acc2 += w.to(tl.float32) * xt.to(tl.float32)
+        else:
+            acc += mma(xt, tl.trans(w.to(DT)), PREC, UPCAST)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+
+    if ARGMAX:
+        logits = acc.to(DT).to(tl.float32)  # compare the values the reference's logits hold
+        logits = tl.where(nm[None, :], logits, float("-inf"))
+        best = tl.max(logits, axis=1)
+        arg = tl.argmax(logits, axis=1) + pid_n * BLOCK_N
+        tiles = tl.num_programs(0)
+        tl.store(val_ptr + m * tiles + pid_n, best, mask=mm)
+        tl.store(idx_ptr + m * tiles + pid_n, arg, mask=mm)
+    elif SPLIT_K == 1:
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+    else:
+        ws = ws_ptr + (pid_s * M + m).to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(ws, acc, mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _splitk_sum_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    nm = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + (s * M + row).to(tl.int64) * N + n, mask=nm, other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _argmax_merge_kernel(val_ptr, idx_ptr, tok_ptr, TILES, BLOCK_T: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, BLOCK_T)
+    best = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK_T], tl.int32)
+    for t0 in range(0, TILES, BLOCK_T):  # element-wise max per lane keeps the lowest tile on ties
+        tt = t0 + t
+        v = tl.load(val_ptr + row * TILES + tt, mask=tt < TILES, other=float("-inf"))
+        i = tl.load(idx_ptr + row * TILES + tt, mask=tt < TILES, other=0)
+        better = v > best
+        best = tl.where(better, v, best)
+        best_i = tl.where(better, i, best_i)
+    top = tl.max(best, axis=0)
+    # lanes holding the max: the lowest token index among them (lanes hold increasing tiles)
+    cand = tl.where(best == top, best_i, 2147483647)
+    tl.store(tok_ptr + row, tl.min(cand, axis=0).to(tl.int64))
+
+
+def auto_split_k(tiles: int, K: int, block_k: int, device: torch.device) -> int:
+    """Splits so that about two waves of programs cover the SMs, from static shapes only."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, (2 * sms) // max(1, tiles))
+    useful = max(1, triton.cdiv(K, block_k))
+    split = 1
+    while split * 2 <= min(want, useful, MAX_SPLIT_K):
+        split *= 2
+    return split
+
+
+def _check(name, x, weight, k_in):
+    check_device(name, x, weight)
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k_in:
+        raise KernelInputError(f"{name}: need x[M, K] and weight[N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise KernelInputError(f"{name}: x and weight must be contiguous in K")
+    if x.dtype != weight.dtype:
+        raise KernelInputError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype}")
+
+
+def small_m_gemm(
+    x: torch.Tensor, weight: torch.Tensor, *, silu_mul_input: bool = False, block_m: int = 16,
+    block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
+) -> torch.Tensor:
+    """``x @ weight.T`` (or ``silu_and_mul(x) @ weight.T``) for small M, any M correct."""
+    name = "silu_mul_down_proj" if silu_mul_input else "linear"
+    M = x.shape[0]
+    K = weight.shape[1] if weight.dim() == 2 else -1
+    if silu_mul_input and (x.dim() != 2 or x.shape[1] != 2 * K):
+        raise KernelInputError(f"{name}: need gate_up[M, 2*K] for weight[N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
+    _check(name, x, weight, x.shape[1] // 2 if silu_mul_input else x.shape[1] if x.dim() == 2 else -1)
+    N = weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    BLOCK_M = 1 if M == 1 else min(block_m, pow2(M, 16))
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
+    if split_k == 0:
+        split_k = auto_split_k(tiles, K, block_k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)  # no empty splits
+    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
+    _gemv_kernel[grid](
+        x, weight, out, ws, out, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
+        ARGMAX=False, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), num_warps=num_warps, num_stages=num_stages,
+    )
+    if split_k > 1:
+        BLOCK = min(1024, pow2(N))
+        _splitk_sum_kernel[(M, triton.cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+GEMV_PARAMS = (
+    Param("block_m", (16, 32, 64), 16),
+    Param("block_n", (16, 32, 64, 128), 64),
+    Param("block_k", (64, 128, 256, 512), 128),
+    Param("split_k", (0, 1, 2, 4, 8, 16), 0),  # 0 = auto from shapes and SM count
+    Param("num_warps", (2, 4, 8), 4),
+    Param("num_stages", (1, 2, 3, 4), 3),
+    Param("max_m", (0, 8, 32, 64, 128, 256), 64),  # above this many rows use torch's GEMM; 0 = never
+)
+
+
+def _make_linear(block_m, block_n, block_k, split_k, num_warps, num_stages, max_m):
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if max_m and x.dim() == 2 and x.shape[0] > max_m:
+            return F.linear(x, weight)
+        return small_m_gemm(x, weight, block_m=block_m, block_n=block_n, block_k=block_k,
+                            split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+
+    return linear
+
+
+for _op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"):
+    variant(
+        _op, "triton_gemv_splitk", params=GEMV_PARAMS, devices=("cuda",),
+        description="small-M GEMM/GEMV streaming W once, split-K with a deterministic sum kernel; "
+                    "torch GEMM above max_m rows",
+    )(_make_linear)
+
+
+def silu_mul_down_proj(
+    gate_up: torch.Tensor, weight: torch.Tensor, *, block_n: int = 64, block_k: int = 128,
+    split_k: int = 0, num_warps: int = 4, num_stages: int = 3, block_m: int = 16,
+) -> torch.Tensor:
+    """``down_proj(silu_and_mul(gate_up), weight)`` in one GEMV (see the module doc)."""
+    return small_m_gemm(gate_up, weight, silu_mul_input=True, block_m=block_m, block_n=block_n,
+                        block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+
+
+# Tunable params of the fused entry points, as data for the search (same meaning as GEMV_PARAMS).
+SILU_MUL_DOWN_PROJ_PARAMS = tuple(p for p in GEMV_PARAMS if p.name != "max_m")
+LM_HEAD_ARGMAX_PARAMS = (
+    Param("block_m", (16, 32, 64), 16),
+    Param("block_n", (32, 64, 128, 256), 128),
+    Param("block_k", (64, 128, 256), 128),
+    Param("num_warps", (2, 4, 8), 4),
+    Param("num_stages", (1, 2, 3, 4), 3),
+)
+
+
+def lm_head_argmax(
+    x: torch.Tensor, weight: torch.Tensor, *, block_m: int = 16, block_n: int = 128,
+    block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+) -> torch.Tensor:
+    """Greedy tokens ``argmax(x @ weight.T, -1)`` as int64 ``[B]`` without writing the logits."""
+    _check("lm_head_argmax", x, weight, x.shape[1] if x.dim() == 2 else -1)
+    M, K = x.shape
+    N = weight.shape[0]
+    tokens = torch.empty((M,), dtype=torch.int64, device=x.device)
+    if M == 0:
+        return tokens
+    if N == 0:
+        raise KernelInputError("lm_head_argmax: empty vocabulary")
+    BLOCK_M = 1 if M == 1 else min(block_m, pow2(M, 16))
+    tiles = triton.cdiv(N, block_n)
+    vals = torch.empty((M, tiles), dtype=torch.float32, device=x.device)
+    idxs = torch.empty((M, tiles), dtype=torch.int32, device=x.device)
+    _gemv_kernel[(tiles, 1, triton.cdiv(M, BLOCK_M))](
+        x, weight, vals, vals, vals, idxs, M, N, K, x.stride(0), weight.stride(0), 0, triton.cdiv(K, block_k) * block_k,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False, ARGMAX=True,
+        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), num_warps=num_warps, num_stages=num_stages,
+    )
+    _argmax_merge_kernel[(M,)](vals, idxs, tokens, tiles, BLOCK_T=min(1024, pow2(tiles)), num_warps=4)
+    return tokens

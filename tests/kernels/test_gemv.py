@@ -1,0 +1,96 @@
+"""Small-M GEMM/GEMV (split-K), fused SiLU-mul + down-proj and fused lm_head + argmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anneal.engine.kernels.gemv import silu_mul_down_proj
+from anneal.engine.kernels.lm_head_argmax import lm_head_argmax
+from anneal.engine.ops import reference as ref
+from anneal.engine.ops.registry import build_op, get_op
+from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn
+
+SHAPES_CPU = [(1, 70, 130), (3, 33, 200), (17, 50, 64), (40, 20, 37)]  # M, N, K
+SHAPES_GPU = [(1, 6144, 4096), (8, 4096, 4096), (32, 28672, 4096), (128, 4096, 14336), (200, 1000, 2048), (3, 1023, 4000)]
+PARAMS_CPU = [
+    {"split_k": 1, "block_n": 16, "block_k": 64, "max_m": 0},
+    {"split_k": 4, "block_n": 32, "block_k": 64, "max_m": 0},
+    {"split_k": 0, "block_n": 64, "block_k": 64, "block_m": 32, "max_m": 0},
+]
+PARAMS_GPU = [
+    {"max_m": 0},
+    {"split_k": 8, "block_n": 32, "block_k": 256, "max_m": 0, "num_warps": 8},
+    {"split_k": 1, "block_n": 128, "block_k": 64, "block_m": 64, "max_m": 0, "num_stages": 4},
+    {"max_m": 32},
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["qkv_proj", "down_proj"])
+def test_gemv_splitk(device, dtype, op):
+    shapes = SHAPES_CPU if device == "cpu" else SHAPES_GPU
+    for pi, params in enumerate(PARAMS_CPU if device == "cpu" else PARAMS_GPU):
+        fn = build_op(op, "triton_gemv_splitk", params)
+        for i, (M, N, K) in enumerate(shapes):
+            g = gen(3000 + 10 * pi + i, device)
+            x = randn(M, K, dtype=dtype, device=device, g=g)
+            w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+            assert_close(fn(x, w), get_op(op).reference(x, w), TOL_ACC, what=f"{params} {M}x{N}x{K} {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_down_proj(device, dtype):
+    shapes = SHAPES_CPU if device == "cpu" else SHAPES_GPU
+    for i, (M, N, K) in enumerate(shapes):
+        g = gen(3100 + i, device)
+        gu = randn(M, 2 * K, dtype=dtype, device=device, g=g, scale=2.0)
+        w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+        expected = get_op("down_proj").reference(ref.silu_and_mul(gu), w)
+        kw = {"block_k": 64, "split_k": 2} if device == "cpu" else {}
+        assert_close(silu_mul_down_proj(gu, w, **kw), expected, TOL_ACC, what=f"{M}x{N}x{K} {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lm_head_argmax(device, dtype):
+    shapes = [(1, 1000, 64), (5, 777, 48), (20, 300, 40)] if device == "cpu" else [(1, 128256, 4096), (32, 151936, 4096), (7, 32000, 2048)]
+    kw = {"block_n": 64, "block_k": 64} if device == "cpu" else {}
+    for i, (M, V, K) in enumerate(shapes):
+        g = gen(3200 + i, device)
+        x = randn(M, K, dtype=dtype, device=device, g=g)
+        w = randn(V, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+        tokens = lm_head_argmax(x, w, **kw)
+        logits = get_op("lm_head").reference(x, w)
+        expected = logits.argmax(-1)
+        assert tokens.dtype == torch.int64 and tokens.shape == (M,)
+        # Exact unless accumulation order flips a near-tie: then the chosen logit must be a max too.
+        chosen = logits.float().gather(1, tokens[:, None])[:, 0]
+        best = logits.float().max(-1).values
+        atol = 1e-5 if dtype == torch.float32 else 2e-2 * best.abs().max().item()
+        assert torch.all(chosen >= best - atol), (tokens, expected)
+        assert (tokens == expected).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lm_head_argmax_ties_go_to_lowest_index(device):
+    """Duplicate vocabulary rows give exactly equal logits: the lowest id must win, across tiles."""
+    g = gen(3300, device)
+    K, V = 32, 500
+    w = randn(V, K, dtype=torch.float32, device=device, g=g)
+    x = randn(3, K, dtype=torch.float32, device=device, g=g)
+    top = (x @ w.T).argmax(-1)
+    for b in range(3):
+        w[top[b] + 1 :: 97] = w[top[b]]  # copies in later tiles ...
+        w[(top[b] * 7 + 3) % V] = w[top[b]]  # ... and one anywhere
+    expected = get_op("lm_head").reference(x, w).argmax(-1)
+    assert torch.equal(lm_head_argmax(x, w, block_n=32, block_k=32), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_rejects_mismatched_k(device):
+    fn = build_op("o_proj", "triton_gemv_splitk")
+    with pytest.raises(ValueError, match="weight\\[N, K\\]"):
+        fn(torch.ones(2, 8, device=device), torch.ones(4, 9, device=device))
