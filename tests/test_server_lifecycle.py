@@ -1,0 +1,71 @@
+"""SIGTERM drains a live server: in-flight requests finish (or are aborted after the timeout), exit 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from live_server import LiveServer
+
+BODY = {"model": "random:tiny", "prompt": "bye", "ignore_eos": True, "stream": True}
+
+
+def stream_in_thread(server, max_tokens, started: threading.Event, result: dict):
+    def run():
+        chunks = []
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions",
+                              json={**BODY, "max_tokens": max_tokens}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        chunks.append(line[6:])
+                        started.set()
+        except httpx.HTTPError as e:
+            result["error"] = e
+        result["chunks"] = chunks
+        started.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_sigterm_lets_in_flight_requests_finish_and_exits_0():
+    server = LiveServer("--shutdown-timeout", "30").wait_ready()
+    try:
+        started, result = threading.Event(), {}
+        t = stream_in_thread(server, 200, started, result)
+        assert started.wait(30)
+        server.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+    chunks = result["chunks"]
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert "error" not in result
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health", timeout=2)
+
+
+def test_sigterm_aborts_what_outlives_the_shutdown_timeout():
+    server = LiveServer("--shutdown-timeout", "1", "--max-model-len", "4096").wait_ready()
+    try:
+        started, result = threading.Event(), {}
+        t = stream_in_thread(server, 4000, started, result)
+        assert started.wait(30)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 15
+        t.join(30)
+    finally:
+        server.stop()
+    assert "[DONE]" not in result["chunks"]  # cut off, not completed
