@@ -119,6 +119,7 @@ class AsyncEngine:
         self._stopping = False
         self._draining = False
         self._thread: threading.Thread | None = None
+        self._resumed: asyncio.Event | None = None  # cleared while a plan is being applied
         self.dead: BaseException | None = None
 
     # ---- event-loop side -------------------------------------------------------------------
@@ -133,6 +134,8 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         self._thread = threading.Thread(target=self._run, name="anneal-engine", daemon=True)
         self._thread.start()
 
@@ -142,7 +145,12 @@ class AsyncEngine:
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: Any, arrival: float | None = None
     ) -> RequestStream:
-        """Submit a request; raises EngineOverloaded, EngineShuttingDown or the engine's ValueError."""
+        """Submit a request; raises EngineOverloaded, EngineShuttingDown or the engine's ValueError.
+
+        While a plan is being applied, new requests wait here until it is done.
+        """
+        if self._resumed is not None and not self._resumed.is_set():
+            await self._resumed.wait()
         if self._draining or self._stopping or self.dead is not None:
             raise EngineShuttingDown("the server is shutting down")
         if len(self._inflight) >= self.capacity:
@@ -175,6 +183,30 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("call", fn, fut))
         return await asyncio.wrap_future(fut)
+
+    async def apply_plan(self, plan: Any, drain_timeout_s: float = 120.0) -> Any:
+        """Hot-swap the plan between requests: hold new requests, let in-flight ones finish, apply
+        it on the engine thread (the old plan keeps serving if that fails), resume.
+
+        Raises TimeoutError (nothing changed) when in-flight requests outlast ``drain_timeout_s``.
+        """
+        assert self._resumed is not None, "start() first"
+        self._resumed.clear()
+        try:
+            deadline = time.monotonic() + drain_timeout_s
+            while self._inflight:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{len(self._inflight)} requests still in flight after {drain_timeout_s}s; "
+                        "the plan was not applied"
+                    )
+                await asyncio.sleep(0.01)
+            report = await self.run_in_engine(lambda engine: engine.apply_plan(plan))
+            if self.metrics is not None:
+                self.metrics.set_plan(self.engine.plan.hash)
+            return report
+        finally:
+            self._resumed.set()
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Refuse new requests, let in-flight ones finish for ``grace_s``, abort the rest, stop."""

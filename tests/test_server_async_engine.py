@@ -1,0 +1,147 @@
+"""AsyncEngine around a real random:tiny Engine: streaming, admission limit, aborts, plan swaps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from anneal.engine.async_engine import AsyncEngine, EngineOverloaded, EngineShuttingDown
+from anneal.engine.llm import Engine, EngineArgs
+from anneal.engine.metrics import EngineMetrics
+from anneal.engine.plan import Plan, SchedulerKnobs
+from anneal.engine.sampling_params import SamplingParams
+
+PLAN = Plan(scheduler=SchedulerKnobs(max_num_seqs=2), cuda_graph_batch_sizes=[])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineArgs(model="random:tiny", device="cpu", plan=PLAN, max_model_len=512,
+                             num_kv_blocks=128))
+
+
+def run(engine, body, **kw):
+    """Run ``body(async_engine)`` in a fresh loop with a started AsyncEngine, then shut it down."""
+
+    async def main():
+        ae = AsyncEngine(engine, metrics=EngineMetrics(), **kw)
+        ae.start()
+        try:
+            return await body(ae)
+        finally:
+            await ae.shutdown(grace_s=5)
+            assert ae.stats.num_free_blocks == ae.stats.num_blocks
+            assert ae.stats.num_running == ae.stats.num_waiting == 0
+
+    return asyncio.run(main())
+
+
+def params(n, seed=0):
+    return SamplingParams(max_tokens=n, seed=seed, ignore_eos=True)
+
+
+async def collect(stream):
+    return [t async for out in stream for t in out.new_token_ids]
+
+
+def test_streams_match_offline_generate(engine):
+    expected = engine.generate([[1, 2, 3], [4, 5]], [params(8, 1), params(5, 2)])
+
+    async def body(ae):
+        a = await ae.add_request("a", [1, 2, 3], params(8, 1))
+        b = await ae.add_request("b", [4, 5], params(5, 2))
+        return await asyncio.gather(collect(a), collect(b))
+
+    assert run(engine, body) == expected
+
+
+def test_admission_is_bounded_and_slots_come_back(engine):
+    async def body(ae):
+        assert ae.capacity == 2 + 1
+        streams = [await ae.add_request(f"r{i}", [1, 2], params(30)) for i in range(3)]
+        with pytest.raises(EngineOverloaded) as e:
+            await ae.add_request("r3", [1, 2], params(30))
+        assert e.value.retry_after >= 1
+        await asyncio.gather(*(collect(s) for s in streams))
+        assert ae.num_inflight == 0
+        return await collect(await ae.add_request("r4", [1, 2], params(3)))
+
+    assert len(run(engine, body, max_waiting=1)) == 3
+
+
+def test_engine_rejection_reaches_the_caller_and_frees_the_slot(engine):
+    async def body(ae):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await ae.add_request("bad", [10_000], params(3))
+        assert ae.num_inflight == 0
+
+    run(engine, body)
+
+
+def test_closing_a_stream_aborts_and_frees_blocks_at_once(engine):
+    async def body(ae):
+        stream = await ae.add_request("long", list(range(1, 60)), params(400))
+        async for out in stream:
+            break  # the consumer goes away after the first token
+        for _ in range(200):
+            if ae.stats.num_running == 0 and ae.stats.num_free_blocks == ae.stats.num_blocks:
+                break
+            await asyncio.sleep(0.01)
+        assert ae.stats.num_free_blocks == ae.stats.num_blocks
+        assert ae.stats.num_running == 0
+
+    run(engine, body)
+
+
+def test_cancelling_the_consumer_task_aborts(engine):
+    async def body(ae):
+        stream = await ae.add_request("c", [1, 2, 3], params(400))
+        task = asyncio.ensure_future(collect(stream))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ae.num_inflight == 0
+
+    run(engine, body)
+
+
+def test_apply_plan_waits_for_in_flight_requests_and_updates_plan_info(engine):
+    new_plan = Plan(scheduler=SchedulerKnobs(max_num_seqs=3), cuda_graph_batch_sizes=[])
+
+    async def body(ae):
+        stream = await ae.add_request("x", [1, 2], params(20))
+        consumer = asyncio.ensure_future(collect(stream))
+        report = await ae.apply_plan(new_plan)
+        assert consumer.done() and len(consumer.result()) == 20  # finished before the swap
+        assert report.plan_hash == new_plan.hash == engine.plan.hash
+        assert f'plan_hash="{new_plan.hash}"' in ae.metrics.render().decode()
+        await ae.apply_plan(PLAN)
+
+    run(engine, body)
+
+
+def test_shutdown_aborts_what_is_left_and_refuses_new_requests(engine):
+    async def body(ae):
+        stream = await ae.add_request("s", [1, 2], params(450))
+        consumer = asyncio.ensure_future(collect(stream))
+        await ae.shutdown(grace_s=0.05)
+        with pytest.raises(EngineShuttingDown):
+            await consumer
+        with pytest.raises(EngineShuttingDown):
+            await ae.add_request("t", [1], params(1))
+
+    run(engine, body)
+
+
+def test_run_in_engine_runs_on_the_engine_thread(engine):
+    import threading
+
+    async def body(ae):
+        name = await ae.run_in_engine(lambda e: threading.current_thread().name)
+        assert name == "anneal-engine"
+        with pytest.raises(ZeroDivisionError):
+            await ae.run_in_engine(lambda e: 1 / 0)
+
+    run(engine, body)
