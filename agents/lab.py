@@ -39,6 +39,7 @@ class Lab:
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _best: dict[str, tuple[float, Plan]] = field(default_factory=dict)
     _state_lock: threading.Lock = field(default_factory=threading.Lock)
+    _inflight: dict[str, threading.Event] = field(default_factory=dict)
     reused: int = 0
     run: int = 0
 
@@ -65,8 +66,26 @@ class Lab:
         self, cand: Candidate, spec: BenchSpec, tier: Tier = "fast", *, prune: bool = True,
         traffic: dict[str, Any] | None = None, budgeted: bool = True,
     ) -> Experiment:
-        """Measure one candidate (or reuse its finished experiment) and record it."""
+        """Measure one candidate (or reuse its finished experiment) and record it.
+
+        Two agents asking for the same experiment at once get one measurement: the second waits.
+        """
         key = experiment_key(cand.hash, tier, "benchmark", spec)
+        while True:
+            with self._state_lock:
+                ev = self._inflight.get(key)
+                if ev is None:
+                    self._inflight[key] = threading.Event()
+                    break
+            ev.wait()
+        try:
+            return self._measure(key, cand, spec, tier, prune, traffic, budgeted)
+        finally:
+            with self._state_lock:
+                self._inflight.pop(key).set()
+
+    def _measure(self, key: str, cand: Candidate, spec: BenchSpec, tier: Tier, prune: bool,
+                 traffic: dict[str, Any] | None, budgeted: bool) -> Experiment:
         old = self.ledger.lookup(key)
         if old is not None:
             with self._state_lock:

@@ -22,7 +22,7 @@ from anneal.agents.board import Board, SearchSetting
 from anneal.agents.lab import BudgetExhausted, Lab
 from anneal.agents.types import Candidate
 
-DEFAULT_MODEL = os.environ.get("ANNEAL_LLM_MODEL", "claude-sonnet-4-5")
+DEFAULT_MODEL = os.environ.get("ANNEAL_LLM_MODEL", "claude-sonnet-5-5")
 # Where a Kubernetes Secret with the key is mounted when ANTHROPIC_API_KEY_FILE is not given.
 DEFAULT_KEY_FILE = "/var/run/secrets/anneal/anthropic/api-key"
 

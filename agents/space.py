@@ -115,23 +115,33 @@ class CandidateSpace:
         return base.model_copy(update=upd)
 
     def mutate(self, plan: Plan, rng: random.Random, n: int = 1) -> Plan:
-        """``n`` small moves: one op's parameter or impl, a fusion flag, or a scheduler knob."""
+        """``n`` small moves: one op's parameter or impl, a fusion flag, or a scheduler knob.
+
+        A move that lands on the same plan is retried (a few times), so a mutation changes something.
+        """
         for _ in range(n):
-            moves = ["op"] * 4 + (["fusion"] if self.fusions else []) + ["sched"]
-            if self.uses_graphs:
-                moves.append("graphs")
-            move = rng.choice(moves)
-            if move == "op" and self.ops:
-                op = rng.choice(sorted(self.ops))
-                plan = plan.with_ops(**{op: self.ops[op].mutate(plan.choice(op), rng)})
-            elif move == "fusion":
-                f = rng.choice(self.fusions)
-                plan = plan.model_copy(update={"fusions": {**plan.fusions, f: not plan.fusions.get(f, False)}})
-            elif move == "graphs":
-                plan = plan.model_copy(update={"cuda_graph_batch_sizes": list(rng.choice(self.graph_sets))})
-            else:
-                plan = plan.model_copy(update={"scheduler": self.mutate_scheduler(plan.scheduler, rng)})
+            for _attempt in range(8):
+                moved = self._move(plan, rng)
+                if moved.hash != plan.hash:
+                    plan = moved
+                    break
         return plan.model_copy(update={"name": None})
+
+    def _move(self, plan: Plan, rng: random.Random) -> Plan:
+        tunable = [op for op, s in self.ops.items() if s.size > 1]
+        moves = (["op"] * 4 if tunable else []) + (["fusion"] if self.fusions else []) + ["sched"]
+        if self.uses_graphs:
+            moves.append("graphs")
+        move = rng.choice(moves)
+        if move == "op":
+            op = rng.choice(sorted(tunable))
+            return plan.with_ops(**{op: self.ops[op].mutate(plan.choice(op), rng)})
+        if move == "fusion":
+            f = rng.choice(self.fusions)
+            return plan.model_copy(update={"fusions": {**plan.fusions, f: not plan.fusions.get(f, False)}})
+        if move == "graphs":
+            return plan.model_copy(update={"cuda_graph_batch_sizes": list(rng.choice(self.graph_sets))})
+        return plan.model_copy(update={"scheduler": self.mutate_scheduler(plan.scheduler, rng)})
 
     def mutate_scheduler(self, s: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:
         knob = rng.choice(["max_num_seqs", "max_num_batched_tokens", "chunked_prefill"])

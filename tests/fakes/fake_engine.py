@@ -6,7 +6,7 @@ check only looks for a marker string, and its verification fails plans naming a 
 exists so the search, ledger, resume and report logic can be tested without a model; everything
 about real kernels, real timing and real verification is tested against a real `anneal serve`.
 
-Run standalone for subprocess tests: ``python tests/fake_engine.py --port P --token T``.
+Run standalone for subprocess tests: ``python tests/fakes/fake_engine.py --port P --token T``.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ class FakeEngine:
         for op, ch in plan.ops.items():
             if ch.impl not in self.state()["variants"].get(op, {"reference": {}}):
                 raise ValueError(f"op {op} has no variant {ch.impl}")
+        key = f"{plan.hash}|{body.get('mode')}|b{body.get('batch_size')}|s{body.get('seed')}"
         with self.lock:
-            self.calls[plan.hash] = self.calls.get(plan.hash, 0) + 1
+            self.calls[key] = self.calls.get(key, 0) + 1
         if self.delay_s:
             time.sleep(self.delay_s)
         seed = int(hashlib.sha256(f"{plan.hash}{body.get('seed')}{body.get('mode')}".encode()).hexdigest()[:8], 16)
@@ -107,11 +108,29 @@ class FakeEngine:
         return {"passed": not bad, "plan_hash": plan.hash, "checks": checks}
 
     def kernel(self, body: dict) -> dict:
-        src = body["source"]
-        if "def build" not in src:
-            return {"ok": False, "stage": "compile", "error": "no build() in source"}
-        if "WRONG" in src:
-            return {"ok": False, "stage": "check", "error": "max_rel_err 1.0 > 1e-3", "max_rel_err": 1.0}
+        """Compile the source and compare it with the reference on one random input (elementwise ops)."""
+        import torch
+
+        from anneal.engine.ops.registry import get_op
+
+        ns: dict = {}
+        try:
+            exec(compile(body["source"], f"<kernel {body['impl']}>", "exec"), ns)
+            fn = ns["build"]()
+        except Exception as e:  # noqa: BLE001
+            return {"ok": False, "stage": "compile", "error": f"{type(e).__name__}: {e}"}
+        g = torch.Generator().manual_seed(0)
+        args = {"silu_and_mul": lambda: (torch.randn(5, 32, generator=g),),
+                "rmsnorm": lambda: (torch.randn(5, 32, generator=g), torch.rand(32, generator=g), 1e-5)}
+        if body["op"] in args:
+            a = args[body["op"]]()
+            try:
+                got, want = fn(*a), get_op(body["op"]).reference(*a)
+            except Exception as e:  # noqa: BLE001
+                return {"ok": False, "stage": "check", "error": f"{type(e).__name__}: {e}"}
+            err = float(((got - want).abs().max() / want.abs().max().clamp_min(1e-6)))
+            if not err < 1e-3:
+                return {"ok": False, "stage": "check", "error": f"max_rel_err {err:.3g} > 1e-3", "max_rel_err": err}
         self.kernels[f"{body['op']}/{body['impl']}"] = {"op": body["op"], "impl": body["impl"],
                                                          "params": body.get("params") or {}}
         return {"ok": True, "stage": "registered", "error": None, "max_rel_err": 0.0, "ms": 0.1}

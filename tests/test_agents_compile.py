@@ -1,0 +1,120 @@
+"""The compile loop end to end against FAKE engines (labelled stand-ins for the engine's numbers).
+
+What is tested here is the compiler's own logic — search, promotion gates, artifact and report —
+with numbers from tests/fakes/fake_engine.py. The same loop against a real `anneal serve` is in
+test_agents_compile_real.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from fakes.fake_engine import FakeEngine, serve_in_thread
+from anneal.engine.plan import CompiledPlan
+from anneal.agents.compile import add_compile_args, run_compile
+from anneal.agents.engine_client import EngineClient
+from anneal.agents.lab import Lab
+from anneal.agents.ledger import Ledger
+from anneal.agents.promotion import promote
+from anneal.agents.types import BenchSpec, Candidate
+
+
+@pytest.fixture
+def fakes():
+    made = []
+
+    def make(**kw):
+        srv, url = serve_in_thread(FakeEngine(token="tok", **kw))
+        made.append(srv)
+        return srv, url
+
+    yield make
+    for s in made:
+        s.shutdown()
+
+
+def _compile(args: list[str]) -> int:
+    return run_compile(add_compile_args(argparse.ArgumentParser()).parse_args(args))
+
+
+def test_compile_writes_a_verified_plan_report_and_ledger(tmp_path, fakes, monkeypatch):
+    monkeypatch.setenv("ANNEAL_ADMIN_TOKEN", "tok")
+    _, fast = fakes(layers=1)
+    _, slow = fakes(layers=4)
+    out = tmp_path / "out"
+    rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--budget", "6", "--out", str(out),
+                   "--engines", f"{fast},{slow}", "--quiet", "--cross-traffic", "agentic"])
+    assert rc == 0
+    cp = CompiledPlan.model_validate_json((out / "plan.json").read_text())
+    assert cp.model == "random:tiny" and cp.traffic["name"] == "chat"
+    assert cp.verification["passed"] is True and cp.verification["tier"] == "slow"
+    tps = next(g for g in cp.gains if g.metric == "tokens_per_s")
+    assert tps.ratio > 1.2  # the fake rewards the tuned impls; the baseline is measured in the same run
+    assert cp.plan.hash != json.loads((out / "plan.json").read_text())["plan"].get("baseline", "")
+    led = Ledger(out / "ledger.sqlite")
+    rows = led.experiments()
+    agents = {r.agent for r in rows}
+    assert {"kernel-tuner", "plan-search", "scheduler-tuner", "baseline"} <= agents
+    assert any(r.kind == "verify" and r.verdict.status == "verified" for r in rows)
+    assert all(r.prediction is not None for r in rows
+               if r.tier == "fast" and r.measurement and r.spec.mode != "workload")
+    baseline_rows = [r for r in rows if r.agent == "baseline" and r.tier == "slow"]
+    assert len(baseline_rows) >= 3  # measured with the candidates, then re-measured interleaved
+    led.close()
+    report = (out / "report.md").read_text()
+    for needle in ("Gain against the baseline", "tokens_per_s", "Verification", "Cost model",
+                   "Median prediction error", "experiments/hour", "another traffic shape"):
+        assert needle in report
+    for png in ("search_progress.png", "per_op.png", "throughput_latency.png"):
+        assert (out / png).stat().st_size > 1000
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_promotion_rejects_unverified_and_inconsistent_winners(tmp_path, fakes):
+    """Verification failures and self-inconsistent timings are rejected with their reason."""
+    from anneal.engine.plan import OpChoice, Plan
+
+    fast_plan = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4}))
+    # The faster of the two fails verification: promotion must fall back to the next one.
+    bad_plan = fast_plan.with_ops(rmsnorm=OpChoice(impl="triton", params={"block": 128}))
+    spec = BenchSpec(mode="workload", num_requests=4, repeats=3)
+
+    _, url = fakes(bad_impls=("triton",))
+    led = Ledger(tmp_path / "a.sqlite")
+    with EngineClient(url, "tok") as slow:
+        lab = Lab(ledger=led, engines={"slow": slow})
+        promo = promote(lab, [Candidate(plan=bad_plan, agent="t"), Candidate(plan=fast_plan, agent="t")],
+                        Plan(), spec)
+    assert promo.winner == fast_plan and not promo.is_baseline
+    rej = [r for r in led.experiments(kind="verify") if r.verdict.status == "rejected"]
+    assert len(rej) == 1 and rej[0].plan_hash == bad_plan.hash and "quality" in rej[0].verdict.reason
+    assert any(h == bad_plan.hash and "verification failed" in why for h, why in promo.rejected)
+    led.close()
+
+    _, noisy = fakes(noise=0.9)
+    led = Ledger(tmp_path / "b.sqlite")
+    with EngineClient(noisy, "tok") as slow:
+        promo = promote(Lab(ledger=led, engines={"slow": slow}), [Candidate(plan=fast_plan, agent="t")],
+                        Plan(), spec, max_spread=0.3)
+    assert promo.is_baseline and promo.winner == Plan()
+    assert any("inconsistent timing" in why for _, why in promo.rejected)
+    led.close()
+
+
+def test_bad_engine_urls_and_tokens_fail_clearly(tmp_path, fakes, monkeypatch, capsys):
+    monkeypatch.setenv("ANNEAL_ADMIN_TOKEN", "wrong")
+    _, url = fakes()
+    rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--budget", "5", "--out", str(tmp_path),
+                   "--engines", f"{url},{url}", "--quiet"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "401" in err and "ANNEAL_ADMIN_TOKEN" in err
+    rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--engines", "only-one", "--quiet",
+                   "--out", str(tmp_path)])
+    assert rc == 2
+    rc = _compile(["--model", "random:tiny", "--traffic", "nosuch", "--engines", f"{url},{url}",
+                   "--quiet", "--out", str(tmp_path)])
+    assert rc == 1

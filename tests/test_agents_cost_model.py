@@ -1,0 +1,94 @@
+"""The roofline cost model: numbers against hand-computed limits, online calibration, pruning, TP choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from anneal.engine.plan import OpChoice, Plan
+from anneal.agents.cost_model import CostModel, shape_from_state
+from anneal.agents.types import BenchSpec, EngineState, HardwareInfo, HardwareSpec, Measurement
+
+H200 = EngineState(model="random:llama-3.1-8b", device="cuda", gpu_name="NVIDIA H200", dtype="bfloat16",
+                   num_layers_total=32, num_layers_loaded=32)
+
+
+def test_decode_bs1_is_memory_bound_at_weight_bytes_over_bandwidth():
+    cm = CostModel.from_state(H200)
+    assert cm.shape.hidden_size == 4096 and cm.shape.num_layers == 32  # from the engine's presets
+    spec = BenchSpec(batch_size=1, context_len=1)
+    ms = cm.predict(Plan(), spec).ms
+    weights_ms = cm.shape.weight_bytes / (cm.hw.mem_gbps * 1e9) * 1e3
+    # The weights dominate at bs=1; launches (graphs) add a little. DESIGN.md: 3.83 ms at 4.19 TB/s.
+    assert weights_ms < ms < weights_ms * 1.15
+    assert ms * 4800 / 4190 == pytest.approx(3.83, rel=0.1)
+
+
+def test_microbenchmarks_override_the_data_sheet():
+    st = H200.model_copy(update={"hardware": HardwareInfo(copy_gbps=2400.0, matmul_tflops=500.0)})
+    slow = CostModel.from_state(st).predict(Plan(), BenchSpec(batch_size=1)).ms
+    fast = CostModel.from_state(H200).predict(Plan(), BenchSpec(batch_size=1)).ms
+    assert slow == pytest.approx(2 * fast, rel=0.1)
+
+
+def test_attention_grows_with_context_and_prefill_is_compute_bound():
+    cm = CostModel.from_state(H200)
+    a1 = cm.predict(Plan(), BenchSpec(batch_size=32, context_len=512)).per_op_ms["attention_decode"]
+    a2 = cm.predict(Plan(), BenchSpec(batch_size=32, context_len=8192)).per_op_ms["attention_decode"]
+    assert a2 > 10 * a1
+    pf = cm.predict(Plan(), BenchSpec(mode="prefill", batch_size=1, prompt_len=4096))
+    flops = 2 * 4096 * cm.shape.weight_bytes / 2  # 2 FLOPs per weight per token
+    assert pf.ms > flops / (cm.hw.matmul_tflops * 1e12) * 1e3 * 0.9
+
+
+def test_calibration_learns_a_per_impl_correction_and_prunes_known_losers():
+    cm = CostModel.from_state(H200)
+    spec = BenchSpec(batch_size=8, context_len=1024)
+    slow_plan = Plan().with_ops(attention_decode=OpChoice(impl="slowattn"))
+    raw = cm.predict(slow_plan, spec)
+    assert not raw.corrected
+    # The engine reports the slow impl's attention at 5x its roofline, everything else at 1x.
+    per_op = dict(raw.per_op_ms)
+    per_op["attention_decode"] *= 5
+    m = Measurement(median_ms=sum(per_op.values()), per_op_ms=per_op)
+    cm.observe(slow_plan, spec, m)
+    base_per_op = dict(cm.predict(Plan(), spec, calibrated=False).per_op_ms)
+    cm.observe(Plan(), spec, Measurement(median_ms=sum(base_per_op.values()), per_op_ms=base_per_op))
+    pred = cm.predict(slow_plan, spec)
+    assert pred.corrected
+    assert pred.ms == pytest.approx(m.median_ms, rel=0.02)
+    assert cm.calibrations()["attention_decode/slowattn"]["factor"] == pytest.approx(5.0, rel=1e-6)
+    best = cm.predict(Plan(), spec).ms
+    assert cm.should_prune(slow_plan, spec, best_ms=best)
+    assert not cm.should_prune(Plan(), spec, best_ms=best)
+    # An impl the model has never seen is never pruned: it has to be measured first.
+    unknown = Plan().with_ops(attention_decode=OpChoice(impl="new"))
+    assert not cm.should_prune(unknown, spec, best_ms=best * 0.01)
+
+
+def test_tensor_parallel_choice_uses_nvlink_cost_and_memory():
+    base = CostModel.from_state(H200)
+    eight = CostModel(shape=base.shape, hw=base.hw.model_copy(update={"num_devices": 8}))
+    tp, table = eight.choose_tp(BenchSpec(batch_size=1, context_len=1024), objective="latency")
+    assert tp > 1 and table[tp] < table[1]
+    # Throughput per GPU: splitting a model that fits on one GPU only adds all-reduce cost.
+    tp_thr, _ = eight.choose_tp(BenchSpec(batch_size=64, context_len=1024), objective="throughput")
+    assert tp_thr == 1
+    # Without a fast link, TP is never chosen.
+    pcie = CostModel(shape=base.shape, hw=base.hw.model_copy(update={"num_devices": 8, "link_gbps": 0}))
+    assert pcie.choose_tp(BenchSpec(batch_size=1))[0] == 1
+    # A model that does not fit one GPU must be split.
+    big = base.shape.model_copy(update={"num_layers": 32 * 9})
+    small_gpu = HardwareSpec(name="H200", mem_gbps=4800, matmul_tflops=989, num_devices=8, memory_gb=141,
+                             link_gbps=450)
+    tp_big, table_big = CostModel(shape=big, hw=small_gpu).choose_tp(BenchSpec(batch_size=1))
+    assert 1 not in table_big and tp_big >= 2
+
+
+def test_shape_from_a_reported_config():
+    st = EngineState(model="/models/x", dtype="bfloat16", config={
+        "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 256, "vocab_size": 1000})
+    s = shape_from_state(st)
+    assert (s.head_dim, s.num_kv_heads, s.dtype_bytes) == (32, 2, 2)
+    with pytest.raises(ValueError, match="no shape"):
+        shape_from_state(EngineState(model="/models/unknown"))

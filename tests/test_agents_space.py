@@ -1,0 +1,64 @@
+"""The candidate space: read from the engine's declared variants; moves stay inside it."""
+
+from __future__ import annotations
+
+import random
+
+from anneal.engine.plan import Plan
+from anneal.agents.space import CandidateSpace
+from anneal.agents.types import EngineState
+
+STATE = EngineState(
+    model="random:tiny", device="cpu",
+    ops={"rmsnorm": ["reference", "triton"], "attention_decode": ["reference", "splitk"], "embedding": ["reference"]},
+    variants={
+        "rmsnorm": {"reference": {}, "triton": {"block": [64, 128, 256]}},
+        "attention_decode": {"reference": {}, "splitk": {"split_k": [1, 2, 4], "block_n": [16, 32]},
+                             "cuda_only": {"x": [1, 2]}},
+        "embedding": {"reference": {}},
+    },
+)
+
+
+def _valid(space: CandidateSpace, plan: Plan) -> None:
+    for op, ch in plan.ops.items():
+        impls = space.ops[op].impls
+        assert ch.impl in impls, (op, ch)
+        for name, value in ch.params.items():
+            assert value in impls[ch.impl][name], (op, ch)
+
+
+def test_from_state_reads_declared_params_and_device_usable_impls():
+    space = CandidateSpace.from_state(STATE)
+    assert set(space.ops) == {"rmsnorm", "attention_decode", "embedding"}
+    # "cuda_only" is declared but not listed as usable on this device.
+    assert set(space.ops["attention_decode"].impls) == {"reference", "splitk"}
+    assert space.ops["attention_decode"].size == 1 + 6
+    assert space.tunable_ops() == ["attention_decode", "rmsnorm"]
+    assert {tuple(sorted(c.items())) for c in space.ops["rmsnorm"].configs("triton")} == {
+        (("block", 64),), (("block", 128),), (("block", 256),)}
+    assert not space.uses_graphs
+
+
+def test_moves_stay_in_the_space_and_explore_it():
+    space = CandidateSpace.from_state(STATE)
+    rng = random.Random(0)
+    seen = set()
+    plan = Plan()
+    for _ in range(300):
+        a = space.random_plan(rng)
+        plan = space.mutate(plan, rng)
+        child = space.crossover(a, plan, rng)
+        for p in (a, plan, child):
+            _valid(space, p)
+            seen.add(p.hash)
+    assert len(seen) > 100  # a search, not a fixed list
+    # Mutation changes something most of the time (a plan is not its own neighbour).
+    changed = sum(space.mutate(plan, rng).hash != plan.hash for _ in range(50))
+    assert changed >= 40
+
+
+def test_scheduler_grid_respects_token_budget():
+    grid = CandidateSpace.from_state(STATE).scheduler_grid()
+    assert grid and all(k.max_num_batched_tokens >= k.max_num_seqs for k in grid)
+    assert {k.chunked_prefill for k in grid} == {True, False}
