@@ -82,6 +82,7 @@ def tier_pod(job: str, namespace: str, tier: str, spec: CompilationJobSpec, targ
         model_volume=target.model_volume,
         layers=spec.tiers.fast_layers if tier == "fast" else None,
         run_as_user=settings.engine_run_as_user,
+        bind_pod_ip=True,  # the coordinator dials pod IPs; two CPU engines may share a host
     )
     pod = engine_pod.pod_spec(cfg)
     pod["restartPolicy"] = "Never"

@@ -32,7 +32,7 @@ def aggregate(observations: Iterable[Observation]) -> Observation:
     obs = list(observations)
     for o in obs:
         if o.ok is not True:
-            return Observation(READY, False if o.ok is False else None, o.reason, f"{o.type}: {o.message}".rstrip(": "))
+            return Observation(READY, False, o.reason, f"{o.type}: {o.message}".rstrip(": "))
     return Observation(READY, True, "AllConditionsMet", "")
 
 

@@ -91,7 +91,7 @@ def compute(
         reason, message = obs.missing[0]
         res_obs = cond.Observation(api.RESOURCES_READY, False, reason, message)
     elif not obs.applied or obs.deployment is None:
-        res_obs = cond.Observation(api.RESOURCES_READY, False, "NotApplied", "child objects not written yet")
+        res_obs = cond.Observation(api.RESOURCES_READY, None, "NotApplied", "child objects not written yet")
     else:
         res_obs = cond.Observation(api.RESOURCES_READY, True, "Applied", "Deployment, Service and ConfigMap in place")
     sched = _schedulable(spec, obs)

@@ -32,6 +32,7 @@ class EngineConfig:
     layers: int | None = None
     pull_policy: str = "IfNotPresent"
     run_as_user: int = 10001
+    bind_pod_ip: bool = False  # listen on the pod IP only (pods reached by IP, never port-forwarded)
 
 
 def serve_args(cfg: EngineConfig) -> list[str]:
@@ -39,7 +40,7 @@ def serve_args(cfg: EngineConfig) -> list[str]:
     args = ["serve", "--model", cfg.model]
     if cfg.plan_config_map:
         args += ["--plan", f"{naming.PLAN_MOUNT}/{naming.PLAN_KEY}"]
-    args += ["--host", "0.0.0.0", "--port", str(naming.PUBLIC_PORT), "--admin-port", str(naming.ADMIN_PORT)]
+    args += ["--host", "$(POD_IP)" if cfg.bind_pod_ip else "0.0.0.0", "--port", str(naming.PUBLIC_PORT), "--admin-port", str(naming.ADMIN_PORT)]
     layers = cfg.layers if cfg.layers is not None else cfg.serving.layers
     if layers is not None:
         args += ["--layers", str(layers)]
@@ -79,6 +80,7 @@ def container(cfg: EngineConfig) -> dict[str, Any]:
     if cfg.model_volume:
         mounts.append({"name": "model", "mountPath": cfg.model_volume.mount_path, "readOnly": True})
     env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         admin_token_env(cfg.admin_secret),
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},
