@@ -294,3 +294,17 @@ def test_selector_formatting_escapes_values():
     assert format_selector('pod=~"web-.*"') == '{pod=~"web-.*"}'
     assert format_selector(None) == ""
     assert set(FLAVORS) == {"anneal", "vllm", "sglang"}
+
+
+def test_read_shapes_feed_the_drift_score(stack):
+    """End to end on the real series: what was served as chat scores as chat; rag does not."""
+    from anneal.operator.drift import drift_score
+
+    prom, _, _, at, _ = stack
+    chat = prom.read_traffic({"pod": "a"}, window_seconds=60, at=at)
+    rag = prom.read_traffic({"pod": "b"}, window_seconds=60, at=at)
+    compiled_for = preset("chat").model_copy(update={"concurrency": 12.0})
+    same = drift_score(compiled_for, chat.shape, unknown=chat.missing)
+    moved = drift_score(compiled_for, rag.shape, unknown=rag.missing)
+    assert same.score < 0.5, same
+    assert moved.score > 2 and moved.dominant == "prompt_len_log2", moved
