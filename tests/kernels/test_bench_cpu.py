@@ -1,0 +1,34 @@
+"""bench/kernels.py runs its CPU-side logic (cases, sweeps, checks, JSON) under the interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_kernels_tiny_cpu(tmp_path):
+    out = tmp_path / "k.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kernels.py"), "--device", "cpu", "--tiny",
+         "--only", "attention_decode,lm_head_argmax,rmsnorm", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    ops = {rec["op"] for rec in data["results"]}
+    assert ops == {"attention_decode", "lm_head_argmax", "rmsnorm"}
+    for rec in data["results"]:
+        assert "median_ms" in rec["impls"]["reference"], rec
+        assert rec["best"]["params"] is not None
+        for entry in rec["sweep"]:
+            assert "error" not in entry, entry
+            assert entry[rec["err_metric"]] <= (0.0 if rec["op"] == "lm_head_argmax" else 0.1), entry
