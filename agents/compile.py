@@ -94,6 +94,9 @@ def run_compile(args: argparse.Namespace) -> int:
             print("anneal compile: --engines needs FAST_URL,SLOW_URL", file=sys.stderr)
             return 2
         engines = (urls[0], urls[1])
+    if args.report_to and args.report_to.count("/") != 1:
+        print(f"anneal compile: --report-to must be NAMESPACE/NAME, got {args.report_to!r}", file=sys.stderr)
+        return 2
     device = args.device or _default_device()
     try:
         settings = CompileSettings(
@@ -125,6 +128,16 @@ def _default_device() -> str:
 
 
 # ---- progress to the CompilationJob ----------------------------------------------------------------
+
+def _publish(target: str | None, compiled: CompiledPlan) -> None:
+    """Hand the CompiledPlan to the CompilationJob's result ConfigMap (raises: the job needs it)."""
+    if not target:
+        return
+    from anneal.operator import progress  # noqa: PLC0415
+
+    ns, name = progress.parse_report_to(target)
+    progress.publish_result(ns, name, compiled)
+
 
 def _report(target: str | None, **fields: Any) -> None:
     """Progress into the CompilationJob's status, when asked and the operator package provides it."""
@@ -280,10 +293,13 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
             winner = Plan.model_validate(winner.model_dump())
 
     cross = _cross_measure(lab, cross_traffic, max_len, promo, wspec) if cross_traffic else None
-    verification_doc: dict[str, Any] = (
-        {**promo.verification.model_dump(), "tier": "slow"} if promo.verification
-        else {"passed": True, "note": "the baseline plan was kept; nothing new to verify", "checks": []}
-    )
+    report = promo.verification
+    if report is None:  # the baseline is kept: it is verified like any winner, not assumed good
+        report, _ = lab.verify(Candidate(plan=promo.winner, agent="baseline", note="kept baseline"), "slow",
+                               **_verify_kwargs(verification))
+    verification_doc: dict[str, Any] = {**report.model_dump(), "tier": "slow"}
+    if promo.is_baseline:
+        verification_doc["note"] = "no candidate beat the baseline and passed every gate; the baseline is kept"
     if tp_choice and gpus > 1:
         verification_doc["parallelism_note"] = "tensor-parallel degree chosen by the cost model, not measured"
     compiled = CompiledPlan(
@@ -301,6 +317,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         tp_choice=tp_choice, cross=cross,
     )
     gain = next((g.ratio for g in promo.gains if g.metric == "tokens_per_s"), None)
+    _publish(settings.report_to, compiled)
     _report(settings.report_to, phase="Done", experiments=len(ledger), best_speedup=gain,
             best_plan_hash=compiled.plan.hash, message=f"done in {wall:.0f}s")
     return compiled

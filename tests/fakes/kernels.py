@@ -29,3 +29,100 @@ SYNTAX_ERROR = '''
 def build(:
     pass
 '''
+
+# ---- planted faulty kernels: each must be rejected with its reason ------------------------------
+
+# Caches each physical KV block the first time it sees it, assuming a block never changes once
+# written: when a freed block is recycled for another request, it reads the stale copy.
+STALE_KV_BLOCK = '''
+import torch
+from anneal.engine.ops import reference as R
+
+def build():
+    seen = {}
+    def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+        bs = k_cache.shape[1]
+        kc, vc = k_cache.clone(), v_cache.clone()
+        for b in range(block_tables.shape[0]):
+            full = int(context_lens[b]) // bs
+            for i in range(full):
+                pid = int(block_tables[b, i])
+                if pid in seen:
+                    kc[pid], vc[pid] = seen[pid]
+                else:
+                    seen[pid] = (k_cache[pid].clone(), v_cache[pid].clone())
+        return R.attention_decode(q, kc, vc, block_tables, context_lens, scale)
+    return attention_decode
+'''
+
+# Uses the first sequence's context length for the whole batch: exact at batch 1, wrong beyond.
+WRONG_AT_BATCH = '''
+from anneal.engine.ops import reference as R
+
+def build():
+    def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+        lens = context_lens[:1].expand(context_lens.shape[0]).contiguous()
+        return R.attention_decode(q, k_cache, v_cache, block_tables, lens, scale)
+    return attention_decode
+'''
+
+# Correct on short contexts, NaN once a sequence passes 40 tokens.
+NAN_PAST_CONTEXT = '''
+import torch
+from anneal.engine.ops import reference as R
+
+def build():
+    def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+        out = R.attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        long = (context_lens > 40)[:, None, None]
+        return torch.where(long, torch.full_like(out, float("nan")), out)
+    return attention_decode
+'''
+
+# Returns at once and finishes the work elsewhere (another CUDA stream on a GPU, a thread on the
+# CPU), so a timer that does not wait for all work sees it as fast; whoever reads the output
+# early reads garbage.
+SIDE_STREAM = '''
+import threading
+import time
+import torch
+import torch.nn.functional as F
+
+def build():
+    def silu_and_mul(x):
+        gate, up = x.chunk(2, dim=-1)
+        out = torch.full_like(gate, float("nan"))
+        if x.is_cuda:
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(1_000_000)
+                out.copy_(F.silu(gate) * up)
+        else:
+            def later():
+                time.sleep(0.05)
+                out.copy_(F.silu(gate) * up)
+            threading.Thread(target=later, daemon=True).start()
+        return out
+    return silu_and_mul
+'''
+
+# Right values up to rounding, but different bits on every call (noise, like a racy reduction).
+NONDETERMINISTIC = '''
+import torch
+import torch.nn.functional as F
+
+def build():
+    def silu_and_mul(x):
+        gate, up = x.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+        return out * (1 + 1e-6 * torch.randn_like(out))
+    return silu_and_mul
+'''
+
+FAULTY = {
+    "stale_kv_block": ("attention_decode", STALE_KV_BLOCK),
+    "wrong_at_batch": ("attention_decode", WRONG_AT_BATCH),
+    "nan_past_context": ("attention_decode", NAN_PAST_CONTEXT),
+    "side_stream": ("silu_and_mul", SIDE_STREAM),
+    "nondeterministic": ("silu_and_mul", NONDETERMINISTIC),
+}
