@@ -234,8 +234,8 @@ class Prometheus:
             raise ValueError(f"window_seconds must be >= 1, got {window_seconds}")
         if flavor != "auto" and flavor not in FLAVORS:
             raise ValueError(f"unknown metric flavor {flavor!r}; known: auto, {', '.join(FLAVORS)}")
-        now = time.time() if at is None else at
-        obs = TrafficObservation(at=now, window_seconds=window_seconds)
+        at = time.time() if at is None else at  # one evaluation time for every query below
+        obs = TrafficObservation(at=at, window_seconds=window_seconds)
         sel = format_selector(selector)
         window = f"{int(round(window_seconds))}s"
         try:
@@ -254,7 +254,7 @@ class Prometheus:
             if obs.missing:
                 obs.reason = f"no {' or '.join(obs.missing)} histogram series for {name} matching {sel or 'any series'}"
                 return obs
-            obs.requests = max(0.0, max((v for le, v in prompt_b if math.isinf(le)), default=0.0))
+            obs.requests = max(0.0, max(v for _, v in prompt_b))  # the +Inf bucket: every request
             prompt = LengthHistogram.from_cumulative(prompt_b)
             output = LengthHistogram.from_cumulative(output_b)
             if obs.requests < 0.5 or prompt is None or output is None:

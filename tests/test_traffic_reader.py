@@ -308,3 +308,21 @@ def test_read_shapes_feed_the_drift_score(stack):
     moved = drift_score(compiled_for, rag.shape, unknown=rag.missing)
     assert same.score < 0.5, same
     assert moved.score > 2 and moved.dominant == "prompt_len_log2", moved
+
+
+def test_http_failures_map_to_hold_or_error():
+    """Without a server: how each kind of answer is classified (httpx.MockTransport)."""
+
+    def answer(status, body):
+        return Prometheus("http://prom", client=httpx.Client(transport=httpx.MockTransport(
+            lambda request: httpx.Response(status, **body))))
+
+    assert answer(503, {"text": "overloaded"}).query_scalar("up") is None  # hold
+    assert answer(200, {"text": "<html>proxy login</html>"}).query_scalar("up") is None
+    assert answer(503, {"text": "x"}).read_traffic({"pod": "a"}).reason.startswith("prometheus unavailable")
+    bad = {"json": {"status": "error", "errorType": "bad_data", "error": "parse error at char 5"}}
+    with pytest.raises(PrometheusQueryError, match="bad_data: parse error"):
+        answer(400, bad).query_scalar("sum(")
+    matrix = {"json": {"status": "success", "data": {"resultType": "matrix", "result": []}}}
+    with pytest.raises(PrometheusQueryError, match="expected an instant vector"):
+        answer(200, matrix).query_scalar("up[5m]")
