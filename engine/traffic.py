@@ -356,12 +356,29 @@ def _format_errors(err: ValidationError) -> str:
 
 
 def parse_traffic(data: Any, source: str = "traffic shape") -> TrafficShape:
-    """Validate a mapping (already parsed YAML/JSON) as a TrafficShape, with field-level errors."""
+    """Validate a mapping (already parsed YAML/JSON) as a TrafficShape, with field-level errors.
+
+    ``preset: NAME`` starts from that preset; the other keys override its fields (``prefix`` is
+    merged key by key), e.g. ``{preset: agentic, concurrency: 32}``.
+    """
     if not isinstance(data, dict):
         raise TrafficShapeError(
             f"{source}: expected a mapping with prompt_len, output_len, concurrency/arrival_rate, "
             f"got {type(data).__name__}"
         )
+    if "preset" in data:
+        base = data["preset"]
+        if base not in _PRESETS:
+            raise TrafficShapeError(f"{source}: preset: unknown preset {base!r}; presets: {', '.join(PRESET_NAMES)}")
+        merged = _PRESETS[base].model_dump(mode="json")
+        for key, value in data.items():
+            if key == "preset":
+                continue
+            if key == "prefix" and isinstance(value, dict):
+                merged["prefix"] = {**merged["prefix"], **value}
+            else:
+                merged[key] = value
+        data = merged
     try:
         return TrafficShape.model_validate(data)
     except ValidationError as err:

@@ -123,6 +123,18 @@ def test_hand_written_yaml_loads(tmp_path):
     assert s.arrival_rate == 3 and s.concurrency is None and s.prefix.ratio == 0.5
 
 
+def test_a_file_can_start_from_a_preset(tmp_path):
+    path = tmp_path / "busy-agents.yaml"
+    path.write_text("preset: agentic\nname: busy-agents\nconcurrency: 32\nprefix: {ratio: 0.9}\n")
+    s = load_traffic(path)
+    agentic = preset("agentic")
+    assert s.name == "busy-agents" and s.concurrency == 32 and s.prompt_len == agentic.prompt_len
+    assert s.prefix.ratio == 0.9 and s.prefix.num_prefixes == agentic.prefix.num_prefixes
+    path.write_text("preset: agentik\n")
+    with pytest.raises(TrafficShapeError, match="preset: unknown preset 'agentik'"):
+        load_traffic(path)
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
