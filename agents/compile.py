@@ -266,6 +266,10 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
          f"search space: {setting.space.size:.3g} plans; agents: {', '.join(a.name for a in agents)}")
     results = _search_with_progress(agents, lab, setting, board, settings, progress)
     _say(progress, f"search finished ({summary(results)}); {lab.run} new experiments, {lab.reused} reused")
+    gone = [v for v in results.values() if v.startswith("error: EngineUnavailable")]
+    if gone:
+        raise CompileError(f"{gone[0].removeprefix('error: EngineUnavailable: ')}; the ledger keeps what "
+                           f"was measured: rerun with the same --out to resume")
 
     # Promotion on the slow tier.
     _report(settings.report_to, phase="Verifying", experiments=len(ledger), message="promoting on the slow tier")
@@ -281,7 +285,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     wspec = setting.workload_spec().model_copy(update={"seed": settings.seed})
     _say(progress, f"promoting {len(cands)} candidates on the slow tier (baseline measured in the same run) ...")
     promo = promote(lab, cands, baseline, wspec, objective=setting.objective,
-                    max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification))
+                    max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification),
+                    deadline=t0 + settings.budget_s * 0.85)
 
     tp_choice = None
     winner = promo.winner

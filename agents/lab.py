@@ -26,6 +26,13 @@ class BudgetExhausted(Exception):
     """The search budget is spent: agents stop proposing."""
 
 
+class EngineUnavailable(RuntimeError):
+    """An engine stopped answering at all (not a rejected candidate: the process is gone or hung)."""
+
+
+UNREACHABLE_LIMIT = 3  # consecutive unanswered calls before a tier is declared gone
+
+
 @dataclass
 class Lab:
     ledger: Ledger
@@ -40,6 +47,7 @@ class Lab:
     _best: dict[str, tuple[float, Plan]] = field(default_factory=dict)
     _state_lock: threading.Lock = field(default_factory=threading.Lock)
     _inflight: dict[str, threading.Event] = field(default_factory=dict)
+    _unreachable: dict[str, int] = field(default_factory=dict)
     reused: int = 0
     run: int = 0
 
@@ -115,8 +123,10 @@ class Lab:
                 m = self.engines[tier].benchmark(cand.plan, spec, traffic if traffic is not None else (
                     self.traffic if spec.mode == "workload" else None))
         except EngineError as e:
+            self._count_unreachable(tier, e)
             exp = exp.model_copy(update={"verdict": Verdict(status="failed", reason=str(e))})
             return self._record(exp)
+        self._unreachable[tier] = 0
         if not (m.median_ms > 0 and math.isfinite(m.median_ms)):
             exp = exp.model_copy(update={"measurement": m, "verdict": Verdict(
                 status="failed", reason=f"engine returned a non-positive time {m.median_ms}")})
@@ -126,6 +136,16 @@ class Lab:
         exp = exp.model_copy(update={"measurement": m})
         self._note_best(exp, spec)
         return self._record(exp)
+
+    def _count_unreachable(self, tier: str, e: EngineError) -> None:
+        """A 4xx/5xx is the candidate's fault; no answer at all, repeatedly, is the engine's."""
+        if e.status is not None:
+            self._unreachable[tier] = 0
+            return
+        with self._state_lock:
+            n = self._unreachable[tier] = self._unreachable.get(tier, 0) + 1
+        if n >= UNREACHABLE_LIMIT:
+            raise EngineUnavailable(f"the {tier}-tier engine stopped answering: {e}")
 
     def _note_best(self, exp: Experiment, spec: BenchSpec) -> None:
         if exp.verdict.status != "measured" or exp.measurement is None:

@@ -10,7 +10,9 @@ above ``max_spread``) — a kernel that defers work or races another stream does
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,9 +56,13 @@ def ensure_kernels(lab: Lab, plan: Plan, tier: str = "slow") -> str | None:
 def promote(
     lab: Lab, candidates: list[Candidate], baseline: Plan, spec: BenchSpec, *,
     objective: LatencyObjective | None = None, latency_slack: float = 1.05, max_spread: float = 0.5,
-    rounds: int = 2, verify_kwargs: dict[str, Any] | None = None,
+    rounds: int = 2, verify_kwargs: dict[str, Any] | None = None, deadline: float = math.inf,
 ) -> Promotion:
-    """Pick the verified, consistently timed winner among ``candidates`` on the slow tier."""
+    """Pick the verified, consistently timed winner among ``candidates`` on the slow tier.
+
+    Candidates come best-first; past ``deadline`` (time.monotonic) no further candidate is
+    measured once one has been, so the budget holds even when slow-tier replays are slow.
+    """
     base_cand = Candidate(plan=baseline, agent="baseline", note="baseline (same run)")
     base_exp = lab.measure(base_cand, spec, "slow", prune=False, budgeted=False)
     if base_exp.measurement is None:
@@ -72,6 +78,9 @@ def promote(
     ranked: list[tuple[float, Candidate, Experiment]] = []
     for cand in candidates:
         if cand.hash == baseline.hash:
+            continue
+        if ranked and time.monotonic() > deadline:
+            rejected.append((cand.hash, "not measured on the slow tier: out of budget"))
             continue
         why = ensure_kernels(lab, cand.plan)
         if why:

@@ -125,7 +125,7 @@ class CandidateSpace:
                 if moved.hash != plan.hash:
                     plan = moved
                     break
-        return plan.model_copy(update={"name": None})
+        return with_used_kernels(plan.model_copy(update={"name": None}), plan.kernels)
 
     def _move(self, plan: Plan, rng: random.Random) -> Plan:
         tunable = [op for op, s in self.ops.items() if s.size > 1]
@@ -151,14 +151,20 @@ class CandidateSpace:
         return s.model_copy(update={knob: rng.choice(values)})
 
     def crossover(self, a: Plan, b: Plan, rng: random.Random) -> Plan:
-        """Each op, fusion and knob group taken from one parent at random."""
-        ops = {op: (a if rng.random() < 0.5 else b).choice(op) for op in self.ops}
+        """Each op, fusion and knob group taken from one parent at random.
+
+        Agent-written kernels travel with the op that uses them (from either parent), so the child
+        can be rebuilt on an engine that has never seen them (the slow tier).
+        """
+        ops_all = set(self.ops) | set(a.ops) | set(b.ops)
+        ops = {op: (a if rng.random() < 0.5 else b).choice(op) for op in sorted(ops_all)}
         fusions = {f: (a if rng.random() < 0.5 else b).fusions.get(f, False) for f in self.fusions}
-        return a.model_copy(update={
+        child = a.model_copy(update={
             "ops": ops, "fusions": fusions, "name": None,
             "scheduler": (a if rng.random() < 0.5 else b).scheduler,
             "cuda_graph_batch_sizes": (a if rng.random() < 0.5 else b).cuda_graph_batch_sizes,
         })
+        return with_used_kernels(child, [*a.kernels, *b.kernels])
 
     def scheduler_grid(self, limit_seqs: int | None = None) -> list[SchedulerKnobs]:
         """The scheduler knob settings the scheduler agent sweeps (small: a few dozen)."""
@@ -173,3 +179,13 @@ class CandidateSpace:
                     out.append(SchedulerKnobs(max_num_seqs=seqs, max_num_batched_tokens=tok,
                                               chunked_prefill=chunked))
         return out
+
+
+def with_used_kernels(plan: Plan, kernels) -> Plan:
+    """``plan`` carrying exactly the agent-written kernels its op choices use (deduplicated)."""
+    used, seen = [], set()
+    for k in kernels:
+        if plan.choice(k.op).impl == k.impl and (k.op, k.impl) not in seen:
+            seen.add((k.op, k.impl))
+            used.append(k)
+    return plan.model_copy(update={"kernels": used})

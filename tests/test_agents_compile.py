@@ -118,3 +118,21 @@ def test_bad_engine_urls_and_tokens_fail_clearly(tmp_path, fakes, monkeypatch, c
     rc = _compile(["--model", "random:tiny", "--traffic", "nosuch", "--engines", f"{url},{url}",
                    "--quiet", "--out", str(tmp_path)])
     assert rc == 1
+
+
+def test_an_engine_that_stops_answering_ends_the_search(tmp_path):
+    """Refused candidates (4xx) are the candidate's fault; no answer at all is the engine's."""
+    from anneal.engine.plan import Plan
+    from anneal.agents.lab import EngineUnavailable
+
+    from anneal.agents.local_engines import free_port
+
+    led = Ledger(tmp_path / "l.sqlite")
+    with EngineClient(f"http://127.0.0.1:{free_port()}", "tok", timeout=2) as dead:
+        lab = Lab(ledger=led, engines={"fast": dead})
+        plans = [Plan().model_copy(update={"cuda_graph_batch_sizes": [i]}) for i in (1, 2, 3)]
+        assert lab.measure(Candidate(plan=plans[0], agent="t"), BenchSpec()).verdict.status == "failed"
+        assert lab.measure(Candidate(plan=plans[1], agent="t"), BenchSpec()).verdict.status == "failed"
+        with pytest.raises(EngineUnavailable, match="fast-tier engine stopped answering"):
+            lab.measure(Candidate(plan=plans[2], agent="t"), BenchSpec())
+    led.close()
