@@ -77,6 +77,23 @@ class DriftParts(_Strict):
     prefix_hit: float | None = None
 
 
+# The keys InferenceDeployment status and policy use for the parts (camelCase, as in the CRD).
+STATUS_PART_NAMES = {
+    "prompt_len_log2": "promptLength",
+    "output_len_log2": "outputLength",
+    "load_log2": "concurrency",
+    "prefix_hit": "prefixReuse",
+}
+
+
+def status_parts(parts: DriftParts | None) -> dict[str, float]:
+    """``{promptLength: .., outputLength: .., concurrency: .., prefixReuse: ..}`` for status,
+    leaving out the parts that could not be measured."""
+    if parts is None:
+        return {}
+    return {STATUS_PART_NAMES[k]: round(v, 4) for k, v in parts.model_dump().items() if v is not None}
+
+
 class DriftScore(_Strict):
     score: float = Field(description="max over parts of part / scale; >= enter_threshold is drift")
     dominant: str = Field(description="the part that sets the score")

@@ -16,6 +16,7 @@ from anneal.operator.drift import (
     DriftPolicy,
     decide,
     drift_score,
+    status_parts,
     wasserstein_log2,
 )
 from anneal.operator.traffic_reader import TrafficObservation
@@ -121,6 +122,10 @@ def test_trigger_on_a_sustained_shift():
     assert "sustained drift: prompt lengths moved" in d.reason
     assert d.parts.prefix_hit > 0.3  # agentic reuses far more of its prompts
     json.loads(d.model_dump_json())  # goes into status as is
+    parts = status_parts(d.parts)
+    assert set(parts) == {"promptLength", "outputLength", "concurrency", "prefixReuse"}
+    assert parts["promptLength"] == pytest.approx(d.parts.prompt_len_log2, abs=1e-4)
+    assert status_parts(None) == {}
 
 
 def test_cooldown_and_windows_before_the_last_compilation():
