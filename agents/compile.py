@@ -107,6 +107,7 @@ def run_compile(args: argparse.Namespace) -> int:
         compiled = compile_plan(
             settings, agents=agents, max_len=args.max_len, cross_traffic=args.cross_traffic,
             gpus=args.gpus, progress=not args.quiet, verification=opts.get("verification") or {},
+            llm_model=(opts.get("llm") or {}).get("model"),
         )
     except (CompileError, EngineError, ValueError) as e:
         print(f"anneal compile: {e}", file=sys.stderr)
@@ -181,7 +182,7 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     return setting, traffic
 
 
-def _agents(names: list[str]):
+def _agents(names: list[str], llm_model: str | None = None):
     out = []
     for n in names:
         if n == "kernel-tuner":
@@ -193,7 +194,7 @@ def _agents(names: list[str]):
         elif n == "scheduler-tuner":
             out.append(SchedulerTuner())
         elif n == "llm-writer":
-            w = maybe_writer()
+            w = maybe_writer(**({"model": llm_model} if llm_model else {}))
             if w is not None:
                 out.append(w)
     return out
@@ -203,6 +204,7 @@ def compile_plan(
     settings: CompileSettings, *, agents: list[str] | None = None, max_len: int | None = None,
     cross_traffic: str | None = None, gpus: int = 1, progress: bool = True,
     verification: dict[str, Any] | None = None, clients: dict[str, EngineClient] | None = None,
+    llm_model: str | None = None,
 ) -> CompiledPlan:
     """One compilation; writes plan.json, report.md (+ PNGs) and ledger.sqlite under ``settings.out``."""
     from anneal.engine.traffic import load_traffic
@@ -225,7 +227,7 @@ def compile_plan(
     ledger = Ledger(out / "ledger.sqlite")
     try:
         return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
-                        max_len, cross_traffic, gpus, progress, verification or {})
+                        max_len, cross_traffic, gpus, progress, verification or {}, llm_model)
     finally:
         ledger.close()
         for c in clients.values():
@@ -235,7 +237,7 @@ def compile_plan(
 
 
 def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_len, cross_traffic, gpus,
-             progress, verification) -> CompiledPlan:
+             progress, verification, llm_model) -> CompiledPlan:
     out = Path(settings.out)
     fast_state, slow_state = clients["fast"].state(), clients["slow"].state()
     if fast_state.model != slow_state.model:
@@ -260,7 +262,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     _report(settings.report_to, phase="Searching", experiments=0,
             message=f"searching on {fast_state.model} ({fast_state.num_layers_loaded} layers)")
 
-    agents = _agents(agent_names)
+    agents = _agents(agent_names, llm_model)
     _say(progress, f"search space: {setting.space.size:.3g} plans; agents: {', '.join(a.name for a in agents)}; "
                    f"resuming from {len(ledger)} ledger rows" if len(ledger) else
          f"search space: {setting.space.size:.3g} plans; agents: {', '.join(a.name for a in agents)}")
