@@ -52,6 +52,13 @@ def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -
             deployment = idep_api.InferenceDeploymentSpec.model_validate(found.get("spec") or {})
         except ValidationError as exc:
             return None, ("TargetInvalid", f"InferenceDeployment {spec.target.inference_deployment!r}: {exc}")
+    if spec.traffic.shape is not None:
+        from anneal.engine.traffic import parse_traffic  # torch-free
+
+        try:
+            parse_traffic(spec.traffic.shape, source="spec.traffic.shape")
+        except ValueError as exc:
+            return None, ("InvalidTraffic", str(exc)[:500])
     target = objects.resolve_target(spec, deployment, ctx.settings)
     if spec.llm is not None:
         secret = kube.get("v1", "Secret", spec.llm.credentials.name, namespace)

@@ -162,7 +162,14 @@ def compile_options(job: str, spec: CompilationJobSpec) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "agents": list(spec.agents),
         "fastLayers": spec.tiers.fast_layers,
-        "verification": spec.verification.wire(),
+        "verification": {
+            "tolerances": {
+                "logits_rtol": spec.verification.logits_rtol,
+                "min_greedy_agreement": spec.verification.min_greedy_agreement,
+                "bit_exact": spec.verification.bit_exact,
+            },
+            "kvContamination": spec.verification.kv_contamination,
+        },
         "resultConfigMap": naming.result_config_map(job),
     }
     if spec.llm is not None:

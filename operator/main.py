@@ -42,7 +42,7 @@ def run(settings: OperatorSettings, verbose: bool = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else getattr(logging, settings.log_level))
     ctx = Context(settings)
     registry = build_registry(ctx)
-    liveness = f"http://0.0.0.0:{settings.liveness_port}/healthz" if settings.liveness_port else None
+    liveness = f"http://{settings.liveness_host}:{settings.liveness_port}/healthz" if settings.liveness_port else None
     asyncio.run(
         kopf.operator(
             registry=registry,
@@ -56,13 +56,16 @@ def run(settings: OperatorSettings, verbose: bool = False) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="anneal operator", description="Run the Anneal Kubernetes operator.")
+def add_operator_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `anneal operator` (settings otherwise come from ANNEAL_* env vars, see settings.py)."""
     parser.add_argument("--namespace", "-n", action="append", default=None, help="watch only these namespaces")
     parser.add_argument("--standalone", action="store_true", help="no peering (single replica, development)")
     parser.add_argument("--liveness-port", type=int, default=None, help="0 disables the /healthz endpoint")
     parser.add_argument("--verbose", "-v", action="store_true")
-    args = parser.parse_args(argv)
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    """`anneal operator`."""
     settings = from_env()
     updates: dict[str, Any] = {}
     if args.namespace:
@@ -73,3 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         updates["liveness_port"] = args.liveness_port
     run(settings.model_copy(update=updates), verbose=args.verbose)
     return 0
+
+
+def run_crds(_args: argparse.Namespace | None = None) -> int:
+    """`anneal crds`: the CRD YAML on stdout."""
+    from anneal.operator.crdgen import print_crds
+
+    print_crds()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="anneal operator", description="Run the Anneal Kubernetes operator.")
+    add_operator_args(parser)
+    return run_operator(parser.parse_args(argv))

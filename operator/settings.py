@@ -16,6 +16,7 @@ class OperatorSettings(BaseModel):
     peering_name: str = "anneal"
     standalone: bool = False
     priority: int = 0
+    liveness_host: str = Field("0.0.0.0", min_length=1, description="address of the health endpoint")
     liveness_port: int = Field(8080, ge=0, le=65535, description="0 disables the health endpoint")
     reconcile_interval: float = Field(10.0, gt=0, description="seconds between level-triggered checks")
     log_level: str = "INFO"
@@ -37,6 +38,7 @@ _ENV = {
     "peering_name": "ANNEAL_PEERING_NAME",
     "standalone": "ANNEAL_STANDALONE",
     "priority": "ANNEAL_PRIORITY",
+    "liveness_host": "ANNEAL_LIVENESS_HOST",
     "liveness_port": "ANNEAL_LIVENESS_PORT",
     "reconcile_interval": "ANNEAL_RECONCILE_INTERVAL",
     "log_level": "ANNEAL_LOG_LEVEL",

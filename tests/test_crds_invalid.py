@@ -118,6 +118,8 @@ INVALID: list[tuple[str, str, dict[str, Any]]] = [
     ("cjob-fast-layers-zero", "schema", _set(C(), "spec.tiers.fastLayers", 0)),
     ("cjob-spread", "schema", _set(C(), "spec.tiers.spread", "Always")),
     ("cjob-no-agents", "schema", _set(C(), "spec.agents", [])),
+    ("cjob-unknown-agent", "schema", _set(C(), "spec.agents", ["search"])),
+    ("cjob-llm-writer-without-llm", "cel", _set(_set(C(), "spec.agents", ["llm-writer"]), "spec.llm", _DELETE)),
     ("cjob-llm-no-credentials", "schema", _set(C(), "spec.llm", {"provider": "anthropic"})),
     ("cjob-llm-provider", "schema", _set(C(), "spec.llm.provider", "mistral")),
     ("cjob-greedy-agreement", "schema", _set(C(), "spec.verification.minGreedyAgreement", 1.5)),

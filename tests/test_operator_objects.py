@@ -139,7 +139,7 @@ def test_tier_pods_fast_loads_k_layers_and_they_repel_each_other(spread, key):
 
 
 def test_coordinator_job_runs_anneal_compile_against_both_engines():
-    spec = cjob(budget="30m", retries=3, agents=["search", "llm"],
+    spec = cjob(budget="30m", retries=3, agents=["plan-search", "llm-writer"],
                 llm={"credentials": {"name": "anthropic", "key": "k"}, "provider": "anthropic"})
     job = cobj.coordinator_job("job1", "ml", spec, _target(spec), {"fast": "10.0.0.1", "slow": "10.0.0.2"}, SETTINGS)
     assert job["spec"]["backoffLimit"] == 3
@@ -155,7 +155,8 @@ def test_coordinator_job_runs_anneal_compile_against_both_engines():
     assert env["ANTHROPIC_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "anthropic", "key": "k"}
     assert env["ANNEAL_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "job1-admin"
     opts = json.loads(env["ANNEAL_COMPILE_OPTIONS"]["value"])
-    assert opts["agents"] == ["search", "llm"] and opts["resultConfigMap"] == "job1-result"
+    assert opts["agents"] == ["plan-search", "llm-writer"] and opts["resultConfigMap"] == "job1-result"
+    assert opts["verification"]["tolerances"]["logits_rtol"] == 0.02
     assert c["resources"]["requests"] == {"cpu": "1", "memory": "2Gi"}
     assert "nvidia.com/gpu" not in json.dumps(job)
 

@@ -24,7 +24,9 @@ from anneal.operator.api.base import (
     duration_seconds,
 )
 from anneal.operator.api.inference_deployment import (
+    DEFAULT_AGENTS,
     MODEL_PATTERN,
+    AgentName,
     ModelVolume,
     TrafficPreset,
     VerificationTolerances,
@@ -129,6 +131,10 @@ class CompilationJobSpec(KubeModel):
                     "rule": "!self.autoApply || has(self.target.inferenceDeployment)",
                     "message": "autoApply needs target.inferenceDeployment",
                 },
+                {
+                    "rule": "!('llm-writer' in self.agents) || has(self.llm)",
+                    "message": "the llm-writer agent needs spec.llm (credentials Secret)",
+                },
             ]
         }
     )
@@ -141,8 +147,9 @@ class CompilationJobSpec(KubeModel):
     )
     retries: int = Field(2, ge=0, le=10, description="coordinator retries (with backoff) before the job fails")
     tiers: Tiers = Field(default_factory=Tiers)
-    agents: list[str] = Field(
-        default_factory=lambda: ["search"], min_length=1, max_length=16, description="proposer agents to run"
+    agents: list[AgentName] = Field(
+        default_factory=lambda: list(DEFAULT_AGENTS), min_length=1, max_length=16,
+        description="proposer agents to run (llm-writer needs spec.llm)",
     )
     llm: LLMAgent | None = None
     verification: VerificationTolerances = Field(default_factory=VerificationTolerances)
@@ -157,6 +164,8 @@ class CompilationJobSpec(KubeModel):
             raise ValueError("deadline must be longer than budget")
         if self.auto_apply and self.target.inference_deployment is None:
             raise ValueError("autoApply needs target.inferenceDeployment")
+        if "llm-writer" in self.agents and self.llm is None:
+            raise ValueError("the llm-writer agent needs spec.llm (credentials Secret)")
         return self
 
     def deadline_seconds(self) -> float:

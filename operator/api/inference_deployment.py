@@ -36,7 +36,10 @@ Model = Field(
     "or random:<preset> (random weights with real shapes, for benchmarks)",
 )
 TrafficPreset = Literal["chat", "rag", "agentic", "batch"]
-AgentName = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$")
+# The compiler's proposer agents (anneal.agents.compile.AGENT_NAMES; not imported: the operator
+# image has no compiler). llm-writer needs LLM credentials.
+AgentName = Literal["kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner", "llm-writer"]
+DEFAULT_AGENTS = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner")
 
 
 class ModelVolume(KubeModel):
@@ -90,8 +93,8 @@ class SearchPolicy(KubeModel):
 
     budget: Duration = Field("1h", description="search time of one compilation")
     fast_layers: int = Field(2, ge=1, le=1024, description="layers loaded by the fast-tier engine")
-    agents: list[str] = Field(
-        default_factory=lambda: ["search"], min_length=1, max_length=16, description="proposer agents"
+    agents: list[AgentName] = Field(
+        default_factory=lambda: list(DEFAULT_AGENTS), min_length=1, max_length=16, description="proposer agents"
     )
     llm_credentials: SecretKeyRef | None = Field(None, description="Secret key holding an LLM API key")
 
