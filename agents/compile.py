@@ -161,8 +161,12 @@ def _report(target: str | None, **fields: Any) -> None:
 # ---- the loop --------------------------------------------------------------------------------------
 
 def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
-                 workload_requests: int) -> tuple[SearchSetting, Any]:
-    """The search setting from the engine's space and the traffic shape (lengths scaled to fit)."""
+                 workload_requests: int, quick: bool = False) -> tuple[SearchSetting, Any]:
+    """The search setting from the engine's space and the traffic shape (lengths scaled to fit).
+
+    ``quick`` (the CPU) times fewer steps per candidate: a CPU step of even a tiny model costs
+    tens of milliseconds, and the README's compile must finish in a couple of minutes.
+    """
     if max_len:
         traffic = traffic.scaled(max_len)
     space = CandidateSpace.from_state(state)
@@ -175,7 +179,8 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     output = max(1, round(traffic.output_len.quantile(0.5)))
     context = prompt + output // 2
     decode = BenchSpec(mode="decode", batch_size=typical, context_len=context, prompt_len=prompt,
-                       steps=8, warmup=2, repeats=5, seed=seed)
+                       steps=4 if quick else 8, warmup=1 if quick else 2, repeats=3 if quick else 5,
+                       seed=seed)
     setting = SearchSetting(space=space, base=base, decode_spec=decode, batch_dist=dist, buckets=buckets,
                             context_len=context, prompt_len=prompt, seed=seed,
                             workload_requests=workload_requests)
@@ -214,7 +219,7 @@ def compile_plan(
     out.mkdir(parents=True, exist_ok=True)
     traffic = load_traffic(settings.traffic)
     if max_len is None and settings.device == "cpu":
-        max_len = 256
+        max_len = 128
     local: LocalEngines | None = None
     if clients is None:
         if settings.engines:
@@ -246,9 +251,9 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         _say(progress, f"note: engines serve {fast_state.model} (asked for {settings.model})")
     run_id = uuid.uuid4().hex[:12]
     ledger.set_meta("runs", [*(ledger.get_meta("runs", []) or []), run_id])
-    requests = 8 if settings.device == "cpu" else 64
+    quick = not fast_state.device.startswith("cuda")
     setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len,
-                                    workload_requests=requests)
+                                    workload_requests=4 if quick else 64, quick=quick)
     traffic_json = traffic.model_dump(mode="json", exclude_none=True)
     try:
         cost = CostModel.from_state(fast_state)
@@ -288,7 +293,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     _say(progress, f"promoting {len(cands)} candidates on the slow tier (baseline measured in the same run) ...")
     promo = promote(lab, cands, baseline, wspec, objective=setting.objective,
                     max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification),
-                    deadline=t0 + settings.budget_s * 0.85)
+                    deadline=t0 + settings.budget_s * 0.85, rounds=1 if quick else 2)
 
     tp_choice = None
     winner = promo.winner

@@ -62,7 +62,7 @@ def test_compile_writes_a_verified_plan_report_and_ledger(tmp_path, fakes, monke
     assert all(r.prediction is not None for r in rows
                if r.tier == "fast" and r.measurement and r.spec.mode != "workload")
     baseline_rows = [r for r in rows if r.agent == "baseline" and r.tier == "slow"]
-    assert len(baseline_rows) >= 3  # measured with the candidates, then re-measured interleaved
+    assert len(baseline_rows) >= 2  # measured with the candidates, then re-measured interleaved
     led.close()
     report = (out / "report.md").read_text()
     for needle in ("Gain against the baseline", "tokens_per_s", "Verification", "Cost model",
