@@ -306,9 +306,9 @@ async def stream(ctx: ServingContext, gen: Generation, engine_stream: RequestStr
             )
             first = False
         async for delta in _deltas(ctx, gen, engine_stream):
+            # One event per engine output, even when its text is held back (half a UTF-8
+            # character, a possible stop string): clients can time every token.
             num_tokens += len(delta.token_ids)
-            if not (delta.text or delta.finished or delta.tokens or gen.return_token_ids):
-                continue
             yield _sse(_chunk(gen, delta, created, first))
             first = False
         if gen.include_usage:
