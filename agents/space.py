@@ -62,7 +62,13 @@ class OpSpace:
 
     @property
     def size(self) -> int:
-        return sum(len(self.configs(i)) for i in self.impls)
+        total = 0
+        for params in self.impls.values():
+            n = 1
+            for ch in params.values():
+                n *= max(1, len(ch))
+            total += n
+        return total
 
 
 @dataclass
