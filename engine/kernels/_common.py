@@ -65,3 +65,27 @@ def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+): wait until the previous kernel in the stream has
+    finished and flushed its writes, then let the next kernel start launching. Called first thing
+    in every kernel, so launching with ``launch_pdl=True`` only overlaps launch latency and
+    prologues, never memory accesses (Triton tutorial 11)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_enabled(pdl: bool) -> bool:
+    """PDL only in compiled kernels (the interpreter has no grid-dependency control)."""
+    return bool(pdl) and not interpreting()
+
+
+def launch_opts(pdl: bool) -> dict:
+    """Extra launch keyword arguments: ``launch_pdl`` where PDL is on."""
+    return {"launch_pdl": True} if pdl_enabled(pdl) else {}
+
+
+PDL_PARAM_DOC = "pdl: launch with programmatic dependent launch (sm_90+; overlaps launch gaps under CUDA graphs)"

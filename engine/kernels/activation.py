@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from anneal.engine.kernels._common import KernelInputError, check_contiguous_last, check_device
+from anneal.engine.kernels._common import (
+    KernelInputError, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue,
+)
 from anneal.engine.ops.registry import Param, variant
 
 
@@ -23,7 +25,8 @@ def silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -34,11 +37,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.conste
 
 @variant(
     "silu_and_mul", "triton",
-    params=(Param("block", (256, 512, 1024, 2048, 4096), 1024), Param("num_warps", (1, 2, 4, 8), 4)),
+    params=(Param("block", (256, 512, 1024, 2048, 4096), 1024), Param("num_warps", (1, 2, 4, 8), 4),
+            Param("pdl", (False, True), False)),
     devices=("cuda",),
     description="elementwise over [row, column tile]; reference rounding",
 )
-def build_silu_and_mul(block: int = 1024, num_warps: int = 4):
+def build_silu_and_mul(block: int = 1024, num_warps: int = 4, pdl: bool = False):
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         check_device("silu_and_mul", x)
         if x.dim() != 2 or x.shape[1] % 2:
@@ -48,7 +52,8 @@ def build_silu_and_mul(block: int = 1024, num_warps: int = 4):
         out = torch.empty((T, I), dtype=x.dtype, device=x.device)
         if T > 0 and I > 0:
             grid = (T, triton.cdiv(I, block))
-            _silu_and_mul_kernel[grid](x, out, I, x.stride(0), out.stride(0), BLOCK=block, num_warps=num_warps)
+            _silu_and_mul_kernel[grid](x, out, I, x.stride(0), out.stride(0), BLOCK=block, PDL=pdl_enabled(pdl),
+                                             num_warps=num_warps, **launch_opts(pdl))
         return out
 
     return silu_and_mul

@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from anneal.engine.kernels._common import KernelInputError, check_device, dot_precision, dot_upcast, mma, pow2
+from anneal.engine.kernels._common import (
+    KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
+)
 from anneal.engine.ops.registry import Param, variant
 
 MAX_SPLIT_K = 64
@@ -44,8 +46,9 @@ def _decode_split_kernel(
     H,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -102,8 +105,9 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     lens_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, stride_ob, stride_oh, H,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(lens_ptr + b)
@@ -138,7 +142,7 @@ def auto_split_k(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, d
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, *, split_k: int = 0, block_n: int = 64,
-    num_warps: int = 4, num_stages: int = 2,
+    num_warps: int = 4, num_stages: int = 2, pdl: bool = False,
 ) -> torch.Tensor:
     name = "attention_decode"
     check_device(name, q, k_cache, v_cache, block_tables, context_lens)
@@ -180,12 +184,14 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H,
         G=G, BLOCK_G=pow2(G, 16), D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, BS=BS, SPLIT_K=split_k,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), num_warps=num_warps, num_stages=num_stages,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl), num_warps=num_warps, num_stages=num_stages,
+        **launch_opts(pdl),
     )
     if split_k > 1:
         _decode_merge_kernel[(B, H)](
             context_lens, out, po, pm, pl, out.stride(0), out.stride(1), H,
-            D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT_K=split_k, num_warps=4,
+            D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT_K=split_k, PDL=pdl_enabled(pdl), num_warps=4,
+            **launch_opts(pdl),
         )
     return out
 
@@ -197,18 +203,21 @@ def paged_decode_attention(
         Param("block_n", (16, 32, 64, 128), 64),
         Param("num_warps", (2, 4, 8), 4),
         Param("num_stages", (1, 2, 3, 4), 2),
+        Param("pdl", (False, True), False),
     ),
     devices=("cuda",),
     description="flash-decoding over the paged cache: GQA heads share one K/V read, split-K + merge kernel",
 )
-def build_attention_decode(split_k: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+def build_attention_decode(
+    split_k: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, pdl: bool = False,
+):
     def attention_decode(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
         return paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale,
-            split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
         )
 
     return attention_decode

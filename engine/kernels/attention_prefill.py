@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from anneal.engine.kernels._common import KernelInputError, check_device, dot_precision, dot_upcast, mma, pow2
+from anneal.engine.kernels._common import (
+    KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
+)
 from anneal.engine.ops.registry import Param, variant
 
 
@@ -26,8 +28,9 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     mb = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -79,7 +82,7 @@ def _prefill_kernel(
 
 def paged_prefill_attention(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, *,
-    block_m=64, block_n=64, num_warps=4, num_stages=2,
+    block_m=64, block_n=64, num_warps=4, num_stages=2, pdl=False,
 ):
     name = "attention_prefill"
     check_device(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
@@ -112,7 +115,8 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=H // Hkv, D=D, BLOCK_D=pow2(D, 16), BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), num_warps=num_warps, num_stages=num_stages,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl), num_warps=num_warps, num_stages=num_stages,
+        **launch_opts(pdl),
     )
     return out
 
@@ -124,18 +128,21 @@ def paged_prefill_attention(
         Param("block_n", (16, 32, 64, 128), 64),
         Param("num_warps", (2, 4, 8), 4),
         Param("num_stages", (1, 2, 3, 4), 2),
+        Param("pdl", (False, True), False),
     ),
     devices=("cuda",),
     description="varlen causal flash attention over the paged cache, one program per (query block, seq, head)",
 )
-def build_attention_prefill(block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+def build_attention_prefill(
+    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, pdl: bool = False,
+):
     def attention_prefill(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
         cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int, scale: float,
     ) -> torch.Tensor:
         return paged_prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale,
-            block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
         )
 
     return attention_prefill

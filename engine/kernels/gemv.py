@@ -34,7 +34,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from anneal.engine.kernels._common import KernelInputError, check_device, dot_precision, dot_upcast, mma, pow2
+from anneal.engine.kernels._common import (
+    KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
+)
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.ops.registry import Param, variant
 
@@ -46,8 +48,9 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -100,7 +103,8 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _splitk_sum_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_sum_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     nm = n < N
@@ -111,7 +115,8 @@ def _splitk_sum_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, 
 
 
 @triton.jit
-def _argmax_merge_kernel(val_ptr, idx_ptr, tok_ptr, TILES, BLOCK_T: tl.constexpr):
+def _argmax_merge_kernel(val_ptr, idx_ptr, tok_ptr, TILES, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
     best = tl.full([BLOCK_T], float("-inf"), tl.float32)
@@ -153,6 +158,7 @@ def _check(name, x, weight, k_in):
 def small_m_gemm(
     x: torch.Tensor, weight: torch.Tensor, *, silu_mul_input: bool = False, block_m: int = 16,
     block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T`` (or ``silu_and_mul(x) @ weight.T``) for small M, any M correct."""
     name = "silu_mul_down_proj" if silu_mul_input else "linear"
@@ -176,11 +182,13 @@ def small_m_gemm(
     _gemv_kernel[grid](
         x, weight, out, ws, out, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
-        ARGMAX=False, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), num_warps=num_warps, num_stages=num_stages,
+        ARGMAX=False, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
+        num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if split_k > 1:
         BLOCK = min(1024, pow2(N))
-        _splitk_sum_kernel[(M, triton.cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4)
+        _splitk_sum_kernel[(M, triton.cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK,
+                                                         PDL=pdl_enabled(pdl), num_warps=4, **launch_opts(pdl))
     return out
 
 
@@ -192,15 +200,16 @@ GEMV_PARAMS = (
     Param("num_warps", (2, 4, 8), 4),
     Param("num_stages", (1, 2, 3, 4), 3),
     Param("max_m", (0, 8, 32, 64, 128, 256), 64),  # above this many rows use torch's GEMM; 0 = never
+    Param("pdl", (False, True), False),
 )
 
 
-def _make_linear(block_m, block_n, block_k, split_k, num_warps, num_stages, max_m):
+def _make_linear(block_m=16, block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=3, max_m=64, pdl=False):
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if max_m and x.dim() == 2 and x.shape[0] > max_m:
             return F.linear(x, weight)
         return small_m_gemm(x, weight, block_m=block_m, block_n=block_n, block_k=block_k,
-                            split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+                            split_k=split_k, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
 
     return linear
 
@@ -215,11 +224,11 @@ for _op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"):
 
 def silu_mul_down_proj(
     gate_up: torch.Tensor, weight: torch.Tensor, *, block_n: int = 64, block_k: int = 128,
-    split_k: int = 0, num_warps: int = 4, num_stages: int = 3, block_m: int = 16,
+    split_k: int = 0, num_warps: int = 4, num_stages: int = 3, block_m: int = 16, pdl: bool = False,
 ) -> torch.Tensor:
     """``down_proj(silu_and_mul(gate_up), weight)`` in one GEMV (see the module doc)."""
     return small_m_gemm(gate_up, weight, silu_mul_input=True, block_m=block_m, block_n=block_n,
-                        block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+                        block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
 
 
 # Tunable params of the fused entry points, as data for the search (same meaning as GEMV_PARAMS).
@@ -230,12 +239,13 @@ LM_HEAD_ARGMAX_PARAMS = (
     Param("block_k", (64, 128, 256), 128),
     Param("num_warps", (2, 4, 8), 4),
     Param("num_stages", (1, 2, 3, 4), 3),
+    Param("pdl", (False, True), False),
 )
 
 
 def lm_head_argmax(
     x: torch.Tensor, weight: torch.Tensor, *, block_m: int = 16, block_n: int = 128,
-    block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+    block_k: int = 128, num_warps: int = 4, num_stages: int = 3, pdl: bool = False,
 ) -> torch.Tensor:
     """Greedy tokens ``argmax(x @ weight.T, -1)`` as int64 ``[B]`` without writing the logits."""
     _check("lm_head_argmax", x, weight, x.shape[1] if x.dim() == 2 else -1)
@@ -253,7 +263,9 @@ def lm_head_argmax(
     _gemv_kernel[(tiles, 1, triton.cdiv(M, BLOCK_M))](
         x, weight, vals, vals, vals, idxs, M, N, K, x.stride(0), weight.stride(0), 0, triton.cdiv(K, block_k) * block_k,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False, ARGMAX=True,
-        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), num_warps=num_warps, num_stages=num_stages,
+        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
+        num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
-    _argmax_merge_kernel[(M,)](vals, idxs, tokens, tiles, BLOCK_T=min(1024, pow2(tiles)), num_warps=4)
+    _argmax_merge_kernel[(M,)](vals, idxs, tokens, tiles, BLOCK_T=min(1024, pow2(tiles)),
+                                  PDL=pdl_enabled(pdl), num_warps=4, **launch_opts(pdl))
     return tokens

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from anneal.engine.kernels._common import KernelInputError, check_contiguous_last, check_device, pow2
+from anneal.engine.kernels._common import (
+    KernelInputError, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2,
+)
 from anneal.engine.ops.registry import Param, variant
 
 MAX_HIDDEN = 65536
@@ -23,8 +25,9 @@ MAX_HIDDEN = 65536
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     H, stride_x, stride_r, stride_o, stride_s, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -41,7 +44,7 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, num_warps):
+def _launch(x, residual, weight, eps, num_warps, pdl=False):
     name = "add_rmsnorm" if residual is not None else "rmsnorm"
     check_device(name, x, residual, weight)
     if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
@@ -59,29 +62,31 @@ def _launch(x, residual, weight, eps, num_warps):
         r = residual if residual is not None else x
         _rmsnorm_kernel[(T,)](
             x, r, weight, out, summed, H, x.stride(0), r.stride(0), out.stride(0), summed.stride(0),
-            float(eps), HAS_RESIDUAL=residual is not None, BLOCK_H=pow2(H), num_warps=num_warps,
+            float(eps), HAS_RESIDUAL=residual is not None, BLOCK_H=pow2(H), PDL=pdl_enabled(pdl),
+            num_warps=num_warps, **launch_opts(pdl),
         )
     return out, summed
 
 
 _WARPS = Param("num_warps", (1, 2, 4, 8, 16), 4)
+_PDL = Param("pdl", (False, True), False)
 
 
-@variant("rmsnorm", "triton", params=(_WARPS,), devices=("cuda",),
+@variant("rmsnorm", "triton", params=(_WARPS, _PDL), devices=("cuda",),
          description="one program per row, fp32 statistics, reference rounding")
-def build_rmsnorm(num_warps: int = 4):
+def build_rmsnorm(num_warps: int = 4, pdl: bool = False):
     def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return _launch(x, None, weight, eps, num_warps)[0]
+        return _launch(x, None, weight, eps, num_warps, pdl)[0]
 
     return rmsnorm
 
 
-@variant("add_rmsnorm", "triton", params=(_WARPS,), devices=("cuda",),
+@variant("add_rmsnorm", "triton", params=(_WARPS, _PDL), devices=("cuda",),
          description="residual add and RMSNorm in one pass: reads x and residual once, writes both outputs")
-def build_add_rmsnorm(num_warps: int = 4):
+def build_add_rmsnorm(num_warps: int = 4, pdl: bool = False):
     def add_rmsnorm(
         x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch(x, residual, weight, eps, num_warps)
+        return _launch(x, residual, weight, eps, num_warps, pdl)
 
     return add_rmsnorm

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from anneal.engine.kernels._common import KernelInputError, check_contiguous_last, check_device, pow2
+from anneal.engine.kernels._common import (
+    KernelInputError, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2,
+)
 from anneal.engine.ops.registry import Param, variant
 
 
@@ -52,8 +54,9 @@ def _qk_rope_store_kernel(
     qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q_ptr, qn_ptr, kn_ptr,
     stride_qkv, stride_cs, H, HKV, eps,
     HAS_NORM: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     DT = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
@@ -82,11 +85,11 @@ def _qk_rope_store_kernel(
 
 @variant(
     "qk_rope_store", "triton",
-    params=(Param("num_warps", (1, 2, 4, 8), 4),),
+    params=(Param("num_warps", (1, 2, 4, 8), 4), Param("pdl", (False, True), False)),
     devices=("cuda",),
     description="one program per token: split, per-head q/k norm, rotate-half RoPE, cache store",
 )
-def build_qk_rope_store(num_warps: int = 4):
+def build_qk_rope_store(num_warps: int = 4, pdl: bool = False):
     def qk_rope_store(
         qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -126,7 +129,7 @@ def build_qk_rope_store(num_warps: int = 4):
             q_norm if has_norm else qkv, k_norm if has_norm else qkv,
             qkv.stride(0), cos_sin.stride(0), num_heads, num_kv_heads, float(eps),
             HAS_NORM=has_norm, D=D, BLOCK_H=pow2(num_heads), BLOCK_HKV=pow2(num_kv_heads),
-            BLOCK_HALF=pow2(D // 2), num_warps=num_warps,
+            BLOCK_HALF=pow2(D // 2), PDL=pdl_enabled(pdl), num_warps=num_warps, **launch_opts(pdl),
         )
         return q
 

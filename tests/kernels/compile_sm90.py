@@ -48,6 +48,16 @@ def specs():
     del bf
 
 
+def all_specs():
+    """Every spec with PDL off, and the first spec of each kernel with PDL on too."""
+    seen = set()
+    for kernel, ptr_types, constexprs, warps in specs():
+        yield kernel, ptr_types, dict(constexprs, PDL=False), warps
+        if kernel not in seen:
+            seen.add(kernel)
+            yield kernel, ptr_types, dict(constexprs, PDL=True), warps
+
+
 def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2):
     sig = {}
     for name in kernel.arg_names:
@@ -68,7 +78,7 @@ def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2):
 
 def main() -> int:
     failed = 0
-    for kernel, ptr_types, constexprs, warps in specs():
+    for kernel, ptr_types, constexprs, warps in all_specs():
         t0 = time.perf_counter()
         try:
             compiled = compile_one(kernel, ptr_types, constexprs, warps)

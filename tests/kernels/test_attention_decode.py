@@ -31,6 +31,7 @@ PARAMS_GPU = [
     {"split_k": 8, "block_n": 32},
     {"split_k": 0, "block_n": 64, "num_warps": 4, "num_stages": 2},
     {"split_k": 64, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    {"split_k": 4, "pdl": True},
 ]
 
 

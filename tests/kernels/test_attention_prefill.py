@@ -20,7 +20,8 @@ CASES_GPU = [
     ([(300, 300), (17, 1500)], 28, 4, 96, 16),
 ]
 PARAMS_CPU = [{"block_m": 16, "block_n": 16}, {"block_m": 32, "block_n": 16}]
-PARAMS_GPU = [{}, {"block_m": 128, "block_n": 64, "num_warps": 8}, {"block_m": 16, "block_n": 128, "num_stages": 3}]
+PARAMS_GPU = [{}, {"block_m": 128, "block_n": 64, "num_warps": 8}, {"block_m": 16, "block_n": 128, "num_stages": 3},
+              {"pdl": True}]
 
 
 @pytest.mark.parametrize("device", DEVICES)

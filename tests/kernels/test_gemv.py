@@ -23,6 +23,7 @@ PARAMS_GPU = [
     {"split_k": 8, "block_n": 32, "block_k": 256, "max_m": 0, "num_warps": 8},
     {"split_k": 1, "block_n": 128, "block_k": 64, "block_m": 64, "max_m": 0, "num_stages": 4},
     {"max_m": 32},
+    {"split_k": 4, "max_m": 0, "pdl": True},
 ]
 
 

@@ -17,7 +17,7 @@ def _shapes(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm(device, dtype):
-    fn = build_op("rmsnorm", "triton", {"num_warps": 2})
+    fn = build_op("rmsnorm", "triton", {"num_warps": 2, "pdl": device == "cuda"})
     for i, (T, H) in enumerate(_shapes(device)):
         g = gen(i, device)
         x = randn(T, H, dtype=dtype, device=device, g=g, scale=3.0)
@@ -56,7 +56,7 @@ def test_rmsnorm_strided_rows(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(device, dtype):
-    fn = build_op("silu_and_mul", "triton", {"block": 256})
+    fn = build_op("silu_and_mul", "triton", {"block": 256, "pdl": device == "cuda"})
     shapes = [(1, 2 * 300), (6, 2 * 77)] if device == "cpu" else [(1, 2 * 8192), (37, 2 * 14336)]
     for i, (T, I2) in enumerate(shapes):
         x = randn(T, I2, dtype=dtype, device=device, g=gen(200 + i, device), scale=3.0)

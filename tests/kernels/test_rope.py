@@ -31,7 +31,7 @@ CASES_GPU = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qk_rope_store(device, dtype):
-    fn = build_op("qk_rope_store", "triton", {"num_warps": 2})
+    fn = build_op("qk_rope_store", "triton", {"num_warps": 2, "pdl": device == "cuda"})
     cases = CASES_CPU if device == "cpu" else CASES_GPU
     for i, (T, H, Hkv, D, NB, BS, qk_norm) in enumerate(cases):
         g = gen(400 + i, device)
