@@ -7,6 +7,7 @@ admin APIs answer, and stop them (and only them) at the end, even when the compi
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -72,6 +73,9 @@ class LocalEngines:
                                     start_new_session=True)
             fh.close()
             self.engines[tier] = LocalEngine(tier, proc, f"http://127.0.0.1:{admin}", log)
+        (self.out / "engines.json").write_text(json.dumps(
+            {t: {"pid": e.proc.pid, "admin_url": e.admin_url, "log": str(e.log)} for t, e in self.engines.items()},
+            indent=2))
         clients = {}
         try:
             for tier, eng in self.engines.items():

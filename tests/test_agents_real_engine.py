@@ -1,0 +1,140 @@
+"""The compiler against real `anneal serve` processes (CPU, random:tiny): admin client, planted
+faulty kernels rejected with their reason, the LLM writer's kernels through the real checks, and
+`anneal compile` end to end as the README runs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fake_anthropic import FakeAnthropic
+from fakes.kernels import FAULTY, SILU_MUL_BROKEN, SILU_MUL_OK
+from anneal.engine.plan import CompiledPlan, KernelSource, OpChoice, Plan
+from anneal.agents.lab import Lab
+from anneal.agents.ledger import Ledger
+from anneal.agents.local_engines import LocalEngines
+from anneal.agents.types import BenchSpec, Candidate
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("anneal.engine.admin") is None, reason="the engine's admin API is not built yet"
+)
+
+# The check each planted fault must trip (any one of them names the fault's failure mode).
+EXPECTED = {
+    "stale_kv_block": ("kv_contamination", "prefix_cache", "check"),
+    "wrong_at_batch": ("batch_invariance", "quality", "check"),
+    "nan_past_context": ("nan", "quality", "check"),
+    "side_stream": ("quality", "nan", "check", "determinism"),
+    "nondeterministic": ("determinism", "check"),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    out = tmp_path_factory.mktemp("engines")
+    local = LocalEngines("random:tiny", out, fast_layers=1, device="cpu")
+    clients = local.start(timeout_s=300)
+    yield clients
+    for c in clients.values():
+        c.close()
+    local.stop()
+
+
+def test_admin_client_against_a_real_engine(engines):
+    fast, slow = engines["fast"], engines["slow"]
+    st = fast.state()
+    assert st.model == "random:tiny" and st.num_layers_loaded == 1
+    assert slow.state().num_layers_loaded == slow.state().num_layers_total
+    assert "reference" in st.variants["attention_decode"]
+    m = fast.benchmark(None, BenchSpec(batch_size=2, context_len=32, steps=2, warmup=1, repeats=3))
+    assert m.median_ms > 0 and m.p10_ms <= m.median_ms <= m.p90_ms
+    rep = slow.verify(Plan(), num_prompts=2, steps=4)
+    assert rep.passed, rep.reason()
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTY))
+def test_planted_faulty_kernel_is_rejected_with_its_reason(fault, engines, tmp_path):
+    slow = engines["slow"]
+    before = slow.state()
+    op, source = FAULTY[fault]
+    impl = f"planted_{fault}"
+    led = Ledger(tmp_path / "ledger.sqlite")
+    lab = Lab(ledger=led, engines=engines)
+    res, kexp = lab.register_kernel("test", op, impl, source, {}, tier="slow")
+    if res.ok:
+        plan = Plan().with_ops(**{op: OpChoice(impl=impl)})
+        plan = plan.model_copy(update={"kernels": [KernelSource(op=op, impl=impl, source=source)]})
+        rep, vexp = lab.verify(Candidate(plan=plan, agent="test", note=fault), "slow")
+        assert not rep.passed
+        row = vexp
+    else:
+        row = kexp
+    # The rejection and its reason are in the ledger, naming the check that caught it.
+    stored = [r for r in led.experiments() if r.id == row.id][0]
+    assert stored.verdict.status == "rejected"
+    assert any(word in stored.verdict.reason.lower() for word in EXPECTED[fault]), stored.verdict.reason
+    led.close()
+    # The engine keeps serving its previous plan.
+    after = slow.state()
+    assert after.plan_hash == before.plan_hash
+    m = slow.benchmark(None, BenchSpec(batch_size=1, context_len=16, steps=1, warmup=0, repeats=1))
+    assert m.median_ms > 0
+
+
+def test_llm_writer_kernels_pass_the_real_checks(engines, tmp_path):
+    from anneal.engine.traffic import load_traffic
+    from anneal.agents.board import Board
+    from anneal.agents.compile import make_setting
+    from anneal.agents.llm_writer import LLMKernelWriter
+
+    fake = FakeAnthropic([f"```python\n{SILU_MUL_BROKEN}```", f"```python\n{SILU_MUL_OK}```"])
+    try:
+        fast = engines["fast"]
+        setting, _ = make_setting(fast.state(), load_traffic("chat"), seed=0, max_len=64,
+                                  workload_requests=2, quick=True)
+        led = Ledger(tmp_path / "l.sqlite")
+        board = Board()
+        LLMKernelWriter("sk-test", base_url=fake.url, ops=["silu_and_mul"], attempts_per_op=2).run(
+            Lab(ledger=led, engines=engines), setting, board)
+        kern = led.experiments(kind="kernel")
+        assert [r.verdict.status for r in kern] == ["rejected", "registered"], [r.verdict for r in kern]
+        assert "REJECTED" in fake.requests[1]["messages"][0]["content"]
+        bench = led.experiments(kind="benchmark")
+        assert bench and bench[0].verdict.status == "measured"
+        led.close()
+    finally:
+        fake.close()
+
+
+def test_anneal_compile_on_tiny_cpu_as_the_readme_runs_it(tmp_path):
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("ANTHROPIC_API_KEY", "ANNEAL_ADMIN_TOKEN")}
+    t0 = time.time()
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys; from anneal.cli import main; sys.exit(main())", "compile",
+         "--model", "random:tiny", "--traffic", "chat", "--budget", "90", "--out", str(out), "--device", "cpu"],
+        env=env, capture_output=True, text=True, timeout=400,
+    )
+    wall = time.time() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert wall < 240, f"took {wall:.0f}s for a 90 s budget"
+    cp = CompiledPlan.model_validate_json((out / "plan.json").read_text())
+    assert cp.verification["passed"] is True
+    assert any(g.metric == "tokens_per_s" for g in cp.gains)
+    assert (out / "report.md").exists() and (out / "search_progress.png").exists()
+    led = Ledger(out / "ledger.sqlite")
+    assert len(led) >= 5
+    led.close()
+    # Both engines it started are gone.
+    started = json.loads((out / "engines.json").read_text())
+    assert set(started) == {"fast", "slow"}
+    for info in started.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(info["pid"], 0)
