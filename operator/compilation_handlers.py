@@ -20,7 +20,8 @@ from anneal.operator.api import compilation_job as api
 from anneal.operator.api import inference_deployment as idep_api
 from anneal.operator.api.base import now_iso
 from anneal.operator.compilation_status import (
-    APPLY_RESULT, PROVISION, RELEASE_ENGINES, RESTART_ENGINES, START_COORDINATOR, JobObserved, decide, validate_result,
+    APPLY_RESULT, PROVISION, RELEASE_ENGINES, RESTART_ENGINES, START_COORDINATOR, STOP_COORDINATOR, JobObserved, decide,
+    validate_result,
 )
 from anneal.operator.context import Context
 from anneal.operator.deployment_handlers import announce
@@ -222,6 +223,8 @@ def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, logger: Any) -> 
             release_engines(ctx, name, ns)
         elif action == RELEASE_ENGINES:
             release_engines(ctx, name, ns)
+        elif action == STOP_COORDINATOR:
+            kube.patch_merge("batch/v1", "Job", naming.coordinator(name), ns, {"spec": {"suspend": True}})
         elif action == APPLY_RESULT and not previous.get("resultPlanHash"):
             compiled, _ = validate_result(obs.result)
             assert compiled is not None  # decide() only asks for this with a valid result

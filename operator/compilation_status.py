@@ -20,6 +20,7 @@ START_COORDINATOR = "start-coordinator"
 RESTART_ENGINES = "restart-engines"  # delete engine pods and the coordinator Job; back to Provisioning
 RELEASE_ENGINES = "release-engines"  # terminal: delete engine pods, free the GPUs
 APPLY_RESULT = "apply-result"
+STOP_COORDINATOR = "stop-coordinator"  # suspend a still-running coordinator Job (kept for its logs)
 
 
 @dataclass
@@ -104,13 +105,14 @@ def decide(obs: JobObserved) -> Decision:
             restarts=kw.pop("restarts", obs.restarts), **kw,
         )
 
+    stop = [STOP_COORDINATOR] if _job_running(obs.job) else []
     if obs.phase in api.TERMINAL_PHASES:
         engines_left = any(obs.pods.get(t) is not None for t in TIERS)
-        return out(obs.phase, "Finished", "", [RELEASE_ENGINES] if engines_left else [])
+        return out(obs.phase, "Finished", "", ([RELEASE_ENGINES] if engines_left else []) + stop)
 
     elapsed = (obs.now - obs.created_at).total_seconds()
     if elapsed > obs.deadline_s:
-        return out("Failed", "DeadlineExceeded", f"not finished within {int(obs.deadline_s)}s", [RELEASE_ENGINES])
+        return out("Failed", "DeadlineExceeded", f"not finished within {int(obs.deadline_s)}s", [RELEASE_ENGINES, *stop])
 
     if obs.target_problem:
         return out("Pending", obs.target_problem[0], obs.target_problem[1])
@@ -118,19 +120,22 @@ def decide(obs: JobObserved) -> Decision:
     # Engines: a dead one is recreated (with the coordinator, whose addresses are now stale).
     problems = {t: pod_health.problem(obs.pods[t]) for t in TIERS if obs.pods.get(t) is not None}
     dead = {t: p for t, p in problems.items() if p and (p.fatal or p.reason == "EngineCrashing")}
-    if obs.job is not None:  # a vanished engine mid-search leaves the coordinator with a stale address
+    if obs.job is not None and obs.phase in ("Searching", "Verifying"):
+        # a vanished engine mid-search leaves the coordinator with a stale address
         for t in TIERS:
             if obs.pods.get(t) is None:
                 dead.setdefault(t, pod_health.Problem("EngineMissing", f"{t} engine pod disappeared", True))
     if dead:
         tier, p = next(iter(dead.items()))
         if obs.restarts >= obs.retries:
-            return out("Failed", "EngineFailed", f"{tier} engine: {p.message}", [RELEASE_ENGINES])
+            return out("Failed", "EngineFailed", f"{tier} engine: {p.message}", [RELEASE_ENGINES, *stop])
         return out(
             "Provisioning", "RestartingEngines", f"{tier} engine failed ({p.message}); retry {obs.restarts + 1}/{obs.retries}",
             [RESTART_ENGINES], restarts=obs.restarts + 1,
         )
 
+    if obs.job is not None and (obs.job.get("metadata") or {}).get("deletionTimestamp"):
+        return out("Provisioning", "WaitingForOldCoordinator", "the previous coordinator Job is being deleted", [PROVISION])
     if obs.job is None:
         if not engines_ready:
             waiting = ", ".join(f"{t}: {_pod_state(obs.pods.get(t))}" for t in TIERS)
@@ -141,6 +146,9 @@ def decide(obs: JobObserved) -> Decision:
 
     if _job_condition(obs.job, "Failed"):
         return out("Failed", "CoordinatorFailed", _coordinator_failure(obs), [RELEASE_ENGINES])
+    if not engines_ready and not _job_condition(obs.job, "Complete"):
+        waiting = ", ".join(f"{t}: {_pod_state(obs.pods.get(t))}" for t in TIERS)
+        return out("Provisioning", "WaitingForEngines", waiting, [PROVISION])
     if _job_condition(obs.job, "Complete"):
         compiled, why = validate_result(obs.result)
         if compiled is None:
@@ -158,6 +166,14 @@ def decide(obs: JobObserved) -> Decision:
     reported = obs.progress.get("phase")
     phase = "Verifying" if reported in ("Verifying", "Done") else "Searching"
     return out(phase, "CoordinatorRunning", str(obs.progress.get("message") or ""), [PROVISION])
+
+
+def _job_running(job: dict[str, Any] | None) -> bool:
+    if job is None or (job.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    if (job.get("spec") or {}).get("suspend"):
+        return False
+    return not _job_condition(job, "Complete") and not _job_condition(job, "Failed")
 
 
 def _pod_state(pod: dict[str, Any] | None) -> str:

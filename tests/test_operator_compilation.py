@@ -116,9 +116,13 @@ def test_an_engine_vanishing_mid_search_restarts_the_engines():
     assert d.actions == [cs.RESTART_ENGINES] and "disappeared" in d.message
 
 
-def test_deadline_fails_and_releases():
+def test_deadline_fails_releases_and_stops_the_coordinator():
     d = cs.decide(obs(phase="Searching", now=T0 + timedelta(hours=2), pods={"fast": engine(), "slow": engine()}, job=job()))
-    assert d.phase == "Failed" and d.reason == "DeadlineExceeded" and d.actions == [cs.RELEASE_ENGINES]
+    assert d.phase == "Failed" and d.reason == "DeadlineExceeded"
+    assert d.actions == [cs.RELEASE_ENGINES, cs.STOP_COORDINATOR]
+    suspended = job()
+    suspended["spec"] = {"suspend": True}
+    assert cs.decide(obs(phase="Failed", pods={}, job=suspended)).actions == []
 
 
 def test_terminal_jobs_only_release_leftover_engines():
@@ -144,3 +148,19 @@ def test_progress_patch_writes_only_given_fields():
         progress.progress_patch(phase="Succeeded")
     with pytest.raises(ValueError):
         progress.progress_patch(experiments=-1)
+
+
+def test_a_coordinator_waiting_for_engines_is_still_provisioning():
+    d = cs.decide(obs(phase="Provisioning", pods={"fast": engine(), "slow": engine(ready=False, phase="Pending")}, job=job(),
+                      progress={"phase": "Searching"}))
+    assert d.phase == "Provisioning" and d.reason == "WaitingForEngines"
+
+
+def test_restart_is_counted_once_while_the_old_coordinator_goes_away():
+    going = job()
+    going["metadata"]["deletionTimestamp"] = "2026-11-29T12:05:00Z"
+    d = cs.decide(obs(phase="Provisioning", pods={"fast": None, "slow": None}, job=going, restarts=1))
+    assert d.phase == "Provisioning" and d.restarts == 1 and cs.START_COORDINATOR not in d.actions
+    # a coordinator created before the engines (e.g. by hand) waits for them; engines are created
+    d = cs.decide(obs(phase="Pending", pods={"fast": None, "slow": None}, job=job()))
+    assert d.phase == "Provisioning" and d.actions == [cs.PROVISION] and d.restarts == 0

@@ -1,0 +1,342 @@
+"""The operator on a real control plane, installed by helm: InferenceDeployment children and
+status, conditions for resources that cannot work, a CompilationJob through its phases with two
+engine pods on two (kwok GPU) nodes, a failed job that leaves the deployment alone, an operator
+restart mid-job that neither duplicates nor loses children, and cleanup on deletion.
+
+The coordinator of the successful job is a stand-in Job created under the coordinator's name
+before the operator gets to it (the operator then finds it and does not create its own): it runs
+as the coordinator's ServiceAccount, waits for its engines, reports progress and publishes a
+CompiledPlan with `anneal.operator.progress` — the same calls `anneal compile --report-to` makes —
+so the namespaced Role is exercised for real. (Engines on kwok nodes do not really run.)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from anneal.engine.plan import Plan
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parent.parent
+OPERATOR_NS = "anneal-system"
+OPERATOR_SELECTOR = "app.kubernetes.io/name=anneal-operator"
+
+
+def wait_for(fn, timeout: float = 90, what: str = "condition", every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
+
+
+def get(cluster, kind, name, ns):
+    out = cluster.kubectl("get", kind, name, "-n", ns, "-o", "json")
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def listing(cluster, kind, ns, selector):
+    out = cluster.kubectl("get", kind, "-n", ns, "-l", selector, "-o", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["items"]
+
+
+def apply(cluster, ns, *objs):
+    text = "\n---\n".join(yaml.safe_dump(o) for o in objs)
+    out = cluster.kubectl("apply", "-n", ns, "-f", "-", input=text)
+    assert out.returncode == 0, out.stderr
+
+
+def status(cluster, kind, name, ns):
+    obj = get(cluster, kind, name, ns)
+    return (obj or {}).get("status") or {}
+
+
+def condition(st, type_):
+    return next((c for c in st.get("conditions") or [] if c["type"] == type_), {})
+
+
+def events(cluster, ns, name):
+    out = cluster.kubectl("get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}", "-o", "json")
+    return [(e.get("type"), e.get("reason")) for e in json.loads(out.stdout)["items"]] if out.returncode == 0 else []
+
+
+def namespace(cluster, ns):
+    cluster.kubectl("create", "namespace", ns)
+    return ns
+
+
+def operator_pods(cluster):
+    return [p for p in listing(cluster, "pods", OPERATOR_NS, OPERATOR_SELECTOR) if not p["metadata"].get("deletionTimestamp")]
+
+
+@pytest.fixture(scope="module")
+def anneal(cluster):
+    """The chart installed by helm; the operator runs on the local runner node."""
+    out = cluster.helm(
+        "upgrade", "--install", "anneal", str(REPO / "charts" / "anneal"), "-n", OPERATOR_NS, "--create-namespace",
+        "--set-string", "operator.nodeSelector.anneal\\.dev/local-exec=true",
+        "--set", "operator.reconcileInterval=2", "--set", "operator.logLevel=DEBUG",
+        "--wait", "--timeout", "180s",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    wait_for(lambda: any(p["status"].get("phase") == "Running" for p in operator_pods(cluster)), 120, "operator pod")
+    yield cluster
+    pods = operator_pods(cluster)
+    if pods:
+        print(cluster.pod_log(OPERATOR_NS, pods[0]["metadata"]["name"])[-20000:])
+
+
+def idep(name, **spec):
+    return {"apiVersion": "anneal.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
+            "spec": {"model": "random:llama-3.2-1b", "replicas": 2, "gpus": 1, "compilation": {"mode": "off"}, **spec}}
+
+
+def cjob(name, target, **spec):
+    return {"apiVersion": "anneal.dev/v1alpha1", "kind": "CompilationJob", "metadata": {"name": name},
+            "spec": {"target": {"inferenceDeployment": target}, "budget": "30s", "retries": 0,
+                     "tiers": {"spread": "Required"}, **spec}}
+
+
+def plan_cm(name, plan: Plan | str):
+    text = plan if isinstance(plan, str) else plan.model_dump_json()
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"plan.json": text}}
+
+
+# --- InferenceDeployment ------------------------------------------------------------------------
+
+def test_inference_deployment_children_status_plan_changes_and_cleanup(anneal):
+    c, ns = anneal, namespace(anneal, "anneal-idep")
+    p1 = Plan.model_validate({"scheduler": {"max_num_seqs": 16}})
+    apply(c, ns, plan_cm("base-plan", p1), idep("llama", plan={"configMapRef": {"name": "base-plan"}}))
+
+    st = wait_for(lambda: (s := status(c, "infdep", "llama", ns)).get("phase") == "Ready" and s, 120, "llama Ready")
+    assert st["planHash"] == st["servingPlanHash"] == p1.hash and st["readyReplicas"] == 2
+    assert condition(st, "Ready")["status"] == "True"
+    owner = get(c, "infdep", "llama", ns)["metadata"]["uid"]
+    dep = get(c, "deployment", "llama", ns)
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == owner
+    tpl = dep["spec"]["template"]
+    assert tpl["metadata"]["annotations"]["anneal.dev/plan-hash"] == p1.hash
+    assert tpl["spec"]["containers"][0]["args"][:2] == ["serve", "--model"]
+    svc = get(c, "service", "llama", ns)
+    assert [p["port"] for p in svc["spec"]["ports"]] == [8000]
+    cm = get(c, "configmap", "llama-plan", ns)
+    assert Plan.model_validate_json(cm["data"]["plan.json"]).hash == p1.hash
+    assert get(c, "secret", "llama-admin", ns)["data"]["token"]
+    assert ("Normal", "Ready") in events(c, ns, "llama")
+
+    # a new plan in the user's ConfigMap is picked up by the level-triggered reconcile
+    p2 = Plan.model_validate({"scheduler": {"max_num_seqs": 8}})
+    apply(c, ns, plan_cm("base-plan", p2))
+    wait_for(lambda: status(c, "infdep", "llama", ns).get("servingPlanHash") == p2.hash, 90, "plan p2 rolled out")
+    assert get(c, "deployment", "llama", ns)["spec"]["template"]["metadata"]["annotations"]["anneal.dev/plan-hash"] == p2.hash
+
+    # a broken plan is reported; the configured plan keeps serving
+    apply(c, ns, plan_cm("base-plan", '{"ops": {"no_such_op": {}}}'))
+    st = wait_for(lambda: (s := status(c, "infdep", "llama", ns)) and condition(s, "PlanResolved").get("status") == "False" and s,
+                  60, "PlanResolved=False")
+    assert condition(st, "PlanResolved")["reason"] == "InvalidPlan" and st["planHash"] == p2.hash
+    assert st["phase"] == "Degraded"
+
+    # deletion: owner references take every child with it
+    assert c.kubectl("delete", "infdep", "llama", "-n", ns).returncode == 0
+    for kind, name in (("deployment", "llama"), ("service", "llama"), ("configmap", "llama-plan"), ("secret", "llama-admin")):
+        wait_for(lambda: get(c, kind, name, ns) is None, 60, f"{kind}/{name} garbage-collected")
+
+
+def test_resources_that_cannot_work_get_conditions_not_crash_loops(anneal):
+    c, ns = anneal, namespace(anneal, "anneal-broken")
+    restarts_before = sum(cs.get("restartCount", 0) for p in operator_pods(c) for cs in p["status"].get("containerStatuses", []))
+    apply(c, ns,
+          idep("huge", gpus=16),
+          idep("novolume", model="/models/llama", modelVolume={"claimName": "weights"}),
+          idep("target", replicas=1),
+          cjob("nosecret", "target", agents=["llm-writer"], llm={"credentials": {"name": "anthropic"}}),
+          cjob("notarget", "missing"))
+    st = wait_for(lambda: (s := status(c, "infdep", "huge", ns)) and condition(s, "Schedulable").get("status") == "False" and s,
+                  60, "huge Schedulable=False")
+    assert condition(st, "Schedulable")["reason"] == "InsufficientGPUs" and "offers 8" in condition(st, "Schedulable")["message"]
+    assert st["phase"] == "Failed"
+    st = wait_for(lambda: (s := status(c, "infdep", "novolume", ns)) and condition(s, "ResourcesReady").get("status") == "False" and s,
+                  60, "novolume ResourcesReady=False")
+    assert condition(st, "ResourcesReady")["reason"] == "ModelVolumeNotFound"
+    assert get(c, "deployment", "novolume", ns) is None  # nothing created that cannot start
+    for name, reason in (("nosecret", "SecretNotFound"), ("notarget", "TargetNotFound")):
+        st = wait_for(lambda: (s := status(c, "cjob", name, ns)) and condition(s, "TargetResolved").get("status") == "False" and s,
+                      60, f"{name} TargetResolved=False")
+        assert st["phase"] == "Pending" and condition(st, "TargetResolved")["reason"] == reason
+        assert ("Warning", reason) in events(c, ns, name)
+        assert not listing(c, "pods", ns, f"anneal.dev/compilation-job={name}")
+    restarts_after = sum(cs.get("restartCount", 0) for p in operator_pods(c) for cs in p["status"].get("containerStatuses", []))
+    assert restarts_after == restarts_before
+
+
+# --- CompilationJob -----------------------------------------------------------------------------
+
+STAND_IN = r'''
+import os, time
+from kubernetes import client
+from anneal.engine.plan import CompiledPlan, Gain, Plan
+from anneal.operator import progress
+from anneal.operator.kube import load_config
+ns, name = progress.parse_report_to(os.environ["REPORT_TO"])
+api = load_config(); core = client.CoreV1Api(api)
+def ready(t):
+    p = core.read_namespaced_pod(f"{name}-{t}", ns)
+    return p.status.phase == "Running" and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+deadline = time.time() + 120
+while True:
+    try:
+        if ready("fast") and ready("slow"):
+            break
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+    if time.time() > deadline:
+        raise SystemExit("engines never became ready")
+    time.sleep(0.5)
+try:
+    core.read_namespaced_secret(f"{name}-admin", ns)
+    raise SystemExit("the coordinator's Role lets it read Secrets")
+except client.ApiException as e:
+    assert e.status == 403, e.status
+forever = os.environ.get("FOREVER") == "1"
+progress.report(ns, name, phase="Searching", experiments=0, strict=True)
+while forever:
+    time.sleep(1)
+time.sleep(3)
+progress.report(ns, name, phase="Searching", experiments=5, best_speedup=1.25, strict=True)
+time.sleep(3)
+progress.report(ns, name, phase="Verifying", experiments=6, best_speedup=1.3, message="verifying on the slow tier", strict=True)
+time.sleep(3)
+compiled = CompiledPlan(plan=Plan.model_validate({"scheduler": {"max_num_seqs": 24}}), model="random:llama-3.2-1b",
+                        hardware="kwok", gains=[Gain(metric="tokens_per_s", baseline=100.0, candidate=130.0)],
+                        verification={"passed": True})
+progress.publish_result(ns, name, compiled)
+progress.report(ns, name, phase="Done", experiments=6, best_speedup=1.3, strict=True)
+'''
+
+
+def stand_in_coordinator(job: str, ns: str, forever: bool = False) -> dict:
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": f"{job}-coordinator", "labels": {"anneal.dev/compilation-job": job}},
+        "spec": {"backoffLimit": 0, "template": {"spec": {
+            "serviceAccountName": f"{job}-coordinator", "restartPolicy": "Never",
+            "containers": [{"name": "coordinator", "image": "unused", "command": ["python", "-c", STAND_IN],
+                            "env": [{"name": "REPORT_TO", "value": f"{ns}/{job}"},
+                                    {"name": "FOREVER", "value": "1" if forever else "0"}]}],
+        }}},
+    }
+
+
+def _engine_pods(c, ns, job):
+    return [p for p in listing(c, "pods", ns, f"anneal.dev/compilation-job={job},app.kubernetes.io/component=engine")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_compilation_job_phases_engines_on_two_nodes_and_auto_apply(anneal):
+    c, ns = anneal, namespace(anneal, "anneal-cjob")
+    apply(c, ns, idep("llama", replicas=1))
+    before = wait_for(lambda: (s := status(c, "infdep", "llama", ns)).get("phase") == "Ready" and s, 120, "llama Ready")
+    apply(c, ns, cjob("c1", "llama", autoApply=True))
+    apply(c, ns, stand_in_coordinator("c1", ns))
+
+    phases, nodes = [], set()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        st = status(c, "cjob", "c1", ns)
+        if st.get("phase") and (not phases or phases[-1] != st["phase"]):
+            phases.append(st["phase"])
+        for pod in _engine_pods(c, ns, "c1"):
+            if pod["spec"].get("nodeName"):
+                nodes.add(pod["spec"]["nodeName"])
+        if st.get("phase") in ("Succeeded", "Failed"):
+            break
+        time.sleep(0.2)
+    assert phases[-1] == "Succeeded", (phases, st, c.pod_log(ns, listing(c, "pods", ns, "job-name=c1-coordinator")[0]["metadata"]["name"]))
+    order = ["Pending", "Provisioning", "Searching", "Verifying", "Succeeded"]
+    assert [order.index(p) for p in phases] == sorted(order.index(p) for p in phases), phases
+    assert {"Provisioning", "Searching", "Verifying", "Succeeded"} <= set(phases), phases
+    assert len(nodes) == 2 and all(n.startswith("kwok-gpu-") for n in nodes), nodes
+
+    st = status(c, "cjob", "c1", ns)
+    expected = Plan.model_validate({"scheduler": {"max_num_seqs": 24}}).hash
+    assert st["resultPlanHash"] == expected and st["experiments"] == 6 and st["bestSpeedup"] == pytest.approx(1.3)
+    assert st["appliedTo"] == "llama" and st["resultConfigMap"] == "c1-result"
+    assert condition(st, "Ready")["status"] == "True"
+    wait_for(lambda: not _engine_pods(c, ns, "c1"), 60, "engine pods released after success")
+    # autoApply: the deployment takes the plan (its own ConfigMap, so it outlives the job)
+    after = wait_for(lambda: (s := status(c, "infdep", "llama", ns)).get("servingPlanHash") == expected and s, 90, "plan applied")
+    assert after["planSource"] == "CompilationJob/c1" and before["planHash"] != expected
+    assert get(c, "configmap", "llama-compiled", ns)["metadata"]["ownerReferences"][0]["kind"] == "InferenceDeployment"
+    kinds = [r for _, r in events(c, ns, "c1")]
+    assert "Succeeded" in kinds
+
+
+def test_failed_job_never_touches_the_live_deployment(anneal):
+    c, ns = anneal, namespace(anneal, "anneal-cjob-fail")
+    apply(c, ns, idep("llama", replicas=1))
+    before = wait_for(lambda: (s := status(c, "infdep", "llama", ns)).get("phase") == "Ready" and s, 120, "llama Ready")
+    # The real coordinator (`anneal compile`) runs on the runner node against kwok engines nothing
+    # listens on: it fails, or the deadline ends the job.
+    apply(c, ns, cjob("c2", "llama", autoApply=True, budget="10s", deadline="60s"))
+    st = wait_for(lambda: (s := status(c, "cjob", "c2", ns)).get("phase") in ("Succeeded", "Failed") and s, 150, "c2 finished")
+    assert st["phase"] == "Failed", st
+    assert condition(st, "Ready")["status"] == "False"
+    assert "resultPlanHash" not in st and "appliedTo" not in st
+    wait_for(lambda: not _engine_pods(c, ns, "c2"), 60, "engine pods released after failure")
+    now = status(c, "infdep", "llama", ns)
+    assert now["planHash"] == before["planHash"] and get(c, "configmap", "llama-compiled", ns) is None
+    assert ("Warning", "Failed") in events(c, ns, "c2")
+
+
+def _uids(c, ns, job):
+    out = {}
+    for kind, name in (("pod", f"{job}-fast"), ("pod", f"{job}-slow"), ("job", f"{job}-coordinator"),
+                       ("serviceaccount", f"{job}-coordinator"), ("role", f"{job}-coordinator"),
+                       ("rolebinding", f"{job}-coordinator"), ("secret", f"{job}-admin"), ("configmap", f"{job}-result")):
+        obj = get(c, kind, name, ns)
+        out[f"{kind}/{name}"] = obj["metadata"]["uid"] if obj else None
+    return out
+
+
+def test_operator_restart_mid_job_keeps_children_then_delete_cleans_up(anneal):
+    c, ns = anneal, namespace(anneal, "anneal-cjob-restart")
+    apply(c, ns, idep("llama", replicas=1))
+    wait_for(lambda: status(c, "infdep", "llama", ns).get("phase") == "Ready", 120, "llama Ready")
+    apply(c, ns, cjob("c3", "llama", budget="10m"))
+    apply(c, ns, stand_in_coordinator("c3", ns, forever=True))
+    wait_for(lambda: status(c, "cjob", "c3", ns).get("phase") == "Searching", 120, "c3 Searching")
+    before = _uids(c, ns, "c3")
+    assert all(before.values()), before
+
+    old = {p["metadata"]["name"] for p in operator_pods(c)}
+    assert c.kubectl("delete", "pod", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR, "--wait=true").returncode == 0
+    wait_for(lambda: any(p["metadata"]["name"] not in old and p["status"].get("phase") == "Running" for p in operator_pods(c)),
+             120, "a new operator pod")
+    # the new operator is active (not frozen by a stale peer): it handles a new resource ...
+    apply(c, ns, idep("probe", replicas=1))
+    wait_for(lambda: get(c, "deployment", "probe", ns), 120, "the new operator handling a new resource")
+    time.sleep(6)  # ... and has reconciled the running job a few times
+    assert _uids(c, ns, "c3") == before
+    assert len(_engine_pods(c, ns, "c3")) == 2
+    assert len(listing(c, "jobs", ns, "anneal.dev/compilation-job=c3")) == 1
+    assert status(c, "cjob", "c3", ns)["phase"] == "Searching"
+
+    assert c.kubectl("delete", "cjob", "c3", "-n", ns, "--timeout=90s").returncode == 0
+    assert get(c, "cjob", "c3", ns) is None
+    for key in before:
+        kind, name = key.split("/")
+        wait_for(lambda: get(c, kind, name, ns) is None, 90, f"{key} cleaned up")
+    assert status(c, "infdep", "llama", ns).get("phase") == "Ready"  # a deleted job never touches the deployment
