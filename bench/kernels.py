@@ -174,6 +174,8 @@ class Bench:
                     torch.cuda.empty_cache()
         if c.variant is not None:
             label, build, sweep = c.variant
+            if not self.args.tiny and "pdl" in _param_names(build):
+                sweep = sweep + [{"pdl": True}]
             results = []
             for i, params in enumerate(sweep):
                 if i > 0 and self.elapsed() > self.args.budget:
@@ -518,6 +520,19 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
         "down_proj": (h, cfg["inter"]),
         "lm_head": (cfg["vocab"], h),
     }
+
+
+def _param_names(build) -> set[str]:
+    import inspect
+
+    try:
+        params = inspect.signature(build).parameters
+    except (TypeError, ValueError):
+        return set()
+    names = set(params)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        names.add("pdl")  # the fused builders pass every keyword on to the kernel function
+    return names
 
 
 def _cumsum(xs):

@@ -26,3 +26,25 @@ def register_all() -> None:
 
     for name in _MODULES:
         importlib.import_module(f"{__name__}.{name}")
+
+
+def fused_entry_points() -> dict:
+    """The fused kernels that replace a *sequence* of reference ops, as data for the plan's fusions:
+    name -> ``{"fn", "params", "replaces", "signature"}``; ``fn(*args, **params)`` with params
+    chosen from ``params`` (``Param`` tuples, like a variant's)."""
+    from anneal.engine.kernels import gemv
+
+    return {
+        "lm_head_argmax": {
+            "fn": gemv.lm_head_argmax,
+            "params": gemv.LM_HEAD_ARGMAX_PARAMS,
+            "replaces": ("lm_head", "sample (all requests greedy)"),
+            "signature": "lm_head_argmax(x[B, K], weight[V, K]) -> tokens[B] int64",
+        },
+        "silu_mul_down_proj": {
+            "fn": gemv.silu_mul_down_proj,
+            "params": gemv.SILU_MUL_DOWN_PROJ_PARAMS,
+            "replaces": ("silu_and_mul", "down_proj"),
+            "signature": "silu_mul_down_proj(gate_up[T, 2*I], weight[N, I]) -> [T, N]",
+        },
+    }
