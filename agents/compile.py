@@ -34,7 +34,7 @@ from anneal.agents.report import now_iso, write_artifact, write_report
 from anneal.agents.scheduler_tuner import SchedulerTuner, score
 from anneal.agents.space import CandidateSpace
 from anneal.agents.swarm import run_swarm, summary
-from anneal.agents.types import BenchSpec, Candidate, CompileSettings, EngineState, LatencyObjective
+from anneal.agents.types import BenchSpec, Candidate, CompileSettings, EngineState
 
 AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner", "llm-writer")
 SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
@@ -268,9 +268,9 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
             message=f"searching on {fast_state.model} ({fast_state.num_layers_loaded} layers)")
 
     agents = _agents(agent_names, llm_model)
-    _say(progress, f"search space: {setting.space.size:.3g} plans; agents: {', '.join(a.name for a in agents)}; "
-                   f"resuming from {len(ledger)} ledger rows" if len(ledger) else
-         f"search space: {setting.space.size:.3g} plans; agents: {', '.join(a.name for a in agents)}")
+    resumed = f"; resuming from {len(ledger)} ledger rows" if len(ledger) else ""
+    _say(progress, f"search space: {setting.space.size:.3g} plans; agents: "
+                   f"{', '.join(a.name for a in agents)}{resumed}")
     results = _search_with_progress(agents, lab, setting, board, settings, progress)
     _say(progress, f"search finished ({summary(results)}); {lab.run} new experiments, {lab.reused} reused")
     gone = [v for v in results.values() if v.startswith("error: EngineUnavailable")]

@@ -18,7 +18,7 @@ from anneal.agents.cost_model import CostModel
 from anneal.agents.engine_client import EngineClient, EngineError
 from anneal.agents.ledger import Ledger, experiment_key
 from anneal.agents.types import (
-    BenchSpec, Candidate, CheckResult, Experiment, KernelResult, Measurement, Tier, Verdict, VerifyReport,
+    BenchSpec, Candidate, CheckResult, Experiment, KernelResult, Tier, Verdict, VerifyReport,
 )
 
 

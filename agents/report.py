@@ -9,7 +9,6 @@ Files are written to a temporary name and renamed, so nothing half-written is le
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 import os
 import statistics
@@ -196,7 +195,7 @@ def write_report(
         L += ["", "## Agent notes", ""] + [f"- {n}" for n in notes]
     L += ["", "## Plots", "", "![search progress](search_progress.png)", ""]
     if per_op:
-        L += [f"![per-op time](per_op.png)", ""]
+        L += ["![per-op time](per_op.png)", ""]
     L += ["![throughput vs latency](throughput_latency.png)", ""]
     path = out / "report.md"
     _atomic_write(path, "\n".join(L).encode())
@@ -206,6 +205,3 @@ def write_report(
 def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
-
-def to_json(x: Any) -> str:
-    return json.dumps(x, default=str)
