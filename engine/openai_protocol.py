@@ -85,19 +85,20 @@ class _SamplingFields(_Request):
     """Fields both endpoints share."""
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 = off (vLLM extension)")
+    # ``null`` means the default for the sampling knobs (some clients send every field).
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(0, ge=-1, description="0 or -1 = off (vLLM extension)")
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    n: int = Field(1, ge=1, description="only n=1 is served")
-    stream: bool = False
+    n: int | None = Field(1, ge=1, description="only n=1 is served")
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="not supported: only 0")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="not supported: only 0")
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="not supported: only 0")
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="not supported: only 0")
     user: str | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False
+    ignore_eos: bool | None = False
+    return_token_ids: bool | None = False
 
     @model_validator(mode="after")
     def _check_stop(self) -> "_SamplingFields":
@@ -108,10 +109,10 @@ class _SamplingFields(_Request):
             raise ValueError("stop strings must not be empty")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise UnsupportedParam("n", "n > 1 is not supported; send n separate requests (with seeds)")
         for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
+            if getattr(self, name) not in (None, 0.0):
                 raise UnsupportedParam(name, f"{name} is not supported; leave it at 0")
         return self
 
@@ -128,7 +129,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1, description="None = up to the context length")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(False, description="not supported")
+    echo: bool | None = Field(False, description="not supported")
     best_of: int | None = Field(None, ge=1, description="only 1")
     suffix: str | None = Field(None, description="not supported")
 
@@ -204,7 +205,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")

@@ -136,12 +136,12 @@ def _sampling_params(
         )
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else room,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=max(req.top_k, 0),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
         seed=None if req.seed is None else req.seed % (2**63),
         stop_token_ids=[] if req.ignore_eos else list(ctx.tokenizer.eos_token_ids),
-        ignore_eos=req.ignore_eos,
+        ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
     )
 
@@ -157,7 +157,7 @@ def prepare_completion(ctx: ServingContext, req: p.CompletionRequest, arrival: f
         params=_sampling_params(ctx, req, len(ids), req.max_tokens, req.logprobs),
         stops=req.stop_strings(),
         logprobs=req.logprobs,
-        return_token_ids=req.return_token_ids,
+        return_token_ids=bool(req.return_token_ids),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         arrival=arrival,
     )
@@ -181,7 +181,7 @@ def prepare_chat(ctx: ServingContext, req: p.ChatCompletionRequest, arrival: flo
         params=_sampling_params(ctx, req, len(ids), req.output_limit(), top),
         stops=req.stop_strings(),
         logprobs=top,
-        return_token_ids=req.return_token_ids,
+        return_token_ids=bool(req.return_token_ids),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         arrival=arrival,
     )

@@ -69,8 +69,18 @@ def _validation_error(e: ValidationError) -> APIError:
     return APIError(400, "invalid request: " + "; ".join(parts[:3]) + more, param=param)
 
 
+MAX_BODY_BYTES = 16 * 2**20  # a 128k-token prompt as JSON ids is under 1 MiB
+
+
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    raw = b""
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -155,7 +165,7 @@ def create_app(ctx: ServingContext, metrics: EngineMetrics) -> FastAPI:
         try:
             req = await parse_body(request, req_model)
             gen = prepare(ctx, req, arrival)
-            if req.stream:
+            if req.stream is True:
                 engine_stream = await serving.start_stream(ctx, gen)
                 return StreamingResponse(
                     serving.stream(ctx, gen, engine_stream),

@@ -124,7 +124,8 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
-        return self._tok.convert_ids_to_tokens(token_id) or ""
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        return self._tok.convert_tokens_to_string([piece]) if piece else ""
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if getattr(self._tok, "chat_template", None):

@@ -20,14 +20,15 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, *args: str, model: str = "random:tiny", env: dict[str, str] | None = None):
         self.port = free_port()
+        self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="anneal-serve-", suffix=".log", delete=False)
         cmd = [
-            sys.executable, "-m", "anneal.engine.server", "--model", "random:tiny", "--device", "cpu",
-            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *args,
+            sys.executable, "-m", "anneal.engine.server", "--model", model, "--device", "cpu",
+            "--host", "127.0.0.1", "--port", str(self.port), "--admin-port", str(self.admin_port), "--log-level", "warning", *args,
         ]
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}

@@ -109,6 +109,25 @@ def test_the_public_port_serves_no_admin_paths(server):
         assert r.status_code in (404, 405), (path, r.status_code)
 
 
+def test_the_admin_port_is_closed_without_a_token(server):
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{server.admin_port}/admin/state", timeout=2)
+
+
+def test_an_oversized_body_is_refused_with_413(server):
+    r = post(server, "/v1/completions", b'{"prompt": "' + b"x" * (17 * 2**20) + b'"}')
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+
+def test_explicit_nulls_mean_defaults(server):
+    body = {**GOOD, "temperature": None, "top_p": None, "top_k": None, "n": None, "stream": None,
+            "stop": None, "seed": None, "logprobs": None, "presence_penalty": None, "echo": None,
+            "max_tokens": None, "prompt": [1] * 1000}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 24  # max_tokens null = the rest of the context
+
+
 def test_flood_beyond_capacity_gets_429_with_retry_after(server):
     """Capacity is max_num_seqs (2) + max_waiting (2): the rest of a burst is refused, not queued."""
     body = {**GOOD, "prompt": "flood", "max_tokens": 150, "ignore_eos": True}
