@@ -159,3 +159,32 @@ def test_chat_max_completion_tokens_and_logprobs(client):
     content = r.choices[0].logprobs.content
     assert r.usage.completion_tokens == len(content) == 4
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_metrics_follow_the_traffic(server, client):
+    from anneal.engine import metric_names as names
+    from live_server import metric_value
+
+    before = server.metrics()
+    prompt = list(range(1, 65))  # four full 16-token blocks, sent twice: the second run hits the cache
+    for _ in range(2):
+        complete(client, prompt=prompt, max_tokens=3, extra_body={"ignore_eos": True})
+    server.wait_idle()
+    after = server.metrics()
+    delta = lambda series: metric_value(after, series) - metric_value(before, series)  # noqa: E731
+    assert delta(names.PROMPT_TOKENS + "_count") == 2
+    assert delta(names.PROMPT_TOKENS + "_sum") == 128
+    assert delta(names.GENERATION_TOKENS + "_sum") == 6
+    assert delta(names.PROMPT_TOKENS_TOTAL + "_total") == 128
+    assert delta(names.GENERATION_TOKENS_TOTAL + "_total") == 6
+    assert delta(names.TTFT + "_count") == 2
+    assert delta(names.ITL + "_count") == 4  # 3 tokens each: two gaps per request
+    assert delta(names.REQUEST_LATENCY + "_count") == 2
+    assert delta(names.BATCH_SIZE + "_count") >= 2
+    assert delta(names.PREFIX_QUERIED + "_total") >= 64
+    assert delta(names.PREFIX_HIT + "_total") >= 48
+    assert delta('anneal_requests_total{finish_reason="length",status="success"}') == 2
+    health = server.health()
+    assert metric_value(after, names.KV_FREE_BLOCKS) == health["kv"]["free_blocks"]
+    assert metric_value(after, f'{names.PLAN_INFO}{{plan_hash="{health["plan_hash"]}"}}') == 1
+    assert metric_value(after, names.NUM_RUNNING) == metric_value(after, names.NUM_WAITING) == 0
