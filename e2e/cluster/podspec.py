@@ -253,11 +253,12 @@ class PodContext:
         return env
 
     def argv(self, container: dict, env: dict[str, str], mounts: dict[str, str]) -> list[str]:
+        """command + args; with no command (an image's entrypoint), args alone are the argv."""
         argv = [self.rewrite(expand(a, env), mounts)
                 for a in container.get("command", []) + container.get("args", [])]
-        if not container.get("command"):
-            raise ConfigError(f"container {container['name']!r} has no command: the local runner ignores "
-                              "images, so it needs an explicit command")
+        if not argv:
+            raise ConfigError(f"container {container['name']!r} has no command or args: the local runner "
+                              "ignores images, so it needs an explicit command")
         return argv
 
     def workdir(self, container: dict, mounts: dict[str, str]) -> Path:

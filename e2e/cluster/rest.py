@@ -7,6 +7,7 @@ exact patch content types; httpx gives both in a few lines.
 from __future__ import annotations
 
 import json
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ class Rest:
         user = next(u["user"] for u in cfg["users"] if u["name"] == ctx["user"])
         self.server = cluster["server"]
         self.ca = cluster["certificate-authority"]
-        self._http = httpx.Client(base_url=self.server, verify=self.ca,
-                                  cert=(user["client-certificate"], user["client-key"]), timeout=30)
+        ctx = ssl.create_default_context(cafile=self.ca)
+        ctx.load_cert_chain(user["client-certificate"], user["client-key"])
+        self._http = httpx.Client(base_url=self.server, verify=ctx, timeout=30)
 
     def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
                 params: dict | None = None, ok404: bool = False) -> dict | None:

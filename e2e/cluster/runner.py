@@ -220,11 +220,11 @@ class PodWorker(threading.Thread):
         if c.proc is not None and c.proc.poll() is not None:
             self.exited(c, policy, now)
         if c.proc is None and not c.done and now >= c.next_start:
-            self.start(c)
+            self.launch(c)
         if c.proc is not None and c.proc.poll() is None and not c.init:
             self.probe(c, now)
 
-    def start(self, c: Container) -> None:
+    def launch(self, c: Container) -> None:
         ctx = self.ctx
         try:
             mounts = ctx.mounts(c.spec)
@@ -538,6 +538,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--server", help="API server URL given to pods (default: the kubeconfig's)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     rest = Rest(args.kubeconfig)
     runner = Runner(rest, args.node, args.state_dir, args.venv, args.server or rest.server)
     stop = threading.Event()
@@ -549,6 +550,8 @@ def main(argv: list[str] | None = None) -> None:
         stop.wait(0.5)
     log.info("stopping: killing pod processes")
     runner.shutdown()
+    if not stop.is_set():
+        raise SystemExit("the sync loop died; see the traceback above")
 
 
 if __name__ == "__main__":
