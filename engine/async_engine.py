@@ -167,9 +167,11 @@ class AsyncEngine:
             self._submit(("add", request_id, prompt_token_ids, params, tracked, added))
             await asyncio.wrap_future(added)
         except BaseException:
-            # Rejected by the engine (nothing was added), or the caller was cancelled meanwhile.
+            # Rejected by the engine (nothing was added), or the caller was cancelled meanwhile:
+            # then the abort, queued behind the add, frees whatever the add did.
             self._inflight.discard(request_id)
-            if added.done() and added.exception() is None:
+            rejected = added.done() and not added.cancelled() and added.exception() is not None
+            if not rejected:
                 self.abort(request_id)
             raise
         return RequestStream(request_id, self, queue)
@@ -263,6 +265,8 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt, params, tracked, added = cmd
+            if not added.set_running_or_notify_cancel():
+                return  # the caller gave up before the engine saw the request
             try:
                 self.engine.add_request(rid, prompt, params)
             except Exception as e:  # noqa: BLE001 - handed to the caller
@@ -278,6 +282,8 @@ class AsyncEngine:
                 self._observe_end(tracked, reason, "success" if reason == "stop" else "aborted")
         elif kind == "call":
             _, fn, fut = cmd
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(fn(self.engine))
             except Exception as e:  # noqa: BLE001 - handed to the caller

@@ -145,3 +145,29 @@ def test_run_in_engine_runs_on_the_engine_thread(engine):
             await ae.run_in_engine(lambda e: 1 / 0)
 
     run(engine, body)
+
+
+def test_a_caller_cancelled_while_adding_leaves_nothing_behind(engine):
+    async def body(ae):
+        # Keep the engine thread busy so the add is still queued when the caller is cancelled.
+        busy = await ae.add_request("busy", list(range(1, 200)), params(50))
+        consumer = asyncio.ensure_future(collect(busy))
+        adds = [asyncio.ensure_future(ae.add_request(f"x{i}", [1, 2], params(400))) for i in range(2)]
+        await asyncio.sleep(0)
+        for a in adds:
+            a.cancel()
+        for a in adds:
+            try:
+                stream = await a
+            except asyncio.CancelledError:
+                continue
+            stream.close()  # the add won the race: closing must abort it
+        await consumer
+        for _ in range(300):
+            if ae.stats.num_running == ae.stats.num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert ae.dead is None and ae.num_inflight == 0
+        assert ae.stats.num_running == ae.stats.num_waiting == 0
+
+    run(engine, body)
