@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -89,3 +90,23 @@ def launch_opts(pdl: bool) -> dict:
 
 
 PDL_PARAM_DOC = "pdl: launch with programmatic dependent launch (sm_90+; overlaps launch gaps under CUDA graphs)"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (8 on the CPU, for the interpreter's heuristics)."""
+    if device.type != "cuda":
+        return 8
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pow2_split(want: int, useful: int, cap: int) -> int:
+    """The largest power of two <= min(want, useful, cap), at least 1."""
+    split = 1
+    while split * 2 <= min(want, useful, cap):
+        split *= 2
+    return split

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
+    pow2_split, sm_count,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -128,15 +129,10 @@ def _decode_merge_kernel(
 
 
 def auto_split_k(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
-    """A split count from static shapes only: about two waves of programs on the device's SMs,
-    never more splits than ``block_n`` tiles in the longest possible context."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, (2 * sms) // max(1, batch * num_kv_heads))
-    useful = max(1, triton.cdiv(max_tokens, block_n))
-    split = 1
-    while split * 2 <= min(want, useful, MAX_SPLIT_K):
-        split *= 2
-    return split
+    """A split count from static shapes only: about four programs per SM, never more splits than
+    ``block_n`` tiles in the longest context the block table can hold."""
+    want = max(1, (4 * sm_count(device)) // max(1, batch * num_kv_heads))
+    return pow2_split(want, max(1, triton.cdiv(max_tokens, block_n)), MAX_SPLIT_K)
 
 
 def paged_decode_attention(

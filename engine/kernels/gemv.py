@@ -36,6 +36,7 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
+    pow2_split, sm_count,
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.ops.registry import Param, variant
@@ -135,14 +136,10 @@ def _argmax_merge_kernel(val_ptr, idx_ptr, tok_ptr, TILES, BLOCK_T: tl.constexpr
 
 
 def auto_split_k(tiles: int, K: int, block_k: int, device: torch.device) -> int:
-    """Splits so that about two waves of programs cover the SMs, from static shapes only."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, (2 * sms) // max(1, tiles))
-    useful = max(1, triton.cdiv(K, block_k))
-    split = 1
-    while split * 2 <= min(want, useful, MAX_SPLIT_K):
-        split *= 2
-    return split
+    """Splits so that about four programs per SM stream W (enough loads in flight to reach full
+    bandwidth), from static shapes only."""
+    want = max(1, (4 * sm_count(device)) // max(1, tiles))
+    return pow2_split(want, max(1, triton.cdiv(K, block_k)), MAX_SPLIT_K)
 
 
 def _check(name, x, weight, k_in):
