@@ -5,7 +5,8 @@ Pure Python (no torch), so every accounting rule is unit-tested on the CPU.
 Prefix caching: a *full* block is identified by a chained hash of (previous block's hash, its
 token ids). A block is entered in the hash table only once its KV has been computed, so a
 sequence can never hit a block that another sequence is still prefilling. Hits are verified by
-token ids (a hash collision is a miss, not wrong output). Freed blocks keep their hash until they
+token ids and by the identity of the block before them (its id and generation), so a hash
+collision anywhere in the chain is a miss, not wrong output. Freed blocks keep their hash until they
 are reused, so a later request with the same prefix still hits; free blocks are reused in LRU order.
 Shared blocks are never written: when a whole prompt hits, its last block is recomputed in a fresh
 block so the step still has a token to compute.
@@ -25,6 +26,10 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    # Identity of the block before this one when it was hashed: (id, generation), None for the
+    # first block. With token_ids it verifies the whole chain, so a hash collision is a miss.
+    parent: tuple[int, int] | None = None
+    generation: int = 0  # bumped each time the block is reused for new content
 
 
 def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
@@ -52,6 +57,9 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    def free_block_ids(self) -> list[int]:
+        return list(self._free)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -63,7 +71,8 @@ class BlockManager:
             b = self.blocks[block_id]
             if b.hash is not None and self._by_hash.get(b.hash) == block_id:
                 del self._by_hash[b.hash]
-            b.hash, b.token_ids = None, ()
+            b.hash, b.token_ids, b.parent = None, (), None
+            b.generation += 1
         else:
             del self._free[block_id]
             b = self.blocks[block_id]
@@ -82,7 +91,10 @@ class BlockManager:
             chunk = tuple(token_ids[j * bs : (j + 1) * bs])
             h = chain_hash(prev, chunk)
             bid = self._by_hash.get(h)
+            parent = (hits[-1], self.blocks[hits[-1]].generation) if hits else None
             if bid is None or self.blocks[bid].token_ids != chunk:
+                break
+            if self.blocks[bid].parent != parent:  # same tokens after a different prefix
                 break
             hits.append(bid)
             prev = h
@@ -151,6 +163,9 @@ class BlockManager:
             chunk = tuple(seq.token_ids[j * bs : (j + 1) * bs])
             if b.hash is None:
                 b.hash, b.token_ids = chain_hash(prev, chunk), chunk
+                if j:
+                    pb = self.blocks[seq.block_table[j - 1]]
+                    b.parent = (pb.id, pb.generation)
                 self._by_hash.setdefault(b.hash, b.id)
             prev = b.hash
         if full > seq.num_hashed_blocks:
