@@ -44,7 +44,7 @@ def _decode_split_kernel(
     scale_log2,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    H,
+    H, max_tokens,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
@@ -53,7 +53,7 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    ctx = tl.load(lens_ptr + b)
+    ctx = tl.minimum(tl.load(lens_ptr + b), max_tokens)  # never past the block table
     split_len = _split_len(ctx, SPLIT_K, BLOCK_N)
     start = s * split_len
     if SPLIT_K > 1:
@@ -105,13 +105,13 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    lens_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, stride_ob, stride_oh, H,
+    lens_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, stride_ob, stride_oh, H, max_tokens,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    ctx = tl.load(lens_ptr + b)
+    ctx = tl.minimum(tl.load(lens_ptr + b), max_tokens)
     n_valid = tl.cdiv(ctx, _split_len(ctx, SPLIT_K, BLOCK_N))
     s = tl.arange(0, SPLIT_K)
     sm = s < n_valid
@@ -178,14 +178,14 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H,
+        H, block_tables.shape[1] * BS,
         G=G, BLOCK_G=pow2(G, 16), D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, BS=BS, SPLIT_K=split_k,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl), num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl),
     )
     if split_k > 1:
         _decode_merge_kernel[(B, H)](
-            context_lens, out, po, pm, pl, out.stride(0), out.stride(1), H,
+            context_lens, out, po, pm, pl, out.stride(0), out.stride(1), H, block_tables.shape[1] * BS,
             D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT_K=split_k, PDL=pdl_enabled(pdl), num_warps=4,
             **launch_opts(pdl),
         )

@@ -24,7 +24,7 @@ from anneal.engine.ops.registry import Param, variant
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, scale_log2,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, scale_log2, max_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -38,7 +38,7 @@ def _prefill_kernel(
     q_len = tl.load(cu_ptr + b + 1) - q_start
     if mb * BLOCK_M >= q_len:
         return
-    ctx = tl.load(lens_ptr + b)
+    ctx = tl.minimum(tl.load(lens_ptr + b), max_tokens)  # never past the block table
     kvh = h // G
 
     i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -110,7 +110,7 @@ def paged_prefill_attention(
     grid = (triton.cdiv(int(max_seqlen_q), block_m), B, H)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        float(scale) * 1.4426950408889634,
+        float(scale) * 1.4426950408889634, block_tables.shape[1] * BS,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -83,3 +83,15 @@ def test_attention_decode_cuda_graph(device):
         cl.copy_(cl_in)
         graph.replay()
         assert_close(out, ref.attention_decode(q, kc, vc, bt_in, cl_in, 0.088), TOL_ACC)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_decode_clamps_lengths_to_block_table(device):
+    """A context length past the block table's capacity reads no memory outside the table: like the
+    reference, the kernel attends to the table's last slot and no further."""
+    fn = build_op("attention_decode", "triton_splitk", {"split_k": 2, "block_n": 16})
+    g = gen(9, device)
+    kc, vc, bt, cl = paged_cache([20, 7], 2, 16, 8, torch.float32, device, g)
+    cl = cl + torch.tensor([500, 0], dtype=torch.int32, device=device)
+    q = randn(2, 4, 16, dtype=torch.float32, device=device, g=g, scale=0.05)
+    assert_close(fn(q, kc, vc, bt, cl, 0.25), ref.attention_decode(q, kc, vc, bt, cl, 0.25), TOL_ACC)
