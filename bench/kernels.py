@@ -208,17 +208,21 @@ class Bench:
 
     def run(self) -> int:
         torch = self.torch
-        sys.path.insert(0, str(Path(__file__).parent))
-        from common import environment
+        import triton
 
         import anneal.engine.kernels  # noqa: F401  (after TRITON_INTERPRET is settled)
 
-        env = environment()
+        sys.path.insert(0, str(Path(__file__).parent))
+        try:
+            from common import copy_bandwidth_gbps, environment
+        except ImportError:  # bench/common.py missing: the essentials, measured here
+            environment, copy_bandwidth_gbps = None, None
+        env = environment() if environment else {"torch": torch.__version__, "triton": triton.__version__}
+        if self.dev == "cuda":
+            env.setdefault("gpu", torch.cuda.get_device_name())
         self.roofline = None
         if self.dev == "cuda":
-            from common import copy_bandwidth_gbps
-
-            self.roofline = copy_bandwidth_gbps()
+            self.roofline = copy_bandwidth_gbps() if copy_bandwidth_gbps else _copy_bandwidth(torch)
             print(f"{env.get('gpu')}: copy roofline {self.roofline:.0f} GB/s", flush=True)
         records = []
         for c in self.cases():
@@ -520,6 +524,15 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
         "down_proj": (h, cfg["inter"]),
         "lm_head": (cfg["vocab"], h),
     }
+
+
+def _copy_bandwidth(torch) -> float:
+    import triton.testing
+
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
 def _param_names(build) -> set[str]:
