@@ -260,9 +260,9 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     except ValueError as e:
         _say(progress, f"cost model off: {e}")
         cost = None
-    lab = Lab(ledger=ledger, engines=clients, cost_model=cost, run_id=run_id, traffic=traffic_json,
-              deadline=t0 + settings.budget_s * SEARCH_SHARE)
     board = Board()
+    lab = Lab(ledger=ledger, engines=clients, cost_model=cost, run_id=run_id, traffic=traffic_json,
+              deadline=t0 + settings.budget_s * SEARCH_SHARE, space=setting.space, on_note=board.note)
     baseline = slow_state.plan.model_copy(update={"name": None})
     _report(settings.report_to, phase="Searching", experiments=0,
             message=f"searching on {fast_state.model} ({fast_state.num_layers_loaded} layers)")
@@ -335,14 +335,18 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     return compiled
 
 
+VERIFY_CHECKS = ("quality", "kv_contamination", "batch_invariance", "prefix_cache", "determinism")
+
+
 def _verify_kwargs(v: dict[str, Any]) -> dict[str, Any]:
+    """The operator's verification tolerances (CRD field names) as /admin/verify request fields."""
     out: dict[str, Any] = {}
-    for src, dst in (("numPrompts", "num_prompts"), ("num_prompts", "num_prompts"), ("steps", "steps")):
-        if src in v:
+    for src, dst in (("logitsRtol", "rel_tol"), ("minGreedyAgreement", "min_greedy_agreement"),
+                     ("numPrompts", "num_prompts"), ("steps", "steps")):
+        if v.get(src) is not None:
             out[dst] = v[src]
-    tol = v.get("tolerances")
-    if isinstance(tol, dict):
-        out["tolerances"] = tol
+    if v.get("kvContamination") is False:
+        out["checks"] = [c for c in VERIFY_CHECKS if c != "kv_contamination"]
     return out
 
 

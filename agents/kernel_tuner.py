@@ -64,6 +64,8 @@ class KernelTuner:
             choice = OpChoice(impl=impl, params=params)
             ms = best if choice == current else self.score(op, choice, lab, setting, board)
             tried += choice != current
+            if not math.isfinite(ms):
+                continue  # the impl does not build or run here at its defaults: no descent
             names = sorted(n for n, ch in space.impls[impl].items() if len(ch) > 1)
             for _ in range(self.passes):
                 improved = False

@@ -8,6 +8,7 @@ at once (they would slow each other down), so agents running concurrently queue 
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from anneal.engine.plan import Plan
 from anneal.agents.cost_model import CostModel
 from anneal.agents.engine_client import EngineClient, EngineError
 from anneal.agents.ledger import Ledger, experiment_key
+from anneal.agents.space import CandidateSpace
 from anneal.agents.types import (
     BenchSpec, Candidate, CheckResult, Experiment, KernelResult, Tier, Verdict, VerifyReport,
 )
@@ -43,6 +45,8 @@ class Lab:
     traffic: dict[str, Any] | None = None
     prune_margin: float = 0.25
     on_experiment: Callable[[Experiment], None] | None = None
+    space: CandidateSpace | None = None  # refusals teach it what the device cannot run
+    on_note: Callable[[str], None] | None = None
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _best: dict[str, tuple[float, Plan]] = field(default_factory=dict)
     _state_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -124,6 +128,7 @@ class Lab:
                     self.traffic if spec.mode == "workload" else None))
         except EngineError as e:
             self._count_unreachable(tier, e)
+            self._learn_refusal(str(e))
             exp = exp.model_copy(update={"verdict": Verdict(status="failed", reason=str(e))})
             return self._record(exp)
         self._unreachable[tier] = 0
@@ -136,6 +141,15 @@ class Lab:
         exp = exp.model_copy(update={"measurement": m})
         self._note_best(exp, spec)
         return self._record(exp)
+
+    def _learn_refusal(self, message: str) -> None:
+        """An impl the engine says cannot run on its device leaves the search space."""
+        if self.space is None:
+            return
+        for op, impl in _NOT_ON_DEVICE.findall(message):
+            if self.space.forget(op, impl):
+                if self.on_note:
+                    self.on_note(f"{op}/{impl} does not run on this engine's device: dropped from the space")
 
     def _count_unreachable(self, tier: str, e: EngineError) -> None:
         """A 4xx/5xx is the candidate's fault; no answer at all, repeatedly, is the engine's."""
@@ -208,6 +222,9 @@ class Lab:
             detail={"report": rep.model_dump()},
         )
         return rep, self._record(exp)
+
+
+_NOT_ON_DEVICE = re.compile(r"(\w+)/([\w.-]+) does not run on")
 
 
 def _short_hash(text: str) -> str:

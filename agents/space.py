@@ -97,6 +97,14 @@ class CandidateSpace:
         fusions = list((state.model_extra or {}).get("fusions") or [])
         return cls(ops=ops, fusions=fusions, uses_graphs=state.device.startswith("cuda"))
 
+    def forget(self, op: str, impl: str) -> bool:
+        """Drop an impl the engine cannot run (the reference stays); True when it was there."""
+        cur = self.ops.get(op)
+        if cur is None or impl not in cur.impls or impl == "reference":
+            return False
+        self.ops[op] = OpSpace(op=op, impls={i: p for i, p in cur.impls.items() if i != impl})
+        return True
+
     # ---- the searchable parts ------------------------------------------------------------------
 
     def tunable_ops(self) -> list[str]:
