@@ -8,9 +8,13 @@ collection, when the machine has no GPU. Each test is parametrized over ``device
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
+# Triton decides compiled vs interpreted when each @triton.jit runs, its own standard library
+# included: the variable only works if it is set before triton is first imported.
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -24,6 +28,10 @@ def _device_available(request):
     dev = request.node.callspec.params.get("device") if hasattr(request.node, "callspec") else None
     if dev == "cpu" and not interpreting():
         pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set automatically when no GPU is present)")
+    if dev == "cpu" and _TRITON_PREIMPORTED:
+        pytest.fail("triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1, so "
+                    "the kernels are compiled and cannot run on CPU tensors: export TRITON_INTERPRET=1 "
+                    "(or set it in a top-level tests/conftest.py)")
     if dev == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     if dev == "cuda" and interpreting():

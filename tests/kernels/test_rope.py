@@ -7,7 +7,7 @@ import torch
 
 from anneal.engine.ops import reference as ref
 from anneal.engine.ops.registry import build_op
-from kernel_testing import DEVICES, DTYPES, assert_close, gen, poison_, randn
+from kernel_testing import DEVICES, DTYPES, assert_close, gen, randn
 
 
 def _cos_sin(max_pos, D, device):
