@@ -24,6 +24,7 @@ from anneal.operator.compilation_status import (
     validate_result,
 )
 from anneal.operator.context import Context
+from anneal.operator.kube import ApiException, api_message
 from anneal.operator.deployment_handlers import announce
 
 
@@ -207,6 +208,41 @@ def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, logger: Any) -> 
     if nodes:
         new["nodes"] = nodes
 
+    try:
+        _execute(ctx, body, spec, target, decision, obs, previous, new, logger)
+    except ApiException as exc:
+        # e.g. a quota, an admission webhook or a missing ServiceAccount: say so, retry next tick
+        new["message"] = f"cannot write children: {api_message(exc)}"
+        if previous.get("message") != new["message"]:
+            kopf.warn(body, reason="ChildWriteFailed", message=new["message"][:1000])
+    if decision.result_hash:
+        new["resultPlanHash"] = decision.result_hash
+    if decision.best_speedup is not None:
+        new["bestSpeedup"] = decision.best_speedup
+    if obs.job is not None:
+        new["coordinatorJob"] = naming.coordinator(name)
+    if decision.phase != "Pending":
+        new["startedAt"] = previous.get("startedAt") or now_iso()
+    if decision.phase in api.TERMINAL_PHASES and phase not in api.TERMINAL_PHASES:
+        new["completedAt"] = now_iso()
+    if phase in api.TERMINAL_PHASES:
+        new = {k: v for k, v in new.items() if k not in ("message", "phase")}  # a finished job's outcome stays
+    new["conditions"] = cond.merge(
+        previous.get("conditions") or [], decision.conditions, body.metadata.get("generation"), ready=decision.ready
+    )
+    if phase in api.TERMINAL_PHASES:
+        new.pop("conditions")
+    diff = {k: v for k, v in new.items() if previous.get(k) != v}
+    if diff:
+        patch.status.update(diff)
+        announce(body, previous, {**previous, **new}, logger)
+
+
+def _execute(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, target: objects.Target | None,
+             decision: Any, obs: JobObserved, previous: dict[str, Any], new: dict[str, Any], logger: Any) -> None:
+    """Carry out the actions `decide` chose, recording what they produced in `new`."""
+    name, ns = body.metadata.name, body.metadata.namespace
+    kube = ctx.kube
     for action in decision.actions:
         if action == PROVISION and target is not None:
             provision(ctx, body, spec, target)
@@ -231,29 +267,12 @@ def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, logger: Any) -> 
             applied = apply_result(ctx, body, spec, compiled, logger)
             if applied:
                 new["appliedTo"] = applied
-    if decision.result_hash:
-        new["resultPlanHash"] = decision.result_hash
-    if decision.best_speedup is not None:
-        new["bestSpeedup"] = decision.best_speedup
-    if obs.job is not None:
-        new["coordinatorJob"] = naming.coordinator(name)
-    if decision.phase != "Pending":
-        new["startedAt"] = previous.get("startedAt") or now_iso()
-    if decision.phase in api.TERMINAL_PHASES and phase not in api.TERMINAL_PHASES:
-        new["completedAt"] = now_iso()
-    if phase in api.TERMINAL_PHASES:
-        new = {k: v for k, v in new.items() if k not in ("message", "phase")}  # a finished job's outcome stays
-    new["conditions"] = cond.merge(previous.get("conditions") or [], decision.conditions, body.metadata.get("generation"))
-    if phase in api.TERMINAL_PHASES:
-        new.pop("conditions")
-    diff = {k: v for k, v in new.items() if previous.get(k) != v}
-    if diff:
-        patch.status.update(diff)
-        announce(body, previous, {**previous, **new}, logger)
 
 
 def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
-    kw: dict[str, Any] = dict(group=GROUP, version=VERSION, plural=api.PLURAL, registry=registry)
+    # A failed reconcile is retried soon: it is level-triggered, so retrying is always safe.
+    backoff = max(5.0, ctx.settings.reconcile_interval)
+    kw: dict[str, Any] = dict(group=GROUP, version=VERSION, plural=api.PLURAL, registry=registry, backoff=backoff)
 
     @kopf.on.resume(**kw)
     @kopf.on.create(**kw)

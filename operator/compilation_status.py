@@ -49,6 +49,7 @@ class Decision:
     result_hash: str | None = None
     best_speedup: float | None = None
     restarts: int = 0
+    ready: cond.Observation | None = None
 
 
 def _job_condition(job: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
@@ -89,20 +90,24 @@ def decide(obs: JobObserved) -> Decision:
         target_ok = cond.Observation(api.TARGET_RESOLVED, False, *obs.target_problem)
 
     def out(phase: str, reason: str, message: str, actions=(), **kw: Any) -> Decision:
-        engines = cond.Observation(
-            api.ENGINES_READY, engines_ready if phase not in api.TERMINAL_PHASES else None,
-            "Ready" if engines_ready else ("Released" if phase in api.TERMINAL_PHASES else "NotReady"),
-            "" if engines_ready else ", ".join(f"{t}: {_pod_state(obs.pods.get(t))}" for t in TIERS),
-        )
+        if phase in api.TERMINAL_PHASES:
+            engines = cond.Observation(api.ENGINES_READY, None, "Released", "engine pods are deleted when the job ends")
+        else:
+            engines = cond.Observation(
+                api.ENGINES_READY, engines_ready, "Ready" if engines_ready else "NotReady",
+                "" if engines_ready else ", ".join(f"{t}: {_pod_state(obs.pods.get(t))}" for t in TIERS),
+            )
         running = obs.job is not None and not _job_condition(obs.job, "Complete") and not _job_condition(obs.job, "Failed")
         coordinator = cond.Observation(
             api.COORDINATOR_RUNNING, True if running else (None if obs.job is None else False),
             "Running" if running else ("NotStarted" if obs.job is None else "Finished"),
         )
         result = kw.pop("result_obs", cond.Observation(api.RESULT_VALID, None, "NoResultYet"))
+        # Ready: the job produced a verified plan (like a Job's Complete), not "all parts healthy".
+        ready = cond.Observation(cond.READY, phase == "Succeeded", reason, message)
         return Decision(
             phase, reason, message, list(actions), [target_ok, engines, coordinator, result],
-            restarts=kw.pop("restarts", obs.restarts), **kw,
+            restarts=kw.pop("restarts", obs.restarts), ready=ready, **kw,
         )
 
     stop = [STOP_COORDINATOR] if _job_running(obs.job) else []

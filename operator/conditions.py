@@ -37,14 +37,16 @@ def aggregate(observations: Iterable[Observation]) -> Observation:
 
 
 def merge(
-    previous: list[dict], observations: Iterable[Observation], generation: int | None, now: str | None = None
+    previous: list[dict], observations: Iterable[Observation], generation: int | None, now: str | None = None,
+    ready: Observation | None = None,
 ) -> list[dict]:
-    """New condition list (wire form): transition time kept unless the status flipped."""
+    """New condition list (wire form): transition time kept unless the status flipped. `ready`
+    replaces the all-True aggregate where Ready means something else (a finished job)."""
     now = now or now_iso()
     old = {c.get("type"): c for c in previous or []}
     obs = list(observations)
     out = []
-    for o in [*obs, aggregate(obs)]:
+    for o in [*obs, ready or aggregate(obs)]:
         before = old.get(o.type, {})
         changed = before.get("status") != o.status
         cond = Condition(

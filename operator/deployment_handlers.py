@@ -15,6 +15,7 @@ from anneal.operator import naming, pod_health
 from anneal.operator.api import GROUP, VERSION
 from anneal.operator.api import inference_deployment as api
 from anneal.operator.context import Context
+from anneal.operator.kube import ApiException, api_message
 from anneal.operator.deployment_status import Observed, changed, compute
 from anneal.operator.plan_source import PlanError, resolve
 
@@ -44,21 +45,42 @@ def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, logger: Any) -> 
     kube = ctx.kube
     obs = Observed()
 
+    try:
+        obs.plan, obs.plan_error = _resolve_plan(ctx, name, namespace, spec)
+        _check_references(ctx, namespace, spec, obs)
+        _write_children(ctx, body, spec, obs)
+    except ApiException as exc:
+        # e.g. a quota or an admission webhook refusing a child: report it, retry next tick
+        obs.applied = False
+        obs.missing.insert(0, ("ChildWriteFailed", f"cannot write children: {api_message(exc)}"))
+    obs.deployment = kube.get("apps/v1", "Deployment", naming.deployment(name), namespace)
+    obs.pods = kube.list("v1", "Pod", namespace, naming.deployment_selector(name))
+    new = compute(name, namespace, spec, generation, obs, previous)
+    diff = changed(previous, new)
+    if diff:
+        patch.status.update(diff)
+        announce(body, previous, new, logger)
+
+
+def _resolve_plan(ctx: Context, name: str, namespace: str, spec: api.InferenceDeploymentSpec):
+    try:
+        return resolve(name, spec, lambda cm: ctx.kube.config_map(namespace, cm)), None
+    except PlanError as exc:
+        return None, exc
+    except ValidationError as exc:
+        return None, PlanError("InvalidPlan", f"not a valid plan: {exc}")
+
+
+def _write_children(ctx: Context, body: kopf.Body, spec: api.InferenceDeploymentSpec, obs: Observed) -> None:
+    """Admin Secret (once), plan ConfigMap, Deployment, Service; all owned by the deployment."""
+    name, namespace = body.metadata.name, body.metadata.namespace
+    kube = ctx.kube
     secret = objects.admin_secret(naming.admin_secret(name), namespace, naming.deployment_labels(name))
     kopf.adopt(secret, owner=body)
     kube.create_if_absent(secret)
-
-    try:
-        obs.plan = resolve(name, spec, lambda cm: kube.config_map(namespace, cm))
-    except PlanError as exc:
-        obs.plan_error = exc
-    except ValidationError as exc:
-        obs.plan_error = PlanError("InvalidPlan", f"not a valid plan: {exc}")
-    _check_references(ctx, namespace, spec, obs)
-
-    plan_hash = obs.plan.hash if obs.plan else None
     if obs.plan is not None:
-        cm = objects.plan_config_map(name, namespace, obs.plan, obs.plan.source)
+        plan_hash: str | None = obs.plan.hash
+        cm = objects.plan_config_map(name, namespace, obs.plan.plan, obs.plan.source)
         kopf.adopt(cm, owner=body)
         kube.apply(cm)
     else:  # keep serving the plan already configured, if any
@@ -72,13 +94,12 @@ def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, logger: Any) -> 
     kopf.adopt(svc, owner=body)
     kube.apply(svc)
 
-    obs.deployment = kube.get("apps/v1", "Deployment", naming.deployment(name), namespace)
-    obs.pods = kube.list("v1", "Pod", namespace, naming.deployment_selector(name))
-    new = compute(name, namespace, spec, generation, obs, previous)
-    diff = changed(previous, new)
-    if diff:
-        patch.status.update(diff)
-        announce(body, previous, new, logger)
+
+# Reasons of a False condition that mean "not yet", not "something is wrong": no Warning events.
+PROGRESS_REASONS = frozenset({
+    "RolloutInProgress", "ReplicasNotReady", "NotReady", "NotStarted", "NoResultYet", "NotDeployed",
+    "NotApplied", "WaitingForEngines", "Finished", "Released",
+})
 
 
 def announce(body: kopf.Body, previous: dict[str, Any], new: dict[str, Any], logger: Any) -> None:
@@ -88,15 +109,21 @@ def announce(body: kopf.Body, previous: dict[str, Any], new: dict[str, Any], log
         ready = cond.find(new.get("conditions"), cond.READY) or {}
         kind(body, reason=new["phase"], message=ready.get("message") or f"phase {new['phase']}")
         logger.info("phase %s -> %s", previous.get("phase"), new["phase"])
+    before = {c.get("type") for c in previous.get("conditions") or []}
     for c in cond.transitions(previous.get("conditions") or [], new.get("conditions") or []):
         if c["type"] == cond.READY or c["status"] == "Unknown":
             continue
-        kind = kopf.info if c["status"] == "True" else kopf.warn
+        problem = c["status"] == "False" and c.get("reason") not in PROGRESS_REASONS
+        if c["type"] not in before and not problem:
+            continue  # first observation: only problems are news
+        kind = kopf.warn if problem else kopf.info
         kind(body, reason=c.get("reason") or c["type"], message=f"{c['type']}={c['status']}: {c.get('message', '')}")
 
 
 def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
-    kw: dict[str, Any] = dict(group=GROUP, version=VERSION, plural=api.PLURAL, registry=registry)
+    # A failed reconcile is retried soon: it is level-triggered, so retrying is always safe.
+    backoff = max(5.0, ctx.settings.reconcile_interval)
+    kw: dict[str, Any] = dict(group=GROUP, version=VERSION, plural=api.PLURAL, registry=registry, backoff=backoff)
 
     @kopf.on.resume(**kw)
     @kopf.on.create(**kw)

@@ -4,6 +4,7 @@ objects the operator fully owns, create-if-absent for objects that must never be
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -97,4 +98,12 @@ class Kube:
         return cm.get("data") or {}, cm.get("metadata", {}).get("annotations") or {}
 
 
-__all__ = ["ApiException", "Kube", "load_config", "FIELD_MANAGER"]
+def api_message(exc: ApiException) -> str:
+    """The API server's own message of a failed call (what a user should read)."""
+    try:
+        return str(json.loads(exc.body).get("message") or exc.reason)
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.reason)
+
+
+__all__ = ["ApiException", "Kube", "api_message", "load_config", "FIELD_MANAGER"]

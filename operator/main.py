@@ -23,6 +23,11 @@ def build_registry(ctx: Context) -> kopf.OperatorRegistry:
     deployment_handlers.register(registry, ctx)
     compilation_handlers.register(registry, ctx)
 
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        """In-cluster service account, else the kubeconfig (a private registry has no default login)."""
+        return kopf.login_via_client(**kwargs)
+
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         """Keep kopf's bookkeeping in annotations (our status schema is ours), post events at info."""

@@ -105,7 +105,7 @@ INVALID: list[tuple[str, str, dict[str, Any]]] = [
     ("idep-toleration-seconds", "schema", _set(I(), "spec.tolerations.0.tolerationSeconds", -1)),
     ("idep-model-volume-no-claim", "schema", _set(I(), "spec.modelVolume", {"mountPath": "/models"})),
     ("idep-pinned-plan-ref-no-name", "schema", _set(I(), "spec.compilation.pinnedPlan", {"configMapRef": {"key": "plan.json"}})),
-    ("idep-cpu-not-quantity", "cel", _set(I(), "spec.resources.requests.cpu", "lots")),
+    ("idep-cpu-not-quantity", "schema", _set(I(), "spec.resources.requests.cpu", "lots")),
     ("idep-plan-both-sources", "cel", _set(I(), "spec.plan.configMapRef", {"name": "p"})),
     ("idep-plan-no-source", "cel", _set(I(), "spec.plan", {})),
     ("idep-gate-unbounded", "cel", _set(I(), "spec.compilation.rollout.canary.gates.0.max", _DELETE)),
@@ -129,7 +129,7 @@ INVALID: list[tuple[str, str, dict[str, Any]]] = [
     ("cjob-budget-too-short", "cel", _set(C(), "spec.budget", "5s")),
     ("cjob-deadline-before-budget", "cel", _set(C(), "spec.deadline", "10m")),
     ("cjob-auto-apply-explicit-model", "cel", _set(_set(C(), "spec.target", {"model": "random:tiny"}), "spec.autoApply", True)),
-    ("cjob-memory-not-quantity", "cel", _set(C(), "spec.coordinator.resources", {"requests": {"memory": "lots"}})),
+    ("cjob-memory-not-quantity", "schema", _set(C(), "spec.coordinator.resources", {"requests": {"memory": "lots"}})),
     ("cjob-name-too-long", "cel", _set(C(), "metadata.name", "b" * 41)),
     ("cjob-unknown-field", "strict", _set(C(), "spec.budgetSeconds", 60)),
 ]

@@ -82,6 +82,9 @@ def test_success_needs_a_complete_job_and_a_verified_result():
     assert d.phase == "Succeeded" and d.result_hash == plan_hash and d.best_speedup == 1.5
     assert cs.RELEASE_ENGINES in d.actions and cs.APPLY_RESULT in d.actions
     assert next(c for c in d.conditions if c.type == "ResultValid").ok is True
+    assert d.ready.ok is True and d.ready.reason == "Verified"
+    running = cs.decide(obs(phase="Searching", pods=ready, job=job()))
+    assert running.ready.ok is False and running.ready.reason == "CoordinatorRunning"
 
 
 @pytest.mark.parametrize("data,why", [
