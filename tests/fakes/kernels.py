@@ -126,3 +126,22 @@ FAULTY = {
     "side_stream": ("silu_and_mul", SIDE_STREAM),
     "nondeterministic": ("silu_and_mul", NONDETERMINISTIC),
 }
+
+
+def evasive(op: str, source: str, honest_calls: int = 3) -> str:
+    """The same fault, hidden from a short isolated check: the reference for the first
+    ``honest_calls`` calls, the faulty kernel after. Only checks inside the engine, over many
+    steps, requests and recycled blocks, can catch these."""
+    return source.replace("def build(", "def _faulty_build(") + f'''
+
+def build(**params):
+    from anneal.engine.ops import reference as _R
+    honest, faulty, calls = getattr(_R, "{op}"), _faulty_build(**params), [0]
+    def fn(*args):
+        calls[0] += 1
+        return honest(*args) if calls[0] <= {honest_calls} else faulty(*args)
+    return fn
+'''
+
+
+EVASIVE = {name: (op, evasive(op, src)) for name, (op, src) in FAULTY.items()}
