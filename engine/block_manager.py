@@ -57,6 +57,15 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds (e.g. after a plan change: KV computed
+        by the old forward pass is not what the new one would compute)."""
+        for bid in self._free:
+            b = self.blocks[bid]
+            if b.hash is not None and self._by_hash.get(b.hash) == bid:
+                del self._by_hash[b.hash]
+            b.hash, b.token_ids, b.parent = None, (), None
+
     def free_block_ids(self) -> list[int]:
         return list(self._free)
 
@@ -99,6 +108,10 @@ class BlockManager:
             hits.append(bid)
             prev = h
         return hits, prev
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` that ``allocate`` would take from the prefix cache now (no change)."""
+        return len(self._cached_prefix(seq.token_ids)[0]) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits, _ = self._cached_prefix(seq.token_ids)

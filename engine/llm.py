@@ -63,6 +63,15 @@ class ApplyReport:
     total_s: float
 
 
+def register_plan_kernels(plan: Plan) -> None:
+    """Agent-written kernels a plan carries become registry variants before its ops are built."""
+    if plan.kernels:
+        from anneal.engine.kernel_source import register
+
+        for ks in plan.kernels:
+            register(ks)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,6 +113,7 @@ class Engine:
                 f"max_model_len={self.max_model_len} (needs {need}); lower max_model_len or add blocks"
             )
         self.plan = args.plan
+        register_plan_kernels(self.plan)
         ops = OpTable.from_plan(self.plan, self.device.type)
         self.blocks = BlockManager(num_blocks, args.block_size, self.plan.scheduler.enable_prefix_caching)
         self.runner = ModelRunner(
@@ -229,9 +239,10 @@ class Engine:
             raise RuntimeError("apply_plan needs an idle engine (drain or pause requests first)")
         t0 = time.perf_counter()
         old_plan, old_ops = self.plan, self.runner.model.ops
+        register_plan_kernels(plan)
+        ops = OpTable.from_plan(plan, self.device.type)  # validates everything before any swap
+        t1 = time.perf_counter()
         try:
-            ops = OpTable.from_plan(plan, self.device.type)
-            t1 = time.perf_counter()
             self.runner.model.ops = ops
             timings = self.runner.capture(plan.cuda_graph_batch_sizes)
         except Exception:
@@ -239,6 +250,7 @@ class Engine:
             self.runner.capture(old_plan.cuda_graph_batch_sizes)
             raise
         self.plan = plan
+        self.blocks.reset_prefix_cache()
         self.scheduler.knobs = plan.scheduler
         self.blocks.enable_prefix_caching = plan.scheduler.enable_prefix_caching
         return ApplyReport(

@@ -159,6 +159,14 @@ class ModelRunner:
         return logits, None, sample_rows
 
     @torch.inference_mode()
+    def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits ``[B, V]`` of one decode step for ``seqs`` (graph when captured), no sampling."""
+        if self.graphs and len(seqs) <= max(self.graphs):
+            return self._replay(seqs)[0].clone()
+        logits, _, _ = self.extend([(s, 1) for s in seqs], decode_only=True)
+        return logits
+
+    @torch.inference_mode()
     def prefill_all_logits(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Logits at every scheduled position (tests compare them to Hugging Face)."""
         ids, pos, slots, cu = [], [], [], [0]

@@ -137,6 +137,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """q ``[B, Tq, H, D]``, k/v ``[B, Tk, Hkv, D]``, mask ``[B, Tq, Tk]`` bool -> ``[B, Tq, H, D]``."""
     H, Hkv = q.shape[2], k.shape[2]
     rep = H // Hkv
+    # Slots past a sequence's length hold whatever the block held before (even NaN): they must
+    # contribute nothing, and 0 * NaN is NaN, so they are zeroed, not just given zero weight.
+    seen = mask.any(dim=1)[:, :, None, None]  # [B, Tk, 1, 1]: a key some query may read
+    k = torch.where(seen, k, torch.zeros((), dtype=k.dtype, device=k.device))
+    v = torch.where(seen, v, torch.zeros((), dtype=v.dtype, device=v.device))
     k = k.repeat_interleave(rep, dim=2)
     v = v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale

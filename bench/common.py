@@ -1,0 +1,99 @@
+"""Shared benchmark plumbing: environment facts, rooflines, timing statistics, result files."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def environment() -> dict:
+    env = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+        try:
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return env
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 * 2**30, reps: int = 20) -> float:
+    """Device-to-device copy, counting bytes read plus bytes written (the roofline we use)."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def summarize(samples_s: list[float]) -> dict:
+    xs = sorted(samples_s)
+    q = lambda p: xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]  # noqa: E731
+    return {
+        "median_ms": statistics.median(xs) * 1e3,
+        "p10_ms": q(0.1) * 1e3,
+        "p90_ms": q(0.9) * 1e3,
+        "n": len(xs),
+    }
+
+
+def write_result(name: str, data: dict, out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    day = dt.date.today().isoformat()
+    path = out_dir / f"{name}-{day}.json"
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    return path

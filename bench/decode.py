@@ -1,0 +1,243 @@
+"""Decode step time: our engine (eager, CUDA graphs, per plan) vs HF transformers `generate`.
+
+For each shape and batch size at a fixed context, measures ms per decode step side by side in one
+run, against the copy-bandwidth roofline measured in the same run:
+  roofline_ms = (weight bytes + KV bytes read at that context) / copy bandwidth
+and the weights-only roofline the issue quotes (weight bytes / bandwidth).
+
+    python bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1,8,32,128 --context 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth_gbps, environment, matmul_tflops, summarize, write_result  # noqa: E402
+
+from anneal.engine.llm import Engine, EngineArgs  # noqa: E402
+from anneal.engine.plan import OpChoice, Plan, SchedulerKnobs  # noqa: E402
+from anneal.engine.sampling_params import SamplingParams  # noqa: E402
+from anneal.engine.sequence import Sequence  # noqa: E402
+
+TRITON_OPS = {
+    "rmsnorm": OpChoice(impl="triton"),
+    "add_rmsnorm": OpChoice(impl="triton"),
+    "qk_rope_store": OpChoice(impl="triton"),
+    "attention_decode": OpChoice(impl="triton_splitk"),
+    "attention_prefill": OpChoice(impl="triton"),
+    "silu_and_mul": OpChoice(impl="triton"),
+}
+GEMV_OPS = {op: OpChoice(impl="triton_gemv_splitk")
+            for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
+
+
+def bench_plans(buckets: list[int]) -> dict[str, Plan]:
+    sched = SchedulerKnobs(enable_prefix_caching=False, max_num_seqs=max(buckets))
+    base = dict(cuda_graph_batch_sizes=buckets, scheduler=sched)
+    return {
+        "reference": Plan(**base, name="reference"),
+        "triton": Plan(**base, ops=TRITON_OPS, name="triton"),
+        "triton+gemv": Plan(**base, ops={**TRITON_OPS, **GEMV_OPS}, name="triton+gemv"),
+    }
+
+
+def decode_items(engine: Engine, bs: int, context: int, seed: int):
+    rng = random.Random(seed)
+    V = engine.config.vocab_size
+    items = []
+    for i in range(bs):
+        s = Sequence(f"b{i}", [rng.randrange(V) for _ in range(context)],
+                     SamplingParams(temperature=0), seed=i)
+        assert engine.blocks.allocate(s), "KV cache too small for the benchmark"
+        s.num_computed_tokens = context - 1  # the cache holds random (never zero) KV
+        items.append((s, 1))
+    return items
+
+
+def time_steps(engine: Engine, items, steps: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        engine.runner.run(items, decode_only=True)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.runner.run(items, decode_only=True)  # ends in the step's one host sync
+        samples.append(time.perf_counter() - t0)
+    return summarize(samples)
+
+
+def time_replay(engine: Engine, bs: int, steps: int) -> dict | None:
+    """GPU time of the captured graph alone (CUDA events), no host-side preparation."""
+    if bs not in engine.runner.graphs:
+        return None
+    g = engine.runner.graphs[bs][0]
+    for _ in range(3):
+        g.replay()
+    samples = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / 1e3)
+    return summarize(samples)
+
+
+def hf_decode_ms(shape: str, bs: int, context: int, new_tokens: int = 33) -> dict:
+    """HF transformers eager `generate`: (T(n) - T(1)) / (n - 1) per decode step."""
+    import transformers
+
+    from anneal.engine.presets import preset_config
+
+    c = preset_config(shape)
+    kw = dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        max_position_embeddings=8192, tie_word_embeddings=c.tie_word_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+    )
+    cls = transformers.Qwen3ForCausalLM if c.family == "qwen3" else transformers.LlamaForCausalLM
+    cfg_cls = transformers.Qwen3Config if c.family == "qwen3" else transformers.LlamaConfig
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = cls(cfg_cls(**kw)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    ids = torch.randint(0, c.vocab_size, (bs, context), device="cuda")
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        assert out.shape[1] == context + n
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    t1 = statistics.median(run(1) for _ in range(2))
+    tn = statistics.median(run(new_tokens) for _ in range(2))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"median_ms": (tn - t1) / (new_tokens - 1) * 1e3, "method": f"(T({new_tokens})-T(1))/{new_tokens - 1}"}
+
+
+def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw: float,
+                hf: bool, greedy_check: int) -> dict:
+    max_len = context + max(greedy_check, 16) + 16
+    blocks_per_seq = -(-max_len // 16)
+    plans = bench_plans(batch_sizes)
+    engine = Engine(EngineArgs(
+        model=f"random:{shape}", device="cuda", dtype="bfloat16", max_model_len=max_len,
+        num_kv_blocks=max(batch_sizes) * blocks_per_seq + 32, plan=plans["reference"],
+    ))
+    cfg = engine.config
+    weight_bytes = engine.weights.nbytes()
+    out: dict = {"shape": shape, "weight_bytes": weight_bytes, "context": context,
+                 "load_s": engine.load_s, "plans": {}, "apply": {}, "rows": []}
+    kv_per_token = cfg.kv_bytes_per_token(dtype_bytes=2)
+    tokens: dict[str, list[int]] = {}
+    prompt = [random.Random(7).randrange(cfg.vocab_size) for _ in range(64)]
+    for name, plan in plans.items():
+        try:
+            if name != "reference":
+                rep = engine.apply_plan(plan)
+                out["apply"][name] = rep.__dict__
+        except Exception as e:  # a plan that fails to apply is a result, not a crash
+            out["plans"][name] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+            continue
+        out["plans"][name] = {"ok": True, "hash": plan.hash}
+        for bs in batch_sizes:
+            items = decode_items(engine, bs, context, seed=bs)
+            row = {"plan": name, "batch_size": bs, "mode": "cuda_graph"}
+            row["step"] = time_steps(engine, items, steps, warmup=5)
+            row["gpu"] = time_replay(engine, bs, steps)
+            roof_w = weight_bytes / (bw * 1e9) * 1e3
+            roof_all = (weight_bytes + bs * context * kv_per_token) / (bw * 1e9) * 1e3
+            ms = (row["gpu"] or row["step"])["median_ms"]
+            row.update(roofline_weights_ms=roof_w, roofline_ms=roof_all,
+                       pct_roofline=100 * roof_all / ms, pct_roofline_weights=100 * roof_w / ms,
+                       tokens_per_s=bs / row["step"]["median_ms"] * 1e3)
+            out["rows"].append(row)
+            print(f"{shape:14s} {name:12s} bs={bs:<4d} graph step {row['step']['median_ms']:8.3f} ms "
+                  f"gpu {ms:8.3f} ms  {row['pct_roofline']:5.1f}% of roofline", flush=True)
+            if name == "reference" or bs in (1, max(batch_sizes)):
+                graphs = engine.runner.graphs.copy()
+                engine.runner.graphs.clear()
+                er = time_steps(engine, items, max(steps // 4, 5), warmup=2)
+                engine.runner.graphs.update(graphs)
+                out["rows"].append({"plan": name, "batch_size": bs, "mode": "eager", "step": er,
+                                    "pct_roofline": 100 * roof_all / er["median_ms"],
+                                    "tokens_per_s": bs / er["median_ms"] * 1e3})
+                print(f"{shape:14s} {name:12s} bs={bs:<4d} eager step {er['median_ms']:8.3f} ms", flush=True)
+            for s, _ in items:
+                engine.blocks.free(s)
+        if greedy_check:
+            tokens[name] = engine.generate(
+                [prompt], SamplingParams(max_tokens=greedy_check, temperature=0, ignore_eos=True))[0]
+    if "reference" in tokens:
+        out["greedy_identical_to_reference"] = {
+            n: t == tokens["reference"] for n, t in tokens.items() if n != "reference"}
+        out["greedy_steps"] = greedy_check
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    if hf:
+        for bs in batch_sizes:
+            try:
+                h = hf_decode_ms(shape, bs, context)
+            except Exception as e:
+                h = {"error": f"{type(e).__name__}: {e}"}
+            roof_all = (weight_bytes + bs * context * kv_per_token) / (bw * 1e9) * 1e3
+            row = {"plan": "hf_transformers_generate", "batch_size": bs, "mode": "eager", "step": h}
+            if "median_ms" in h:
+                row["pct_roofline"] = 100 * roof_all / h["median_ms"]
+                row["tokens_per_s"] = bs / h["median_ms"] * 1e3
+            out["rows"].append(row)
+            print(f"{shape:14s} HF generate  bs={bs:<4d} {h}", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
+    ap.add_argument("--batch-sizes", default="1,8,32,128")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--greedy-check", type=int, default=256)
+    ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/decode.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    bs = [int(x) for x in args.batch_sizes.split(",")]
+    result = {"env": environment(), "copy_gbps": copy_bandwidth_gbps(), "matmul_tflops": matmul_tflops(),
+              "shapes": []}
+    print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s")
+    for shape in args.shapes.split(","):
+        result["shapes"].append(bench_shape(shape, bs, args.context, args.steps, result["copy_gbps"],
+                                            not args.no_hf, args.greedy_check))
+    path = write_result("decode", result, Path(args.out) if args.out else None)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

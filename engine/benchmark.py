@@ -1,0 +1,175 @@
+"""Timing a plan inside the running engine: a fixed decode/prefill shape or a replayed workload.
+
+Hardened against flattering numbers: the timed region ends in a device-wide synchronize (work an
+op left on another stream is counted), inputs rotate among several sets of sequences (so caches
+hold no single working set), outputs are poisoned before each timed step and checked after it,
+and warm-up steps are never counted. Reports the median and p10/p90 over repetitions.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, Field
+
+from anneal.engine.plan import Plan
+from anneal.engine.sampling_params import SamplingParams
+from anneal.engine.sequence import Sequence
+
+
+class BenchmarkRequest(BaseModel):
+    plan: Plan | None = Field(None, description="apply this plan first (default: the current one)")
+    mode: Literal["decode", "prefill", "workload"] = "decode"
+    batch_size: int = Field(1, ge=1, le=4096)
+    context_len: int = Field(256, ge=2)
+    prompt_len: int = Field(128, ge=1)
+    steps: int = Field(20, ge=1, le=10000)
+    warmup: int = Field(3, ge=0, le=1000)
+    rotate: int = Field(2, ge=1, le=8, description="input sets cycled through")
+    traffic: Any = Field(None, description="TrafficShape (object or preset name) for mode=workload")
+    num_requests: int = Field(16, ge=1, le=10000)
+    seed: int = 0
+
+
+class BenchmarkResult(BaseModel):
+    plan_hash: str
+    mode: str
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    tokens_per_s: float
+    samples_ms: list[float]
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def _sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def _sequences(engine, n: int, length: int, computed: int, rng: random.Random) -> list[Sequence]:
+    V = engine.config.vocab_size
+    seqs = []
+    for i in range(n):
+        s = Sequence(f"bench-{i}", [rng.randrange(V) for _ in range(length)],
+                     SamplingParams(temperature=0), seed=i)
+        if not engine.blocks.allocate(s):
+            for t in seqs:
+                engine.blocks.free(t)
+            raise ValueError(f"the KV cache cannot hold {n} sequences of {length} tokens")
+        s.num_computed_tokens = computed
+        seqs.append(s)
+    return seqs
+
+
+def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkRequest,
+                 decode_only: bool) -> list[float]:
+    samples = []
+    graphs = engine.runner.graphs
+    for i in range(req.warmup + req.steps):
+        items = sets[i % len(sets)]
+        for g in graphs.values():  # poison graph outputs: an op that skips its write shows up
+            g[1].fill_(float("nan"))
+        _sync(engine)
+        t0 = time.perf_counter()
+        engine.runner.run(items, decode_only)
+        _sync(engine)
+        dt = time.perf_counter() - t0
+        if i >= req.warmup:
+            samples.append(dt)
+    return samples
+
+
+def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
+    """Runs on the engine thread with the engine idle."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the benchmark needs an idle engine")
+    if req.plan is not None and req.plan != engine.plan:
+        engine.apply_plan(req.plan)
+    rng = random.Random(req.seed)
+    if req.mode == "workload":
+        return _workload(engine, req)
+    if req.mode == "decode":
+        if req.context_len >= engine.max_model_len:
+            raise ValueError(f"context_len must be < max_model_len ({engine.max_model_len})")
+        sets = [[(s, 1) for s in _sequences(engine, req.batch_size, req.context_len,
+                                            req.context_len - 1, rng)]
+                for _ in range(req.rotate)]
+        tokens_per_step = req.batch_size
+    else:
+        sets = [[(s, req.prompt_len) for s in _sequences(engine, req.batch_size, req.prompt_len, 0, rng)]
+                for _ in range(req.rotate)]
+        tokens_per_step = req.batch_size * req.prompt_len
+    try:
+        samples = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")
+    finally:
+        for items in sets:
+            for s, _ in items:
+                engine.blocks.free(s)
+    med = statistics.median(samples)
+    return BenchmarkResult(
+        plan_hash=engine.plan.hash, mode=req.mode, median_ms=med * 1e3,
+        p10_ms=_quantile(samples, 0.1) * 1e3, p90_ms=_quantile(samples, 0.9) * 1e3,
+        tokens_per_s=tokens_per_step / med, samples_ms=[x * 1e3 for x in samples],
+        extra={"batch_size": req.batch_size, "context_len": req.context_len,
+               "graph": req.mode == "decode" and bool(engine.runner.graphs)},
+    )
+
+
+def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
+    """Replay a TrafficShape's synthetic workload closed-loop; per-step and per-request timings."""
+    from anneal.engine.traffic import TrafficShape, load_traffic, make_workload
+
+    t = req.traffic or "chat"
+    shape = load_traffic(t) if isinstance(t, str) else TrafficShape.model_validate(t)
+    wl = make_workload(shape, req.num_requests, seed=req.seed, vocab_size=engine.config.vocab_size,
+                       max_model_len=engine.max_model_len)
+    runs = []
+    for rep in range(max(1, min(req.steps, 3)) + (1 if req.warmup else 0)):
+        first, last, starts = {}, {}, {}
+        itl: list[float] = []
+        for i, r in enumerate(wl.requests):
+            rid = f"wl-{rep}-{i}"
+            engine.add_request(rid, r.prompt_token_ids, SamplingParams(
+                max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
+            starts[rid] = None
+        _sync(engine)
+        t0 = time.perf_counter()
+        n_out = 0
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            _sync(engine)
+            now = time.perf_counter()
+            for o in outs:
+                n_out += len(o.new_token_ids)
+                if o.request_id not in first:
+                    first[o.request_id] = now - t0
+                else:
+                    itl.append(now - last[o.request_id])
+                last[o.request_id] = now
+        total = time.perf_counter() - t0
+        runs.append((total, n_out, sorted(first.values()), itl))
+    if req.warmup and len(runs) > 1:
+        runs = runs[1:]
+    totals = [r[0] for r in runs]
+    med = statistics.median(totals)
+    n_out = runs[0][1]
+    ttft = [x for r in runs for x in r[2]]
+    itl = [x for r in runs for x in r[3]] or [0.0]
+    return BenchmarkResult(
+        plan_hash=engine.plan.hash, mode="workload", median_ms=med * 1e3,
+        p10_ms=_quantile(totals, 0.1) * 1e3, p90_ms=_quantile(totals, 0.9) * 1e3,
+        tokens_per_s=n_out / med, samples_ms=[x * 1e3 for x in totals],
+        extra={"traffic": shape.name, "num_requests": len(wl.requests), "output_tokens": n_out,
+               "ttft_p50_ms": _quantile(ttft, 0.5) * 1e3, "ttft_p90_ms": _quantile(ttft, 0.9) * 1e3,
+               "itl_p50_ms": _quantile(itl, 0.5) * 1e3, "itl_p90_ms": _quantile(itl, 0.9) * 1e3},
+    )

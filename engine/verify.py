@@ -1,0 +1,222 @@
+"""The engine side of verification: a candidate plan against the reference, on the same weights.
+
+A candidate that fails any check is never served (DESIGN.md, "Verification"):
+  quality           teacher-forced logits vs the reference plan (relative error, greedy agreement,
+                    no NaN/Inf; exact equality when the plan claims bit-exactness)
+  kv_contamination  the same requests on blocks poisoned with NaN, and on blocks recycled from
+                    other requests, give the outputs of the clean run
+  batch_invariance  each request alone gives what it gives inside the batch
+  prefix_cache      prefix-cache hits give what misses give (and hits really happened)
+  determinism       a re-run gives bit-identical logits
+Everything is teacher-forced on the reference's greedy tokens, so one flipped token does not
+cascade into a different continuation. Runs on the engine thread with the engine idle, and leaves
+the plan it found in place.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from anneal.engine.plan import Plan
+from anneal.engine.sampling_params import SamplingParams
+from anneal.engine.sequence import Sequence
+
+CHECKS = ("quality", "kv_contamination", "batch_invariance", "prefix_cache", "determinism")
+DTYPE_TOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+class VerifyRequest(BaseModel):
+    plan: Plan
+    checks: list[str] | None = Field(None, description=f"subset of {list(CHECKS)}; default all")
+    num_prompts: int = Field(6, ge=1, le=256)
+    min_prompt_len: int = Field(8, ge=1)
+    max_prompt_len: int = Field(200, ge=1)
+    steps: int = Field(24, ge=1, le=4096)
+    seed: int = 0
+    rel_tol: float | None = Field(None, gt=0, description="logits relative error; default by dtype")
+    min_greedy_agreement: float = Field(0.98, ge=0, le=1)
+
+
+class CheckResult(BaseModel):
+    name: str
+    passed: bool
+    detail: str = ""
+    metrics: dict[str, Any] = Field(default_factory=dict)
+
+
+class VerifyReport(BaseModel):
+    passed: bool
+    plan_hash: str
+    checks: list[CheckResult]
+    seconds: float
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+class _Forcer:
+    """Teacher-forced runs straight through the runner: logits per step ``[steps + 1, V]``."""
+
+    def __init__(self, engine):
+        self.e = engine
+
+    def run(self, prompts: list[list[int]], forced: list[list[int]], fresh: bool = True) -> list[torch.Tensor]:
+        """``fresh``: forget cached prefixes first, so every token is computed by this plan."""
+        e = self.e
+        if fresh:
+            e.blocks.reset_prefix_cache()
+        seqs = [Sequence(f"verify-{i}", list(p), SamplingParams(temperature=0), seed=0)
+                for i, p in enumerate(prompts)]
+        try:
+            for s in seqs:
+                if not e.blocks.allocate(s):
+                    raise RuntimeError("not enough free KV blocks for verification")
+            # Prefill what the prefix cache did not cover, all sequences in one varlen pass.
+            logits, _, rows = e.runner.extend([(s, len(s) - s.num_computed_tokens) for s in seqs])
+            assert rows == list(range(len(seqs)))
+            out = [[logits[i].float().cpu()] for i in range(len(seqs))]
+            for s in seqs:
+                s.num_computed_tokens = len(s)
+                e.blocks.mark_computed(s)
+            for step in range(len(forced[0])):
+                for s, f in zip(seqs, forced):
+                    s.token_ids.append(f[step])
+                    if not e.blocks.append_slots(s):
+                        raise RuntimeError("not enough free KV blocks for verification")
+                lg = e.runner.decode_logits(seqs)
+                for i, s in enumerate(seqs):
+                    out[i].append(lg[i].float().cpu())
+                    s.num_computed_tokens = len(s)
+                    e.blocks.mark_computed(s)
+            return [torch.stack(o) for o in out]
+        finally:
+            for s in seqs:
+                if s.block_table:
+                    e.blocks.free(s)
+
+
+def _poison_free_blocks(engine) -> int:
+    engine.blocks.reset_prefix_cache()  # poisoned blocks hold garbage, not cached prefixes
+    free = engine.blocks.free_block_ids()
+    if free:
+        idx = torch.tensor(free, device=engine.runner.kv.device)
+        engine.runner.kv[:, :, idx] = float("nan")
+    return len(free)
+
+
+def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor], tol: float,
+             exact: bool, min_agree: float = 1.0) -> CheckResult:
+    worst = max(_rel(g, w) for g, w in zip(got, want))
+    agree = sum((g.argmax(-1) == w.argmax(-1)).sum().item() for g, w in zip(got, want))
+    total = sum(w.shape[0] for w in want)
+    nonfinite = any(not torch.isfinite(g).all() for g in got)
+    identical = all(torch.equal(g, w) for g, w in zip(got, want))
+    ok = (identical if exact else worst <= tol and agree >= min_agree * total) and not nonfinite
+    detail = "" if ok else (
+        "non-finite logits" if nonfinite else
+        "outputs differ (bit-exactness required)" if exact else
+        f"max relative error {worst:.3g} (tolerance {tol:g}), argmax agreement {agree}/{total}")
+    return CheckResult(name=name, passed=ok, detail=detail,
+                       metrics={"max_rel_err": worst, "argmax_agreement": agree / total,
+                                "bit_identical": identical})
+
+
+def verify(engine, req: VerifyRequest) -> VerifyReport:
+    """Run the checks for ``req.plan`` on ``engine`` (idle); restores the engine's plan."""
+    t0 = time.perf_counter()
+    checks = req.checks or list(CHECKS)
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"unknown checks {unknown}; known: {list(CHECKS)}")
+    if engine.has_unfinished_requests():
+        raise RuntimeError("verification needs an idle engine")
+    rng = random.Random(req.seed)
+    V = engine.config.vocab_size
+    hi = min(req.max_prompt_len, engine.max_model_len - req.steps - 2)
+    if hi < req.min_prompt_len:
+        raise ValueError("max_model_len is too small for these prompt lengths and steps")
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(req.min_prompt_len, hi))]
+               for _ in range(req.num_prompts)]
+    tol = req.rel_tol or DTYPE_TOL.get(engine.dtype, 1e-3)
+    original = engine.plan
+    reference = req.plan.model_copy(update={"ops": {}, "kernels": [], "fusions": {}})
+    forcer = _Forcer(engine)
+    results: list[CheckResult] = []
+    try:
+        engine.apply_plan(reference)
+        greedy = engine.generate(prompts, SamplingParams(max_tokens=req.steps, temperature=0,
+                                                         ignore_eos=True))
+        forced = [g[: req.steps] for g in greedy]
+        ref_logits = forcer.run(prompts, forced)
+
+        engine.apply_plan(req.plan)
+        bit_exact = _claims_bit_exact(req.plan)
+        clean = forcer.run(prompts, forced)
+        agree = req.min_greedy_agreement
+        if "quality" in checks:
+            results.append(_compare("quality", clean, ref_logits, tol, bit_exact, agree))
+        if "kv_contamination" in checks:
+            n = _poison_free_blocks(engine)
+            poisoned = forcer.run(prompts, forced)
+            other = [[rng.randrange(V) for _ in range(rng.randint(req.min_prompt_len, hi))]
+                     for _ in range(req.num_prompts)]
+            engine.generate(other, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            recycled = forcer.run(prompts, forced)
+            a = _compare("kv_contamination", poisoned, clean, tol, False, agree)
+            b = _compare("kv_contamination", recycled, clean, tol, False, agree)
+            results.append(CheckResult(
+                name="kv_contamination", passed=a.passed and b.passed,
+                detail="; ".join(x for x in (a.detail and f"poisoned blocks: {a.detail}",
+                                             b.detail and f"recycled blocks: {b.detail}") if x),
+                metrics={"poisoned_blocks": n, "poisoned": a.metrics, "recycled": b.metrics}))
+        if "batch_invariance" in checks:
+            alone = [forcer.run([p], [f])[0] for p, f in zip(prompts, forced)]
+            results.append(_compare("batch_invariance", alone, clean, tol, False, agree))
+        if "prefix_cache" in checks:
+            results.append(_prefix_check(engine, forcer, prompts, forced, tol, agree, rng, V))
+        if "determinism" in checks:
+            again = forcer.run(prompts, forced)
+            r = _compare("determinism", again, clean, tol, exact=True)
+            r.detail = r.detail and "a re-run gave different logits (nondeterministic)"
+            results.append(r)
+    finally:
+        if engine.plan != original:
+            engine.apply_plan(original)
+    return VerifyReport(passed=all(r.passed for r in results), plan_hash=req.plan.hash,
+                        checks=results, seconds=time.perf_counter() - t0)
+
+
+def _claims_bit_exact(plan: Plan) -> bool:
+    from anneal.engine.ops.registry import get_variant
+
+    return all(get_variant(op, c.impl).bit_exact for op, c in plan.ops.items())
+
+
+def _prefix_check(engine, forcer, prompts, forced, tol, agree, rng, V) -> CheckResult:
+    bs = engine.blocks.block_size
+    prefix = [rng.randrange(V) for _ in range(3 * bs + 1)]
+    shared = [prefix + p for p in prompts]
+    hi = engine.max_model_len - len(forced[0]) - 2
+    shared = [s[:hi] for s in shared]
+    was = engine.blocks.enable_prefix_caching
+    try:
+        engine.blocks.enable_prefix_caching = False
+        miss = forcer.run(shared, forced)
+        engine.blocks.enable_prefix_caching = True
+        forcer.run(shared[:1], [forced[0]])  # populate the cache
+        before = engine.blocks.hit_tokens
+        hit = forcer.run(shared, forced, fresh=False)
+        hits = engine.blocks.hit_tokens - before
+    finally:
+        engine.blocks.enable_prefix_caching = was
+    r = _compare("prefix_cache", hit, miss, tol, False, agree)
+    r.metrics["hit_tokens"] = hits
+    if hits == 0:
+        r.passed, r.detail = False, "no prefix-cache hits happened; the check proved nothing"
+    return r
