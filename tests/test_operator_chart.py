@@ -63,7 +63,7 @@ def test_dockerfiles_keep_the_operator_image_torch_free():
 
 def _template(*args: str) -> list[dict]:
     env = dict(os.environ, HELM_CACHE_HOME="/tmp/anneal-helm-cache", HELM_CONFIG_HOME="/tmp/anneal-helm-config")
-    out = subprocess.run([HELM, "template", "anneal", str(CHART), "--namespace", "anneal-system", *args],
+    out = subprocess.run([HELM, "template", "anneal", str(CHART), "--namespace", "anneal-system", "--kube-version", "1.29.0", *args],
                          capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -112,7 +112,7 @@ def test_watched_namespaces_get_role_bindings_and_peerings():
 @needs_helm
 def test_values_schema_rejects_bad_values():
     env = dict(os.environ, HELM_CACHE_HOME="/tmp/anneal-helm-cache", HELM_CONFIG_HOME="/tmp/anneal-helm-config")
-    out = subprocess.run([HELM, "template", "anneal", str(CHART), "--set", "operator.logLevel=LOUD"],
+    out = subprocess.run([HELM, "template", "anneal", str(CHART), "--kube-version", "1.29.0", "--set", "operator.logLevel=LOUD"],
                          capture_output=True, text=True, env=env)
     assert out.returncode != 0 and "logLevel" in out.stderr
 
