@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+from cluster.services import ServiceNotReady
 
 pytestmark = pytest.mark.e2e
 
@@ -83,7 +84,17 @@ def test_gpu_deployment_lands_on_kwok_nodes_and_is_collected(cluster):
     rs = get_json(cluster, "replicasets", "-l", "app=gpu-app")["items"]
     assert len(rs) == 1 and rs[0]["metadata"]["ownerReferences"][0]["kind"] == "Deployment"
 
-    cluster.kubectl("delete", "deployment", "gpu-app", "--wait=false", check=True)
+    # Their Service gets an IPv4 EndpointSlice, but nothing runs there, so tests cannot call it.
+    cluster.kubectl("create", "service", "clusterip", "gpu-app", "--tcp=8000:8000", check=True)
+    slices = wait_for(lambda: [s for s in get_json(cluster, "endpointslices", "-l",
+                                                   "kubernetes.io/service-name=gpu-app")["items"]
+                               if len([e for e in s.get("endpoints") or [] if e["conditions"]["ready"]]) == 2],
+                      30, "an EndpointSlice with both GPU pods")
+    assert slices[0]["addressType"] == "IPv4"
+    with pytest.raises(ServiceNotReady, match="kwok"):
+        cluster.service_url("gpu-app", "default", 8000, timeout=5)
+
+    cluster.kubectl("delete", "deployment,service", "gpu-app", "--wait=false", check=True)
     wait_for(lambda: not get_json(cluster, "replicasets", "-l", "app=gpu-app")["items"]
              and not get_json(cluster, "pods", "-l", "app=gpu-app")["items"],
              90, "garbage collection of the ReplicaSet and its pods")

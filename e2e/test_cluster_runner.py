@@ -78,6 +78,8 @@ def test_http_pod_ready_reachable_and_killed_on_delete(cluster):
     pid = int(status["containerID"].removeprefix("anneal-local://"))
     assert Path(f"/proc/{pid}").exists()
 
+    slices = get_json(cluster, "endpointslices", "-l", "kubernetes.io/service-name=web")["items"]
+    assert [(s["addressType"], s["endpoints"][0]["addresses"]) for s in slices] == [("FQDN", [str(ip)])]
     url = cluster.service_url("web", "default", "http")
     assert url == f"http://{ip}:8080"
     assert httpx.get(url, timeout=5).status_code == 200

@@ -232,6 +232,10 @@ class LocalCluster:
             f"--cert-dir={self.state_dir / 'apiserver-certs'}",
             f"--tls-cert-file={pki.serving_crt}", f"--tls-private-key-file={pki.serving_key}",
             f"--client-ca-file={pki.ca_crt}",
+            # No front proxy: a CA for its headers, and a name no certificate carries.
+            f"--requestheader-client-ca-file={pki.ca_crt}", "--requestheader-allowed-names=anneal-no-front-proxy",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.sa_pub}",
@@ -261,6 +265,8 @@ class LocalCluster:
             f"--root-ca-file={pki.ca_crt}",
             f"--cluster-signing-cert-file={pki.ca_crt}", f"--cluster-signing-key-file={pki.ca_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # Pod IPs on loopback are not valid endpoint addresses: the runner publishes EndpointSlices.
+            "--controllers=*,-endpoints-controller,-endpointslice-controller",
             "--v=1",
         ]
 

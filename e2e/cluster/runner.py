@@ -9,8 +9,9 @@ keeps its lease fresh, and for each pod bound to it:
   pod's env (downward API, ConfigMap/Secret refs) and its volumes as local directories (podspec.py);
 - reports phase, pod IP, container statuses, restarts (restartPolicy, back-off 1 s doubling to
   10 s) and readiness (readinessProbe; livenessProbe failures restart the container);
-- publishes an EndpointSlice per Service selecting its pods. The API server refuses loopback IPs
-  as IPv4 endpoint addresses, so these slices are `addressType: FQDN` with the IP text as address;
+- publishes the EndpointSlices of every Service (the controller manager's endpoint controllers are
+  off): the API server refuses loopback IPs as IPv4 endpoint addresses, so local pods go into
+  `<svc>-local` with `addressType: FQDN` and the IP text as address; kwok pods into `<svc>-nodes`;
 - on deletion, SIGTERMs the process groups (SIGKILL after the grace period, at most 10 s) and
   removes the pod with grace period 0.
 Logs: `<state dir>/pods/<namespace>_<name>/<container>.log` (there is no `kubectl logs`).
@@ -446,53 +447,73 @@ class Runner:
 
     # -------------------------------------------------------------- services
 
-    def publish_endpoints(self, pods: list[dict]) -> None:
-        """One FQDN EndpointSlice per Service that selects pods of this node."""
-        services = self.rest.get("/api/v1/services")["items"]
+    def publish_endpoints(self) -> None:
+        """EndpointSlices for every Service with a selector (the controller manager's endpoint
+        controllers are off: they cannot write loopback addresses). Pods of this node go into
+        `<svc>-local` (addressType FQDN, the loopback IP as text); pods of other (kwok) nodes into
+        `<svc>-nodes` (IPv4), as the real controller would write them."""
+        services = [s for s in self.rest.get("/api/v1/services")["items"] if s["spec"].get("selector")]
+        if not services and not self._slices:
+            return
+        pods = self.rest.get("/api/v1/pods")["items"]
         with self._lock:
             workers = {w.uid: w for w in self.workers.values()}
         for svc in services:
-            sel = svc["spec"].get("selector")
-            if not sel:
-                continue
-            ns, name = svc["metadata"]["namespace"], svc["metadata"]["name"]
+            ns, sel = svc["metadata"]["namespace"], svc["spec"]["selector"]
             matching = [p for p in pods if p["metadata"]["namespace"] == ns
                         and all(p["metadata"].get("labels", {}).get(k) == v for k, v in sel.items())
-                        and p["metadata"]["uid"] in workers]
-            key = f"{ns}/{name}"
-            if not matching and key not in self._slices:
-                continue
-            ports, endpoints = [], []
+                        and p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
+            local, remote = [], []
+            for p in matching:
+                terminating = bool(p["metadata"].get("deletionTimestamp"))
+                w = workers.get(p["metadata"]["uid"])
+                if p["spec"].get("nodeName") == self.node:
+                    if w is None:
+                        continue
+                    ip, serving = w.ip, w.endpoint_ready()
+                    bucket = local
+                else:
+                    ip = p.get("status", {}).get("podIP")
+                    if not ip:
+                        continue
+                    serving = any(c["type"] == "Ready" and c["status"] == "True"
+                                  for c in p["status"].get("conditions", []))
+                    bucket = remote
+                bucket.append({"addresses": [ip], "nodeName": p["spec"].get("nodeName"),
+                               "conditions": {"ready": serving and not terminating, "serving": serving,
+                                              "terminating": terminating},
+                               "targetRef": {"kind": "Pod", "namespace": ns, "name": p["metadata"]["name"],
+                                             "uid": p["metadata"]["uid"]}})
+            ports = []
             for sp in svc["spec"].get("ports", []):
-                target = sp.get("targetPort", sp["port"])
-                number = self._target_port(target, matching)
+                number = self._target_port(sp.get("targetPort", sp["port"]), matching)
                 if number is not None:
                     ports.append({"name": sp.get("name", ""), "port": number, "protocol": sp.get("protocol", "TCP")})
-            for p in matching:
-                w = workers[p["metadata"]["uid"]]
-                terminating = bool(p["metadata"].get("deletionTimestamp"))
-                ready = w.endpoint_ready() and not terminating
-                endpoints.append({"addresses": [w.ip], "nodeName": self.node,
-                                  "conditions": {"ready": ready, "serving": w.endpoint_ready(),
-                                                 "terminating": terminating},
-                                  "targetRef": {"kind": "Pod", "namespace": ns, "name": p["metadata"]["name"],
-                                                "uid": p["metadata"]["uid"]}})
-            body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                    "metadata": {"name": f"{name}-anneal-local", "namespace": ns,
-                                 "labels": {"kubernetes.io/service-name": name,
-                                            "endpointslice.kubernetes.io/managed-by": MANAGER},
-                                 "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": name,
-                                                      "uid": svc["metadata"]["uid"]}]},
-                    "addressType": "FQDN", "endpoints": endpoints, "ports": ports}
-            digest = json.dumps(body, sort_keys=True)
-            if self._slices.get(key) == digest:
-                continue
-            try:
-                self.rest.apply(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/{name}-anneal-local",
-                                body, MANAGER)
-                self._slices[key] = digest
-            except ApiError as e:
-                log.warning("endpointslice %s: %s", key, e)
+            self._publish(svc, "local", "FQDN", local, ports)
+            self._publish(svc, "nodes", "IPv4", remote, ports)
+
+    def _publish(self, svc: dict, suffix: str, address_type: str, endpoints: list, ports: list) -> None:
+        ns, name = svc["metadata"]["namespace"], svc["metadata"]["name"]
+        slice_name = f"{name}-{suffix}"
+        key = f"{ns}/{slice_name}/{svc['metadata']['uid']}"
+        if not endpoints and key not in self._slices:
+            return
+        body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": slice_name, "namespace": ns,
+                             "labels": {"kubernetes.io/service-name": name,
+                                        "endpointslice.kubernetes.io/managed-by": MANAGER},
+                             "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": name,
+                                                  "uid": svc["metadata"]["uid"], "controller": True,
+                                                  "blockOwnerDeletion": True}]},
+                "addressType": address_type, "endpoints": endpoints, "ports": ports}
+        digest = json.dumps(body, sort_keys=True)
+        if self._slices.get(key) == digest:
+            return
+        try:
+            self.rest.apply(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/{slice_name}", body, MANAGER)
+            self._slices[key] = digest
+        except ApiError as e:
+            log.warning("endpointslice %s: %s", key, e)
 
     @staticmethod
     def _target_port(target, pods: list[dict]) -> int | None:
@@ -513,8 +534,8 @@ class Runner:
         log.info("node %s registered; running pods", self.node)
         while not self.stopping:
             try:
-                pods = self.sync()
-                self.publish_endpoints(pods)
+                self.sync()
+                self.publish_endpoints()
             except Exception as e:
                 log.warning("sync: %s", e)
             time.sleep(period)
