@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from anneal.engine import openai_protocol as p
-from anneal.engine.async_engine import AsyncEngine, RequestStream
+from anneal.engine.async_engine import (
+    AsyncEngine,
+    EngineShuttingDown,
+    EngineStepError,
+    RequestStream,
+)
 from anneal.engine.output_stream import Delta, OutputAssembler, TokenInfo
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.tokenizer import Tokenizer, TokenizerError
@@ -305,12 +310,19 @@ async def stream(ctx: ServingContext, gen: Generation, engine_stream: RequestStr
                 )
             )
             first = False
-        async for delta in _deltas(ctx, gen, engine_stream):
-            # One event per engine output, even when its text is held back (half a UTF-8
-            # character, a possible stop string): clients can time every token.
-            num_tokens += len(delta.token_ids)
-            yield _sse(_chunk(gen, delta, created, first))
-            first = False
+        try:
+            async for delta in _deltas(ctx, gen, engine_stream):
+                # One event per engine output, even when its text is held back (half a UTF-8
+                # character, a possible stop string): clients can time every token.
+                num_tokens += len(delta.token_ids)
+                yield _sse(_chunk(gen, delta, created, first))
+                first = False
+        except (EngineStepError, EngineShuttingDown) as e:
+            # The status line is long gone: say what happened in the stream, as vLLM does.
+            err = APIError(503 if isinstance(e, EngineShuttingDown) else 500, str(e), type="server_error")
+            yield f"data: {json.dumps(err.body(), separators=(',', ':'))}\n\n"
+            yield "data: [DONE]\n\n"
+            return
         if gen.include_usage:
             usage = _usage(gen, num_tokens)
             cls = p.CompletionStreamResponse if gen.kind == "completion" else p.ChatCompletionStreamResponse

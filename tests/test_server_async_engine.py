@@ -171,3 +171,27 @@ def test_a_caller_cancelled_while_adding_leaves_nothing_behind(engine):
         assert ae.stats.num_running == ae.stats.num_waiting == 0
 
     run(engine, body)
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event(engine):
+    import json
+
+    from anneal.engine import openai_protocol as p
+    from anneal.engine import openai_serving as serving
+    from anneal.engine.tokenizer import ByteTokenizer
+
+    async def body(ae):
+        ctx = serving.ServingContext(ae, ByteTokenizer(512), "random:tiny", engine.max_model_len, 512)
+        req = p.CompletionRequest(model="random:tiny", prompt="hi", max_tokens=450, stream=True,
+                                  ignore_eos=True)
+        gen = serving.prepare_completion(ctx, req, arrival=0.0)
+        events = serving.stream(ctx, gen, await serving.start_stream(ctx, gen))
+        first = json.loads((await anext(events))[6:])
+        assert first["choices"][0]["finish_reason"] is None
+        await ae.shutdown(grace_s=0.0)
+        rest = [e async for e in events]
+        assert rest[-1] == "data: [DONE]\n\n"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["type"] == "server_error" and "shut" in error["message"]
+
+    run(engine, body)
