@@ -45,7 +45,8 @@ class SearchSetting:
         return self.decode_spec.model_copy(update={"batch_size": batch_size})
 
     def workload_spec(self) -> BenchSpec:
-        return BenchSpec(mode="workload", num_requests=self.workload_requests, steps=1, warmup=0,
+        # One uncounted replay first: the first requests after a plan change pay its warm-up.
+        return BenchSpec(mode="workload", num_requests=self.workload_requests, steps=1, warmup=1,
                          repeats=1, context_len=self.context_len, prompt_len=self.prompt_len)
 
 

@@ -116,6 +116,11 @@ def run_compile(args: argparse.Namespace) -> int:
     gain = next((g for g in compiled.gains if g.metric == "tokens_per_s"), None)
     print(f"plan {compiled.plan.hash} written to {Path(args.out) / 'plan.json'}"
           + (f"; tokens/s x{gain.ratio:.3f} vs baseline" if gain else ""))
+    if not compiled.verification.get("passed"):
+        failed = [c.get("name") for c in compiled.verification.get("checks", []) if not c.get("passed")]
+        print(f"anneal compile: the resulting plan did not pass verification ({', '.join(failed)}); "
+              f"do not serve it — see {Path(args.out) / 'report.md'}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -268,6 +273,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
             message=f"searching on {fast_state.model} ({fast_state.num_layers_loaded} layers)")
 
     agents = _agents(agent_names, llm_model)
+    lab.warm_up(setting.decode_spec)
+    lab.warm_up(setting.workload_spec(), traffic_json)
     resumed = f"; resuming from {len(ledger)} ledger rows" if len(ledger) else ""
     _say(progress, f"search space: {setting.space.size:.3g} plans; agents: "
                    f"{', '.join(a.name for a in agents)}{resumed}")

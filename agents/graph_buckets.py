@@ -111,8 +111,7 @@ class GraphBucketAgent:
         board.note(f"graph buckets {fitted}: expected padding x{after:.3f} "
                    f"(base {setting.base.cuda_graph_batch_sizes}: x{before:.3f})")
         if not setting.space.uses_graphs:
-            board.set(graph_batch_sizes=fitted)  # no graphs on this device: the fit is for the GPU
-            return
+            return  # no CUDA graphs on this device: the fit is reported, the plan keeps its sizes
         plan = setting.base.model_copy(update={"cuda_graph_batch_sizes": fitted, "name": None})
         try:
             totals = {}

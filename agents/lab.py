@@ -178,6 +178,16 @@ class Lab:
             self.on_experiment(exp)
         return exp
 
+    def warm_up(self, spec: BenchSpec, traffic: dict[str, Any] | None = None) -> None:
+        """One unrecorded benchmark per engine, so the first candidate does not pay start-up costs
+        (allocator growth, lazy imports, caches) that the baseline measured later would not."""
+        for tier, client in self.engines.items():
+            with self._locks[tier]:
+                try:
+                    client.benchmark(None, spec, traffic if spec.mode == "workload" else None)
+                except EngineError as e:
+                    self._count_unreachable(tier, e)
+
     # ---- kernels and verification ---------------------------------------------------------------
 
     def register_kernel(

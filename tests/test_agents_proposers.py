@@ -84,3 +84,24 @@ def test_swarm_runs_agents_concurrently_and_stops_at_the_deadline(env):
     assert set(res) == {"kernel-tuner", "plan-search", "scheduler-tuner"}
     assert all(v in ("done", "budget") for v in res.values()), res
     assert {r.agent for r in lab.ledger.experiments()} == set(res)
+
+
+def test_graph_bucket_agent_fits_and_keeps_the_fit_only_when_it_times_better(tmp_path):
+    from anneal.agents.graph_buckets import GraphBucketAgent, fit_graph_buckets
+
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda"))  # FAKE graph padding costs
+    try:
+        with EngineClient(url, "tok") as client:
+            state = client.state()
+            setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, workload_requests=4)
+            assert setting.space.uses_graphs
+            led = Ledger(tmp_path / "l.sqlite")
+            board = Board()
+            GraphBucketAgent().run(Lab(ledger=led, engines={"fast": client}), setting, board)
+            assert board.graph_batch_sizes == fit_graph_buckets(setting.batch_dist, 6)
+            assert board.composite(setting.base).cuda_graph_batch_sizes == board.graph_batch_sizes
+            notes = [r.note for r in led.experiments()]
+            assert any("base graphs" in n for n in notes) and any("fitted graphs" in n for n in notes)
+            led.close()
+    finally:
+        srv.shutdown()

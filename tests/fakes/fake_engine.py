@@ -47,9 +47,9 @@ def fake_per_op(plan: Plan, batch: int) -> dict[str, float]:
 
 class FakeEngine:
     def __init__(self, token: str = "tok", layers: int = 1, noise: float = 0.02, model: str = "random:tiny",
-                 bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0):
+                 bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu"):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
-        self.bad_impls, self.delay_s = set(bad_impls), delay_s
+        self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
         self.plan = Plan()
         self.calls: dict[str, int] = {}
         self.kernels: dict[str, dict] = {}
@@ -60,7 +60,7 @@ class FakeEngine:
         for key, k in self.kernels.items():
             variants.setdefault(k["op"], {"reference": {}})[k["impl"]] = k["params"]
         return {
-            "model": self.model, "device": "cpu", "gpu_name": None, "dtype": "float32",
+            "model": self.model, "device": self.device, "gpu_name": "NVIDIA H200" if self.device == "cuda" else None, "dtype": "float32",
             "num_layers_loaded": self.layers, "num_layers_total": 4,
             "plan": self.plan.model_dump(mode="json"), "plan_hash": self.plan.hash,
             "kv": {"num_blocks": 64, "free_blocks": 64, "block_size": 16},
@@ -83,6 +83,10 @@ class FakeEngine:
         seed = int(hashlib.sha256(f"{plan.hash}{body.get('seed')}{body.get('mode')}".encode()).hexdigest()[:8], 16)
         rng = random.Random(seed)
         batch = int(body.get("batch_size", 1))
+        if self.device == "cuda" and body.get("mode") == "decode":
+            # Fake CUDA graphs: a batch runs padded to the next captured size, eager (x1.5) above all.
+            padded = [g for g in plan.cuda_graph_batch_sizes if g >= batch]
+            batch = min(padded) if padded else int(batch * 1.5) + 1
         per_op = fake_per_op(plan, batch)
         step = sum(per_op.values()) * self.layers + 0.1
         if body.get("mode") == "workload":
