@@ -53,6 +53,13 @@ def server():
     assert s.stop() == 0
 
 
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").assert_no_leaked_blocks()
+
+
 def run_bench(tmp_path, *argv):
     code = bench.main([*argv, "--out", str(tmp_path), "--name", "t", "--vocab-size", "512"])
     files = sorted(tmp_path.iterdir())
@@ -84,7 +91,6 @@ def test_sweep_against_a_live_server_and_the_hf_baseline(server, tmp_path):
             assert 0 < d["p50"] <= d["p90"] <= d["p99"], (metric, d)
         assert r["ttft_ms"]["p50"] <= r["e2el_ms"]["p50"]
     assert report["server"]["model"] == "random:tiny"
-    server.assert_no_leaked_blocks()
 
 
 def test_text_prompts_report_the_servers_token_counts(server, tmp_path):

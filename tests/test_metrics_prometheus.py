@@ -29,6 +29,13 @@ def server():
     assert s.stop() == 0
 
 
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").assert_no_leaked_blocks()
+
+
 @pytest.fixture(scope="module")
 def prometheus(server, tmp_path_factory):
     d = tmp_path_factory.mktemp("prometheus")
