@@ -48,7 +48,24 @@ def bench_plans(buckets: list[int]) -> dict[str, Plan]:
         "reference": Plan(**base, name="reference"),
         "triton": Plan(**base, ops=TRITON_OPS, name="triton"),
         "triton+gemv": Plan(**base, ops={**TRITON_OPS, **GEMV_OPS}, name="triton+gemv"),
+        "triton+fused": Plan(**base, ops=TRITON_OPS, fusions=FUSED, name="triton+fused"),
+        "triton+fused+pdl": Plan(**base, ops=with_pdl(TRITON_OPS), fusions=FUSED,
+                                 name="triton+fused+pdl"),
     }
+
+
+FUSED = {"lm_head_argmax": True, "silu_mul_down": True}
+
+
+def with_pdl(ops: dict[str, OpChoice]) -> dict[str, OpChoice]:
+    """Programmatic dependent launch where a variant declares it."""
+    from anneal.engine.ops.registry import get_variant
+
+    out = {}
+    for op, c in ops.items():
+        names = {p.name for p in get_variant(op, c.impl).params}
+        out[op] = OpChoice(impl=c.impl, params={**c.params, "pdl": True}) if "pdl" in names else c
+    return out
 
 
 def decode_items(engine: Engine, bs: int, context: int, seed: int):
@@ -80,7 +97,7 @@ def time_replay(engine: Engine, bs: int, steps: int) -> dict | None:
     """GPU time of the captured graph alone (CUDA events), no host-side preparation."""
     if bs not in engine.runner.graphs:
         return None
-    g = engine.runner.graphs[bs][0]
+    g = engine.runner.graphs[bs][0]  # (graph, outputs)
     for _ in range(3):
         g.replay()
     samples = []
@@ -138,10 +155,10 @@ def hf_decode_ms(shape: str, bs: int, context: int, new_tokens: int = 33) -> dic
 
 
 def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw: float,
-                hf: bool, greedy_check: int) -> dict:
+                hf: bool, greedy_check: int, wanted: list[str]) -> dict:
     max_len = context + max(greedy_check, 16) + 16
     blocks_per_seq = -(-max_len // 16)
-    plans = bench_plans(batch_sizes)
+    plans = {k: v for k, v in bench_plans(batch_sizes).items() if k in wanted or k == "reference"}
     engine = Engine(EngineArgs(
         model=f"random:{shape}", device="cuda", dtype="bfloat16", max_model_len=max_len,
         num_kv_blocks=max(batch_sizes) * blocks_per_seq + 32, plan=plans["reference"],
@@ -221,6 +238,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--plans", default="reference,triton,triton+gemv,triton+fused,triton+fused+pdl")
     ap.add_argument("--greedy-check", type=int, default=256)
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args()
@@ -233,7 +251,8 @@ def main() -> int:
     print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s")
     for shape in args.shapes.split(","):
         result["shapes"].append(bench_shape(shape, bs, args.context, args.steps, result["copy_gbps"],
-                                            not args.no_hf, args.greedy_check))
+                                            not args.no_hf, args.greedy_check,
+                                            args.plans.split(",")))
     path = write_result("decode", result, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0

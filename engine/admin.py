@@ -110,6 +110,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
             "ops": {op: sorted(v) for op, v in _variants().items()},
             "variants": _variants(),
             "hardware": hw,
+            "startup": e.startup,
         }
 
     @app.put("/admin/plan", dependencies=[Depends(auth)])

@@ -95,6 +95,8 @@ class Engine:
     def __init__(self, args: EngineArgs | None = None, **kw):
         args = args or EngineArgs(**kw)
         self.args = args
+        t_init = time.perf_counter()
+        self.startup: dict[str, float] = {}  # seconds per start-up phase (iteration benchmark)
         self.config = resolve_config(args.model)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
@@ -103,8 +105,11 @@ class Engine:
                                  cfg.max_position_embeddings)
         t0 = time.perf_counter()
         self.weights = load_weights(args.model, cfg, self.device, self.dtype, args.layers, args.seed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.load_s = time.perf_counter() - t0
         self.num_layers = len(self.weights.layers)
+        t0 = time.perf_counter()
         num_blocks = args.num_kv_blocks or self._auto_num_blocks()
         need = -(-self.max_model_len // args.block_size)
         if num_blocks < need:
@@ -121,7 +126,10 @@ class Engine:
             self.max_model_len,
         )
         self.scheduler = Scheduler(self.plan.scheduler, self.blocks, self.max_model_len)
+        kv_s = time.perf_counter() - t0
         self.capture_timings = self.runner.capture(self.plan.cuda_graph_batch_sizes)
+        self.startup = {"config_s": t0 - t_init - self.load_s, "weights_s": self.load_s,
+                        "kv_cache_s": kv_s, **self.capture_timings}
         self._rng = random.Random(args.seed)
         self._requests: dict[str, Sequence] = {}
         self._steps = 0

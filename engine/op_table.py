@@ -6,17 +6,32 @@ anything is swapped, so a bad plan never leaves the engine half-rebound.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from anneal.engine.ops.registry import OpError, all_ops, build_op, get_variant
 from anneal.engine.plan import Plan
 
 
+def _fused(name: str) -> Callable:
+    """The kernel behind a plan fusion (GPU; on the CPU only under TRITON_INTERPRET=1)."""
+    from anneal.engine.kernels import gemv
+
+    return {"lm_head_argmax": gemv.lm_head_argmax, "silu_mul_down": gemv.silu_mul_down_proj}[name]
+
+
 class OpTable:
-    def __init__(self, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]):
+    # Fused entry points, None unless the plan enables them.
+    lm_head_argmax: Callable | None = None
+    silu_mul_down: Callable | None = None
+
+    def __init__(self, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
+                 fusions: dict[str, Callable] | None = None):
         self._fns = fns
         self.choices = choices  # op -> (impl, resolved params)
         for name, fn in fns.items():
+            setattr(self, name, fn)
+        for name, fn in (fusions or {}).items():
             setattr(self, name, fn)
 
     @classmethod
@@ -31,7 +46,12 @@ class OpTable:
             params = v.resolve_params(c.params)
             fns[name] = build_op(name, c.impl, params)
             choices[name] = (c.impl, params)
-        return cls(fns, choices)
+        fusions = {}
+        for name in plan.fusions:
+            if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise OpError(f"fusion {name!r} needs a CUDA GPU")
+            fusions[name] = _fused(name)
+        return cls(fns, choices, fusions)
 
     @classmethod
     def reference(cls) -> "OpTable":

@@ -32,6 +32,12 @@ OP_NAMES = (
     "sample",
 )
 
+# Fusions that replace a chain of ops with one kernel (GPU only): name -> what it replaces.
+FUSIONS = {
+    "lm_head_argmax": "lm_head + greedy argmax in decode graphs (logits not written)",
+    "silu_mul_down": "silu_and_mul + down_proj (the activation applied as the GEMV loads)",
+}
+
 DEFAULT_GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
@@ -95,6 +101,14 @@ class Plan(_Strict):
         if unknown:
             raise ValueError(f"unknown ops {unknown}; known: {list(OP_NAMES)}")
         return ops
+
+    @field_validator("fusions")
+    @classmethod
+    def _known_fusions(cls, fusions: dict[str, bool]) -> dict[str, bool]:
+        unknown = sorted(set(fusions) - set(FUSIONS))
+        if unknown:
+            raise ValueError(f"unknown fusions {unknown}; known: {sorted(FUSIONS)}")
+        return {k: v for k, v in fusions.items() if v}
 
     @field_validator("cuda_graph_batch_sizes")
     @classmethod

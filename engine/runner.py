@@ -23,6 +23,16 @@ from anneal.engine.sequence import Sequence, TokenLogprobs
 from anneal.engine.weights import Weights
 
 
+class _LazyLogits:
+    """Logits of a fused greedy graph, computed from its hidden states only when needed."""
+
+    def __init__(self, model: Transformer, hidden: torch.Tensor):
+        self.model, self.hidden = model, hidden
+
+    def compute(self) -> torch.Tensor:
+        return self.model.logits(self.hidden).float()
+
+
 @dataclass
 class StepResult:
     token_ids: list[int | None]  # per item: the sampled token, or None for a partial prefill chunk
@@ -100,11 +110,14 @@ class ModelRunner:
         lps: list[TokenLogprobs | None] = [None] * len(items)
         if not rows:
             return StepResult(out, lps)
-        if all(s.params.temperature == 0 for s in seqs) and greedy is not None:
+        all_greedy = all(s.params.temperature == 0 for s in seqs)
+        want_lp = [s.params.logprobs is not None for s in seqs]
+        if isinstance(logits, _LazyLogits) and (not all_greedy or any(want_lp)):
+            logits = logits.compute()
+        if all_greedy and greedy is not None:
             tokens = greedy
         else:
             tokens = self.ops.sample(logits, **self._sampling_tensors(seqs))
-        want_lp = [s.params.logprobs is not None for s in seqs]
         if any(want_lp):
             lp = torch.log_softmax(logits.float(), dim=-1)
             n_top = max(s.params.logprobs or 0 for s in seqs)
@@ -162,7 +175,8 @@ class ModelRunner:
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits ``[B, V]`` of one decode step for ``seqs`` (graph when captured), no sampling."""
         if self.graphs and len(seqs) <= max(self.graphs):
-            return self._replay(seqs)[0].clone()
+            logits = self._replay(seqs)[0]
+            return logits.compute() if isinstance(logits, _LazyLogits) else logits.clone()
         logits, _, _ = self.extend([(s, 1) for s in seqs], decode_only=True)
         return logits
 
@@ -204,7 +218,7 @@ class ModelRunner:
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=d),
         )
 
-    def _decode_body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_body(self, bs: int) -> dict[str, torch.Tensor | None]:
         b = self._bufs
         ctx = AttnContext(
             is_prefill=False,
@@ -213,8 +227,11 @@ class ModelRunner:
             context_lens=b["context_lens"][:bs],
         )
         hidden = self.model.forward(b["ids"][:bs], b["positions"][:bs], ctx, self.kv)
+        if self.ops.lm_head_argmax is not None:  # fused: the graph writes no logits
+            return {"hidden": hidden, "logits": None,
+                    "greedy": self.ops.lm_head_argmax(hidden, self.model.w.lm_head)}
         logits = self.model.logits(hidden).float()
-        return logits, logits.argmax(dim=-1)
+        return {"hidden": hidden, "logits": logits, "greedy": logits.argmax(dim=-1)}
 
     def capture(self, batch_sizes: list[int]) -> dict[str, float]:
         """Warm the kernels up and capture one decode graph per bucket; returns timings (s)."""
@@ -233,10 +250,10 @@ class ModelRunner:
             for bs in sorted(batch_sizes, reverse=True):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self._graph_pool):
-                    logits, greedy = self._decode_body(bs)
+                    outputs = self._decode_body(bs)
                 if self._graph_pool is None:
                     self._graph_pool = g.pool()
-                self.graphs[bs] = (g, logits, greedy)
+                self.graphs[bs] = (g, outputs)
         torch.cuda.synchronize()
         return {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1}
 
@@ -261,6 +278,9 @@ class ModelRunner:
         bt = self._block_table_rows(seqs, self.max_blocks_per_seq)
         b["block_tables"][:n].copy_(bt.to(self.device, non_blocking=True))
         b["block_tables"][n:bs].zero_()
-        g, logits, greedy = self.graphs[bs]
+        g, outputs = self.graphs[bs]
         g.replay()
-        return logits[:n], greedy[:n]
+        logits = outputs["logits"]
+        if logits is None:  # fused greedy graph: logits only when someone samples
+            return _LazyLogits(self.model, outputs["hidden"][:n]), outputs["greedy"][:n]
+        return logits[:n], outputs["greedy"][:n]

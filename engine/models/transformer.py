@@ -86,7 +86,11 @@ class Transformer:
                 )
             x = ops.o_proj(a.reshape(T, H * D), L.o)
             h, residual = ops.add_rmsnorm(x, residual, L.post_norm, eps)
-            x = ops.down_proj(ops.silu_and_mul(ops.gate_up_proj(h, L.gate_up)), L.down)
+            gu = ops.gate_up_proj(h, L.gate_up)
+            if ops.silu_mul_down is not None:
+                x = ops.silu_mul_down(gu, L.down)
+            else:
+                x = ops.down_proj(ops.silu_and_mul(gu), L.down)
         h, _ = ops.add_rmsnorm(x, residual, self.w.final_norm, eps)
         return h
 

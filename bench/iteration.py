@@ -1,0 +1,220 @@
+"""Seconds to evaluate one candidate plan: persistent engine vs a cold engine start.
+
+Both through the real HTTP admin API of `anneal serve`, side by side in one run:
+  persistent: PUT /admin/plan (validate, build, kernel compile + warm-up, graph capture)
+              + POST /admin/benchmark (timed decode), per candidate, RPC included;
+  cold:       a new `anneal serve` process on a safetensors folder on local disk (page cache
+              dropped first when allowed): process start + imports, weight load, KV sizing,
+              warm-up + capture, API readiness, then the same first benchmark.
+
+    python bench/iteration.py --shape llama-3.1-8b --candidates 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, write_result  # noqa: E402
+
+TOKEN = "iteration-bench"
+H = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def write_checkpoint(shape: str, folder: Path) -> float:
+    """A HF-format safetensors folder with the shape's random weights (bf16, sharded)."""
+    from safetensors.torch import save_file
+
+    from anneal.engine.presets import preset_config
+    from anneal.engine.weights import random_weights
+
+    cfg = preset_config(shape)
+    t0 = time.perf_counter()
+    w = random_weights(cfg, torch.device("cuda"), torch.bfloat16, cfg.num_hidden_layers)
+    tensors = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm}
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = w.lm_head
+    q, kv = cfg.q_size, cfg.kv_size
+    for i, L in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        qw, kw_, vw = L.qkv.split([q, kv, kv])
+        g, u = L.gate_up.chunk(2)
+        tensors.update({
+            p + "input_layernorm.weight": L.input_norm, p + "post_attention_layernorm.weight": L.post_norm,
+            p + "self_attn.q_proj.weight": qw, p + "self_attn.k_proj.weight": kw_,
+            p + "self_attn.v_proj.weight": vw, p + "self_attn.o_proj.weight": L.o,
+            p + "mlp.gate_proj.weight": g, p + "mlp.up_proj.weight": u, p + "mlp.down_proj.weight": L.down,
+        })
+    folder.mkdir(parents=True, exist_ok=True)
+    shard, shards, size, index = {}, [], 0, {}
+    for name, t in tensors.items():
+        shard[name] = t.contiguous().cpu()
+        size += t.numel() * 2
+        if size > 4 * 2**30:
+            shards.append(shard)
+            shard, size = {}, 0
+    shards.append(shard)
+    for n, sh in enumerate(shards):
+        fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, str(folder / fname), metadata={"format": "pt"})
+        index.update({k: fname for k in sh})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    hf = {
+        "architectures": ["Qwen3ForCausalLM" if cfg.family == "qwen3" else "LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "bfloat16",
+        "eos_token_id": cfg.eos_token_ids, "bos_token_id": cfg.bos_token_id,
+    }
+    if cfg.rope_scaling:
+        hf["rope_scaling"] = cfg.rope_scaling.model_dump()
+    (folder / "config.json").write_text(json.dumps(hf))
+    del w, tensors, shards, shard
+    torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def start_server(model: str, port: int, aport: int, plan_file: str | None, kv_blocks: int):
+    cmd = [sys.executable, "-m", "anneal.cli", "serve", "--model", model, "--device", "cuda",
+           "--host", "127.0.0.1", "--port", str(port), "--admin-port", str(aport),
+           "--max-model-len", "2048", "--num-kv-blocks", str(kv_blocks), "--log-level", "warning"]
+    if plan_file:
+        cmd += ["--plan", plan_file]
+    env = {**os.environ, "ANNEAL_ADMIN_TOKEN": TOKEN}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(port: int, proc, timeout: float = 600) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return time.perf_counter()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("server not ready")
+
+
+BENCH = {"mode": "decode", "batch_size": 1, "context_len": 1024, "steps": 30, "warmup": 3}
+
+
+def candidates(n: int) -> list[dict]:
+    """Distinct plans of the kind the search proposes: kernel params + graph buckets."""
+    out = []
+    splits = [0, 4, 8, 16, 2, 32, 1]
+    warps = [4, 8, 2]
+    for i in range(n):
+        out.append({
+            "ops": {
+                "rmsnorm": {"impl": "triton"}, "add_rmsnorm": {"impl": "triton"},
+                "qk_rope_store": {"impl": "triton"}, "silu_and_mul": {"impl": "triton"},
+                "attention_prefill": {"impl": "triton"},
+                "attention_decode": {"impl": "triton_splitk",
+                                     "params": {"split_k": splits[i % len(splits)],
+                                                "num_warps": warps[i % len(warps)]}},
+            },
+            "cuda_graph_batch_sizes": [1, 2, 4, 8, 16, 32][: 3 + i % 4],
+        })
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--candidates", type=int, default=5)
+    ap.add_argument("--kv-blocks", type=int, default=4096)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    result: dict = {"env": environment(), "shape": args.shape, "benchmark": BENCH}
+    folder = Path(tempfile.mkdtemp(prefix="anneal-ckpt-", dir="/tmp"))
+    result["write_checkpoint_s"] = write_checkpoint(args.shape, folder)
+    print(f"checkpoint written in {result['write_checkpoint_s']:.1f} s", flush=True)
+    plans = candidates(args.candidates)
+    plan_file = folder / "plan0.json"
+    plan_file.write_text(json.dumps(plans[0]))
+
+    # Cold start: a fresh process per candidate, page cache dropped when we are allowed to.
+    result["page_cache_dropped"] = drop_page_cache()
+    t_spawn = time.perf_counter()
+    proc = start_server(str(folder), 18000, 18001, str(plan_file), args.kv_blocks)
+    try:
+        t_ready = wait_ready(18000, proc)
+        admin = "http://127.0.0.1:18001"
+        st = httpx.get(admin + "/admin/state", headers=H, timeout=600).json()
+        t_b = time.perf_counter()
+        first = httpx.post(admin + "/admin/benchmark", headers=H, json=BENCH, timeout=600).json()
+        t_done = time.perf_counter()
+        startup = st.get("startup", {})
+        engine_s = sum(v for v in startup.values())
+        cold = {
+            "total_s": (t_ready - t_spawn) + (t_done - t_b),
+            "ready_s": t_ready - t_spawn,
+            "process_start_imports_api_s": (t_ready - t_spawn) - engine_s,
+            "startup_phases_s": startup,
+            "first_benchmark_s": t_done - t_b,
+            "first_benchmark": {k: first.get(k) for k in ("median_ms", "p10_ms", "p90_ms")},
+        }
+        result["cold_start"] = cold
+        print("cold start", json.dumps(cold, indent=1), flush=True)
+
+        # Persistent: the same process evaluates the remaining candidates by hot reload.
+        per = []
+        for i, plan in enumerate(plans):
+            t0 = time.perf_counter()
+            r = httpx.put(admin + "/admin/plan", headers=H, json=plan, timeout=600)
+            t1 = time.perf_counter()
+            b = httpx.post(admin + "/admin/benchmark", headers=H, json=BENCH, timeout=600).json()
+            t2 = time.perf_counter()
+            row = {"candidate": i, "apply_http_s": t1 - t0, "benchmark_http_s": t2 - t1,
+                   "total_s": t2 - t0, "status": r.status_code,
+                   "apply_timings": r.json().get("timings"), "median_ms": b.get("median_ms"),
+                   "p10_ms": b.get("p10_ms"), "p90_ms": b.get("p90_ms")}
+            per.append(row)
+            print(f"candidate {i}: apply {t1 - t0:.2f}s benchmark {t2 - t1:.2f}s "
+                  f"decode {b.get('median_ms')} ms", flush=True)
+        result["persistent"] = per
+        import statistics
+
+        med = statistics.median(r["total_s"] for r in per)
+        result["persistent_median_s"] = med
+        result["speedup_vs_cold"] = cold["total_s"] / med
+        print(f"persistent median {med:.2f} s/candidate, cold {cold['total_s']:.1f} s: "
+              f"{result['speedup_vs_cold']:.0f}x", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    path = write_result("iteration", result, Path(args.out) if args.out else None)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
