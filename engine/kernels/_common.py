@@ -110,3 +110,15 @@ def pow2_split(want: int, useful: int, cap: int) -> int:
     while split * 2 <= min(want, useful, cap):
         split *= 2
     return split
+
+
+SMEM_BUDGET = 180 * 1024  # of 227 KB per block on sm_90, leaving room for layout conversions
+
+
+def fit_stages(num_stages: int, bytes_per_stage: int, budget: int = SMEM_BUDGET) -> int:
+    """``num_stages`` lowered until the software pipeline's tiles fit in shared memory, so a config
+    that is fine in bf16 does not fail to launch in fp32 (the tests run both)."""
+    stages = num_stages
+    while stages > 1 and stages * bytes_per_stage > budget:
+        stages -= 1
+    return stages

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
-    pow2_split, sm_count,
+    fit_stages, pow2_split, sm_count,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -172,6 +172,7 @@ def paged_decode_attention(
     else:
         po = pm = pl = out  # unused
     LOG2E = 1.4426950408889634
+    num_stages = fit_stages(num_stages, 2 * block_n * BLOCK_D * k_cache.element_size())
     _decode_split_kernel[(B, Hkv, split_k)](
         q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl,
         float(scale) * LOG2E,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
+    KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -108,6 +108,7 @@ def paged_prefill_attention(
     if T == 0 or B == 0 or max_seqlen_q <= 0:
         return out
     grid = (triton.cdiv(int(max_seqlen_q), block_m), B, H)
+    num_stages = fit_stages(num_stages, 2 * block_n * pow2(D, 16) * k_cache.element_size())
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         float(scale) * 1.4426950408889634, block_tables.shape[1] * BS,

@@ -9,7 +9,10 @@ memory-bound on W, so the kernel is built to stream W once at full bandwidth:
   down_proj at bs 1); partial sums go to an fp32 workspace and a second kernel adds them in a fixed
   order (deterministic, no atomics).
 * ``M == 1``: multiply-accumulate in registers and one reduction at the end (no tensor cores: a
-  single row gains nothing from them). ``M > 1``: ``tl.dot`` with the M tile padded to 16.
+  single row gains nothing from them); the bytes in flight per program are ``block_n * block_k``
+  (``num_stages`` has no effect there: the loop is not software-pipelined), so ``block_k`` and
+  ``split_k`` are the levers. ``M > 1``: ``tl.dot`` with the M tile padded to 16; ``num_stages``
+  is lowered where needed so the pipeline fits in shared memory.
 * any M is correct (M is tiled); above ``max_m`` rows (prefill) the call goes to ``torch``'s GEMM,
   which is what large M wants (``max_m=0``: always Triton).
 
@@ -36,7 +39,7 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
-    pow2_split, sm_count,
+    fit_stages, pow2_split, sm_count,
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.ops.registry import Param, variant
@@ -175,6 +178,9 @@ def small_m_gemm(
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)  # no empty splits
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    if BLOCK_M > 1:  # the M == 1 path keeps its tiles in registers (no shared-memory pipeline)
+        x_cols = 2 * block_k if silu_mul_input else block_k
+        num_stages = fit_stages(num_stages, (BLOCK_M * x_cols + block_n * block_k) * x.element_size())
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
     _gemv_kernel[grid](
         x, weight, out, ws, out, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
@@ -256,6 +262,8 @@ def lm_head_argmax(
     BLOCK_M = 1 if M == 1 else min(block_m, pow2(M, 16))
     tiles = triton.cdiv(N, block_n)
     vals = torch.empty((M, tiles), dtype=torch.float32, device=x.device)
+    if BLOCK_M > 1:
+        num_stages = fit_stages(num_stages, (BLOCK_M + block_n) * block_k * x.element_size())
     idxs = torch.empty((M, tiles), dtype=torch.int32, device=x.device)
     _gemv_kernel[(tiles, 1, triton.cdiv(M, BLOCK_M))](
         x, weight, vals, vals, vals, idxs, M, N, K, x.stride(0), weight.stride(0), 0, triton.cdiv(K, block_k) * block_k,

@@ -66,23 +66,21 @@ def test_attention_decode_cuda_graph(device):
     """Captured once, replayed with new lengths and tables: the grid must not depend on their values."""
     fn = build_op("attention_decode", "triton_splitk", {"split_k": 8})
     g = gen(5, device)
-    lens_a, lens_b = [100, 3000, 1], [2999, 7, 1500]
-    kc, vc, bt, cl = paged_cache(lens_a, 8, 128, 16, torch.bfloat16, device, g)
-    _, _, bt_b, cl_b = paged_cache(lens_b, 8, 128, 16, torch.bfloat16, device, g, extra_blocks=kc.shape[0])
-    bt_b = bt_b[:, : bt.shape[1]].clamp(max=kc.shape[0] - 1)
-    cl_b = torch.minimum(cl_b, torch.tensor(bt.shape[1] * 16, device=device, dtype=torch.int32))
+    kc, vc, bt, cl = paged_cache([100, 3000, 1], 8, 128, 16, torch.bfloat16, device, g)
     q = randn(3, 32, 128, dtype=torch.bfloat16, device=device, g=g)
     fn(q, kc, vc, bt, cl, 0.088)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn(q, kc, vc, bt, cl, 0.088)
-    for tables, lens in ((bt, cl), (bt_b.contiguous(), cl_b)):
-        bt_in, cl_in = tables.clone(), lens.clone()
-        bt.copy_(bt_in)
-        cl.copy_(cl_in)
+    # other tables over the same cache (any blocks but the padding block 0) and other lengths
+    bt_b = torch.randint(1, kc.shape[0], bt.shape, generator=g).to(torch.int32).to(device)
+    cl_b = torch.tensor([bt.shape[1] * 16, 7, 1500], dtype=torch.int32, device=device)
+    for tables, lens in ((bt.clone(), cl.clone()), (bt_b, cl_b)):
+        bt.copy_(tables)
+        cl.copy_(lens)
         graph.replay()
-        assert_close(out, ref.attention_decode(q, kc, vc, bt_in, cl_in, 0.088), TOL_ACC)
+        assert_close(out, ref.attention_decode(q, kc, vc, tables, lens, 0.088), TOL_ACC)
 
 
 @pytest.mark.parametrize("device", DEVICES)
