@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -20,14 +21,19 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *args: str, model: str = "random:tiny", env: dict[str, str] | None = None):
+    def __init__(
+        self, *args: str, model: str = "random:tiny", env: dict[str, str] | None = None, cli: bool = False
+    ):
+        """``cli=True`` starts the user's entry point, ``anneal serve``; else the server module."""
         self.port = free_port()
         self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="anneal-serve-", suffix=".log", delete=False)
+        entry = [str(Path(sys.executable).with_name("anneal")), "serve"] if cli else [
+            sys.executable, "-m", "anneal.engine.server"]
         cmd = [
-            sys.executable, "-m", "anneal.engine.server", "--model", model, "--device", "cpu",
+            *entry, "--model", model, "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(self.port), "--admin-port", str(self.admin_port), "--log-level", "warning", *args,
         ]
         self.proc = subprocess.Popen(

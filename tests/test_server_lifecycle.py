@@ -36,7 +36,7 @@ def stream_in_thread(server, max_tokens, started: threading.Event, result: dict)
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_exits_0():
-    server = LiveServer("--shutdown-timeout", "30").wait_ready()
+    server = LiveServer("--shutdown-timeout", "30", cli=True).wait_ready()  # `anneal serve`
     try:
         started, result = threading.Event(), {}
         t = stream_in_thread(server, 200, started, result)
