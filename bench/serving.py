@@ -18,10 +18,12 @@ Results go to ``--out`` as JSON and a PNG plot of throughput per GPU against int
     # a server that is already running (ours, vLLM, SGLang, ...)
     python bench/serving.py --base-url http://127.0.0.1:8000/v1 --pairs 1024/1024,8192/1024 \
         --concurrency 1,4,16,64
-    # start our server for the sweep, stop it, then the HF baseline on the freed GPU: one run
-    python bench/serving.py --serve "anneal serve --model random:llama-3.1-8b --port 8000" \
+    # the issue's H200 run: start our server for the sweep, stop it, then the HF baseline on the
+    # freed GPU, all in one run (the context must hold 8192 + 1024 tokens)
+    python bench/serving.py --serve "anneal serve --model random:llama-3.1-8b --device cuda \
+            --host 127.0.0.1 --port 8000 --max-model-len 9216 --max-num-seqs 64" \
         --base-url http://127.0.0.1:8000/v1 --pairs 1024/1024,8192/1024 --concurrency 1,4,16,64 \
-        --hf-baseline --hf-model random:llama-3.1-8b --name serving-llama-3.1-8b
+        --vocab-size 128256 --hf-baseline --hf-model random:llama-3.1-8b --name serving-llama-3.1-8b
 
 Prompts are random token ids by default (exact ISL; the server must accept token-id prompts, as
 ours and vLLM do) or random words (``--prompt-mode text``; ISL then approximate, the reported
