@@ -243,6 +243,8 @@ def _execute(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, target
     """Carry out the actions `decide` chose, recording what they produced in `new`."""
     name, ns = body.metadata.name, body.metadata.namespace
     kube = ctx.kube
+    if target is None and {PROVISION, START_COORDINATOR} & set(decision.actions):
+        new["message"] = f"target unavailable: {obs.target_problem[1] if obs.target_problem else 'unknown'}"
     for action in decision.actions:
         if action == PROVISION and target is not None:
             provision(ctx, body, spec, target)

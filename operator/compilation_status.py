@@ -119,7 +119,9 @@ def decide(obs: JobObserved) -> Decision:
     if elapsed > obs.deadline_s:
         return out("Failed", "DeadlineExceeded", f"not finished within {int(obs.deadline_s)}s", [RELEASE_ENGINES, *stop])
 
-    if obs.target_problem:
+    if obs.target_problem and obs.phase == "Pending":
+        # Only a job that has not started waits for its target; once engines exist the search goes
+        # on without it (a vanished deployment only means the result cannot be applied).
         return out("Pending", obs.target_problem[0], obs.target_problem[1])
 
     # Engines: a dead one is recreated (with the coordinator, whose addresses are now stale).

@@ -48,6 +48,13 @@ def test_target_problem_keeps_the_job_pending_with_a_reason():
     assert target.ok is False and "does not exist" in target.message
 
 
+def test_a_target_vanishing_mid_search_does_not_stop_the_search():
+    ready = {"fast": engine(), "slow": engine()}
+    d = cs.decide(obs(phase="Searching", pods=ready, job=job(), target_problem=("TargetNotFound", "gone")))
+    assert d.phase == "Searching"
+    assert next(c for c in d.conditions if c.type == "TargetResolved").ok is False
+
+
 def test_provisioning_until_both_engines_are_ready():
     d = cs.decide(obs(pods={"fast": engine(), "slow": engine(ready=False, phase="Pending")}))
     assert d.phase == "Provisioning" and d.actions == [cs.PROVISION] and "slow: Pending" in d.message

@@ -88,7 +88,9 @@ class Traffic(KubeModel):
 
 
 class Tiers(Placement):
-    """The two measurement engines: fast (first K layers) and slow (all layers), one pod each."""
+    """The two measurement engines: fast (first K layers) and slow (all layers), one pod each. For an
+    InferenceDeployment target they run on its hardware (GPUs, resources, node selector, tolerations;
+    nodeSelector and tolerations here are added); for an explicit model, on what is set here."""
 
     fast_layers: int = Field(2, ge=1, le=1024, description="layers loaded by the fast-tier engine")
     spread: Literal["Required", "Preferred"] = Field(
