@@ -77,6 +77,7 @@ class EngineMetrics:
         )
         self._lock = threading.Lock()
         self._prefix_seen = (0, 0)
+        self._steps_seen = 0
 
     # Per request.
     def observe_request(
@@ -107,8 +108,10 @@ class EngineMetrics:
 
     # Per engine turn.
     def observe_engine(self, stats: Any, *, stepped: bool) -> None:
-        if stepped and stats.last_batch_size > 0:
+        # A batch is counted once per step the engine actually ran (its step counter moved).
+        if stepped and stats.steps > self._steps_seen and stats.last_batch_size > 0:
             self.batch_size.observe(stats.last_batch_size)
+        self._steps_seen = max(self._steps_seen, stats.steps)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.free_blocks.set(stats.num_free_blocks)

@@ -62,13 +62,15 @@ def test_plan_info_names_only_the_current_plan():
 def test_engine_turns_update_gauges_batch_size_and_prefix_deltas():
     m = EngineMetrics()
     m.observe_engine(stats(num_running=3, num_waiting=2, num_free_blocks=4, last_batch_size=3,
-                           prefix_queried_tokens=64, prefix_hit_tokens=32), stepped=True)
+                           prefix_queried_tokens=64, prefix_hit_tokens=32, steps=1), stepped=True)
     m.observe_engine(stats(num_running=1, num_free_blocks=7, last_batch_size=3,
-                           prefix_queried_tokens=80, prefix_hit_tokens=32), stepped=False)
+                           prefix_queried_tokens=80, prefix_hit_tokens=32, steps=1), stepped=True)
+    m.observe_engine(stats(num_running=1, num_free_blocks=7, last_batch_size=3,
+                           prefix_queried_tokens=80, prefix_hit_tokens=32, steps=1), stepped=False)
     s = samples(m)
     assert s[(names.NUM_RUNNING, ())] == 1 and s[(names.NUM_WAITING, ())] == 0
     assert s[(names.KV_FREE_BLOCKS, ())] == 7
-    assert s[(names.BATCH_SIZE + "_count", ())] == 1  # only turns that ran a step
+    assert s[(names.BATCH_SIZE + "_count", ())] == 1  # only turns whose step ran a batch
     assert s[(names.PREFIX_QUERIED + "_total", ())] == 80  # cumulative engine counters, not summed twice
     assert s[(names.PREFIX_HIT + "_total", ())] == 32
 
