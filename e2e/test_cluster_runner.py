@@ -185,3 +185,33 @@ def test_stop_leaves_no_processes(tmp_path):
     assert procs.marked(c.cluster_id) == []
     assert not procs.group_alive(pid)
     assert os.path.exists(tmp_path / "c" / "logs" / "kube-apiserver.log")
+
+
+STARTER = """
+import sys, time
+sys.path.insert(0, {e2e!r})
+from cluster import LocalCluster
+c = LocalCluster({state!r}, gpu_nodes=0).start()
+c.kubectl("run", "sleeper", "--image=unused", "--", "sleep", "300", check=True)
+print(c.cluster_id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_test_run_leaves_no_processes(tmp_path):
+    """A test run killed with SIGKILL (no atexit, no fixture teardown) takes its cluster with it."""
+    import signal
+    import subprocess
+
+    code = STARTER.format(e2e=str(Path(__file__).resolve().parent), state=str(tmp_path / "c"))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        cluster_id = parent.stdout.readline().strip()
+        assert cluster_id, "the cluster did not start"
+        wait_for(lambda: any("sleep" in Path(f"/proc/{p}/cmdline").read_text()
+                             for p in procs.marked(cluster_id) if Path(f"/proc/{p}").exists()),
+                 30, "the pod's process")
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    wait_for(lambda: procs.marked(cluster_id) == [], 30, "every process of the cluster to exit")

@@ -24,7 +24,8 @@ def up(argv: list[str] | None = None) -> int:
     if (args.state_dir / "state.json").exists():
         print(f"a cluster is already up in {args.state_dir}; run e2e/cluster/down first", file=sys.stderr)
         return 1
-    c = LocalCluster(args.state_dir, gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node, venv=args.venv)
+    c = LocalCluster(args.state_dir, gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node, venv=args.venv,
+                     tie_to_parent=False)
     c.start()
     import atexit
     atexit.unregister(c.stop)  # `up` leaves it running; `down` stops it

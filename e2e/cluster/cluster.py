@@ -42,12 +42,13 @@ class LocalCluster:
     """
 
     def __init__(self, state_dir: Path, gpu_nodes: int = 2, gpus_per_node: int = 8,
-                 venv: Path | None = None, runner: bool = True) -> None:
+                 venv: Path | None = None, runner: bool = True, tie_to_parent: bool = True) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.gpu_nodes = gpu_nodes
         self.gpus_per_node = gpus_per_node
         self.venv = Path(venv) if venv else DEFAULT_VENV
         self.with_runner = runner
+        self.tie_to_parent = tie_to_parent  # components die with this process (False for `up`)
         self.cluster_id = uuid.uuid4().hex[:12]
         self.bin_dir: Path | None = None
         self.pki: Pki | None = None
@@ -184,7 +185,8 @@ class LocalCluster:
         return env
 
     def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        p = procs.spawn(argv, self.log(name), env or self._component_env(), cwd=self.state_dir)
+        p = procs.spawn(argv, self.log(name), env or self._component_env(), cwd=self.state_dir,
+                        tie_to_parent=self.tie_to_parent)
         self._procs[name] = p
         self.pgids[name] = p.pid  # a new session: its pgid is its pid
         return p

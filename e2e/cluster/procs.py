@@ -9,6 +9,7 @@ its group.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -26,12 +27,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def spawn(argv: list[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when the thread that started it dies (Linux prctl), so a
+    test run killed with SIGKILL does not leave a control plane behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (SIGTERM left kube-apiserver hanging)
+
+
+def spawn(argv: list[str], log: Path, env: dict[str, str], cwd: Path | None = None,
+          tie_to_parent: bool = True) -> subprocess.Popen:
     """Start `argv` in a new session (its own process group), output appended to `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd, start_new_session=True)
+                                env=env, cwd=cwd, start_new_session=True,
+                                preexec_fn=die_with_parent if tie_to_parent else None)
 
 
 def kill_group(pgid: int, grace: float = 5.0) -> None:

@@ -240,7 +240,8 @@ class PodWorker(threading.Thread):
         try:
             with open(logf, "ab") as out:
                 c.proc = subprocess.Popen(argv, env=c.env, cwd=c.cwd, stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=procs.die_with_parent)
         except OSError as e:
             c.state = {"waiting": {"reason": "RunContainerError", "message": f"{argv[0]}: {e}"}}
             c.restarts += 1
