@@ -293,6 +293,8 @@ def test_failed_job_never_touches_the_live_deployment(anneal):
     apply(c, ns, cjob("c2", "llama", autoApply=True, budget="10s", deadline="60s"))
     st = wait_for(lambda: (s := status(c, "cjob", "c2", ns)).get("phase") in ("Succeeded", "Failed") and s, 150, "c2 finished")
     assert st["phase"] == "Failed", st
+    print("c2 failed:", condition(st, "Ready").get("reason"), st.get("message"))
+    assert condition(st, "Ready")["reason"] in ("CoordinatorFailed", "DeadlineExceeded"), st
     assert condition(st, "Ready")["status"] == "False"
     assert "resultPlanHash" not in st and "appliedTo" not in st
     wait_for(lambda: not _engine_pods(c, ns, "c2"), 60, "engine pods released after failure")

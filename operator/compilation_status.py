@@ -80,6 +80,9 @@ def _coordinator_failure(obs: JobObserved) -> str:
         if p:
             text = f"{text}; {p.message}" if text else p.message
             break
+    said = str(obs.progress.get("message") or "")
+    if said:  # the coordinator's own last words (e.g. "failed: fast-tier engine: ...")
+        text = f"{text}; coordinator: {said}" if text else f"coordinator: {said}"
     return text or "the coordinator Job failed"
 
 
@@ -171,7 +174,11 @@ def decide(obs: JobObserved) -> Decision:
             result_hash=compiled.plan_hash, best_speedup=gain,
         )
     reported = obs.progress.get("phase")
-    phase = "Verifying" if reported in ("Verifying", "Done") else "Searching"
+    # "Done" means the coordinator is finishing; the outcome comes from its Job, so the phase holds.
+    if reported == "Verifying" or (reported == "Done" and obs.phase == "Verifying"):
+        phase = "Verifying"
+    else:
+        phase = "Searching"
     return out(phase, "CoordinatorRunning", str(obs.progress.get("message") or ""), [PROVISION])
 
 

@@ -108,9 +108,15 @@ def test_a_complete_job_without_a_verified_result_is_a_failure(data, why):
 def test_failed_coordinator_fails_the_job_with_its_last_words():
     crashed = engine(ready=False, phase="Failed", terminated={"exitCode": 2, "message": "ConnectionRefused: 10.0.0.1:8001"})
     d = cs.decide(obs(phase="Searching", pods={"fast": engine(), "slow": engine()}, job=job("Failed", "Job has reached the specified backoff limit"),
-                      coordinator_pods=[crashed]))
+                      coordinator_pods=[crashed], progress={"phase": "Done", "message": "failed: fast-tier engine: 404"}))
     assert d.phase == "Failed" and d.reason == "CoordinatorFailed"
-    assert "backoff limit" in d.message and "ConnectionRefused" in d.message
+    assert "backoff limit" in d.message and "ConnectionRefused" in d.message and "fast-tier engine: 404" in d.message
+
+
+def test_done_report_holds_the_phase_until_the_job_ends():
+    ready = {"fast": engine(), "slow": engine()}
+    assert cs.decide(obs(phase="Searching", pods=ready, job=job(), progress={"phase": "Done"})).phase == "Searching"
+    assert cs.decide(obs(phase="Verifying", pods=ready, job=job(), progress={"phase": "Done"})).phase == "Verifying"
 
 
 def test_dead_engine_is_retried_then_fails_the_job():
