@@ -269,6 +269,7 @@ class Bench:
                     yield self.case_linear(op, model, bs, n, k)
                 yield self.case_lm_head_argmax(model, cfg, bs)
                 yield self.case_silu_mul_down(model, cfg, bs)
+                yield self.case_norm_linear(model, cfg, bs)
         for model, cfg in self.models.items():
             for bs in self.batches:
                 yield self.case_norm("rmsnorm", model, cfg, bs)
@@ -405,6 +406,40 @@ class Bench:
                     lambda gu, w: down(ref.silu_and_mul(gu), w),
                     {"triton_unfused": lambda gu, w: t_down(t_silu(gu), w)},
                     ("triton_fused", build, sweep), self._err)
+
+    def case_norm_linear(self, model, cfg, bs):
+        from anneal.engine.kernels.gemv import add_rmsnorm_linear
+        from anneal.engine.ops import reference as ref
+        from anneal.engine.ops.registry import build_op, get_op
+
+        K = cfg["hidden"]
+        N = (cfg["heads"] + 2 * cfg["kv_heads"]) * cfg["head_dim"]
+        e = self.dtype.itemsize
+        nbytes = (N * K + 3 * bs * K + K + bs * N) * e
+        R = self.rotations(nbytes)
+        ws = [self.randn(N, K, g=self.gen(70 + i), scale=K ** -0.5) for i in range(R)]
+        nw = self.randn(K, g=self.gen(79))
+        qkv = get_op("qkv_proj").reference
+        t_norm, t_qkv = build_op("add_rmsnorm", "triton"), build_op("qkv_proj", "triton_gemv_splitk")
+
+        def make(i):
+            return (self.randn(bs, K, g=self.gen(1100 + i)), self.randn(bs, K, g=self.gen(1200 + i)), nw, 1e-5, ws[i % R])
+
+        def reference(x, r, w_norm, eps, w):
+            normed, summed = ref.add_rmsnorm(x, r, w_norm, eps)
+            return qkv(normed, w), summed
+
+        def unfused(x, r, w_norm, eps, w):
+            normed, summed = t_norm(x, r, w_norm, eps)
+            return t_qkv(normed, w), summed
+
+        sweep = [{}, {"split_k": 1}, {"block_n": 32, "block_k": 256}, {"block_k": 256, "num_warps": 8}]
+        if self.args.tiny:
+            sweep = [{}, {"block_k": 64, "split_k": 2}]
+        build = lambda **p: (lambda x, r, w_norm, eps, w: add_rmsnorm_linear(x, r, w_norm, eps, w, **p))  # noqa: E731
+        err = lambda out, r: max(self._err(out[0], r[0]), self._err(out[1], r[1]))  # noqa: E731
+        return Case("add_rmsnorm_qkv_proj", model, {"M": bs, "N": N, "K": K}, nbytes, make, reference,
+                    {"triton_unfused": unfused}, ("triton_fused", build, sweep), err)
 
     def case_norm(self, op, model, cfg, bs):
         import torch.nn.functional as F

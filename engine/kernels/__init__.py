@@ -10,6 +10,11 @@ plan's fusions:
 * ``silu_mul_down_proj(gate_up[T, 2*I], weight[N, I]) -> [T, N]`` (``anneal.engine.kernels.gemv``)
   = ``reference.down_proj(reference.silu_and_mul(gate_up), weight)``, the activation applied while
   the GEMV loads its input.
+* ``add_rmsnorm_linear(x, residual, norm_weight, eps, weight) -> (y, x + residual)`` and
+  ``rmsnorm_linear(x, norm_weight, eps, weight) -> y`` (``anneal.engine.kernels.gemv``) = the norm
+  in front of qkv_proj / gate_up_proj done in the GEMV's prologue.
+
+``fused_entry_points()`` lists them with their tunable params, as data.
 
 Kernels run on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (set before this
 package is imported), which is how the CPU tests run them.
@@ -40,6 +45,19 @@ def fused_entry_points() -> dict:
             "params": gemv.LM_HEAD_ARGMAX_PARAMS,
             "replaces": ("lm_head", "sample (all requests greedy)"),
             "signature": "lm_head_argmax(x[B, K], weight[V, K]) -> tokens[B] int64",
+        },
+        "add_rmsnorm_linear": {
+            "fn": gemv.add_rmsnorm_linear,
+            "params": gemv.NORM_LINEAR_PARAMS,
+            "replaces": ("add_rmsnorm", "qkv_proj | gate_up_proj"),
+            "signature": "add_rmsnorm_linear(x[T, K], residual[T, K], norm_weight[K], eps, weight[N, K]) "
+                         "-> (y[T, N], x + residual)",
+        },
+        "rmsnorm_linear": {
+            "fn": gemv.rmsnorm_linear,
+            "params": gemv.NORM_LINEAR_PARAMS,
+            "replaces": ("rmsnorm", "qkv_proj | gate_up_proj"),
+            "signature": "rmsnorm_linear(x[T, K], norm_weight[K], eps, weight[N, K]) -> y[T, N]",
         },
         "silu_mul_down_proj": {
             "fn": gemv.silu_mul_down_proj,

@@ -24,6 +24,10 @@ plan's fusions call, not registry variants):
   ``[T, I]`` tensor and one launch disappear. At decode that is one kernel launch and a tiny
   round trip per layer (it pays at small batch, where launches and gaps dominate); at large M the
   activation is recomputed once per N tile, which is why this is a separate choice for the plan.
+* ``add_rmsnorm_linear(x, residual, norm_w, eps, W) -> (y, x + residual)`` and
+  ``rmsnorm_linear(x, norm_w, eps, W) -> y``: the (residual add and) RMSNorm in front of qkv_proj /
+  gate_up_proj done in the GEMV's prologue, so the norm kernel (and its launch) disappears; each
+  program recomputes the row statistics (K values per row: cheap against its W slab at decode M).
 * ``lm_head_argmax(x[B, K], W[V, K]) -> tokens[B] int64`` = ``argmax(lm_head(x, W), -1)``: each
   program reduces its logits tile to (max, index) and a second kernel picks the winner, so the
   ``[B, V]`` logits are never written. Logits are rounded to x's dtype before comparing and ties go
@@ -49,10 +53,11 @@ MAX_SPLIT_K = 16
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+    x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr, r_ptr, nw_ptr, sum_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_sm, k_per_split, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
@@ -67,6 +72,25 @@ def _gemv_kernel(
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+
+    # NORM 1: x -> rmsnorm(x); NORM 2: x -> rmsnorm(x + residual), and x + residual is written out
+    # (by the programs of the first N tile, each for its K range). Every program first computes
+    # the full-row statistics, rounding where the reference rounds.
+    r_rows = r_ptr + m.to(tl.int64)[:, None] * stride_rm
+    s_rows = sum_ptr + m.to(tl.int64)[:, None] * stride_sm
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM > 0:
+        ss = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xm0 = mm[:, None] & (kk < K)[None, :]
+            xs = tl.load(x_rows + kk[None, :], mask=xm0, other=0.0)
+            if NORM == 2:
+                rs = tl.load(r_rows + kk[None, :], mask=xm0, other=0.0)
+                xs = (xs.to(tl.float32) + rs.to(tl.float32)).to(DT)
+            xs = xs.to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)
 
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -83,6 +107,14 @@ def _gemv_kernel(
             xt = silu_mul(g, u, DT)
         else:
             xt = tl.load(x_rows + k[None, :], mask=xm, other=0.0)
+            if NORM == 2:
+                rt = tl.load(r_rows + k[None, :], mask=xm, other=0.0)
+                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(DT)
+                if pid_n == 0:
+                    tl.store(s_rows + k[None, :], xt, mask=xm)
+            if NORM > 0:
+                nw = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+                xt = ((xt.to(tl.float32) * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
         if BLOCK_M == 1:
             acc2 += w.to(tl.float32) * xt.to(tl.float32)
         else:
@@ -156,21 +188,34 @@ def _check(name, x, weight, k_in):
 
 
 def small_m_gemm(
-    x: torch.Tensor, weight: torch.Tensor, *, silu_mul_input: bool = False, block_m: int = 16,
+    x: torch.Tensor, weight: torch.Tensor, *, silu_mul_input: bool = False,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, block_m: int = 16,
     block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``x @ weight.T`` (or ``silu_and_mul(x) @ weight.T``) for small M, any M correct."""
-    name = "silu_mul_down_proj" if silu_mul_input else "linear"
+    """``x @ weight.T`` for small M, any M correct; with ``silu_mul_input`` x is ``[M, 2K]`` and
+    ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
+    ``rmsnorm(x [+ residual])`` and the result is ``(y, x + residual)`` when residual is given."""
+    name = "silu_mul_down_proj" if silu_mul_input else "norm_linear" if norm is not None else "linear"
     M = x.shape[0]
     K = weight.shape[1] if weight.dim() == 2 else -1
     if silu_mul_input and (x.dim() != 2 or x.shape[1] != 2 * K):
         raise KernelInputError(f"{name}: need gate_up[M, 2*K] for weight[N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
     _check(name, x, weight, x.shape[1] // 2 if silu_mul_input else x.shape[1] if x.dim() == 2 else -1)
     N = weight.shape[0]
+    residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
+    if norm is not None:
+        check_device(name, residual, norm_w)
+        if norm_w.shape != (K,) or norm_w.dtype != x.dtype:
+            raise KernelInputError(f"{name}: norm weight must be [{K}] of {x.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+            raise KernelInputError(f"{name}: residual must match x {tuple(x.shape)} {x.dtype}, contiguous in K")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x) if residual is not None else None
     if M == 0 or N == 0:
-        return out
+        if summed is not None and M > 0:
+            summed.copy_(x + residual)  # no N tile writes it
+        return out if residual is None else (out, summed)
     BLOCK_M = 1 if M == 1 else min(block_m, pow2(M, 16))
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
     if split_k == 0:
@@ -182,17 +227,20 @@ def small_m_gemm(
         x_cols = 2 * block_k if silu_mul_input else block_k
         num_stages = fit_stages(num_stages, (BLOCK_M * x_cols + block_n * block_k) * x.element_size())
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
+    r = residual if residual is not None else x
+    sm = summed if summed is not None else x
     _gemv_kernel[grid](
-        x, weight, out, ws, out, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        x, weight, out, ws, out, out, r, norm_w if norm_w is not None else x, sm,
+        M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), sm.stride(0), k_per_split, float(eps),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
-        ARGMAX=False, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
+        NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=False, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if split_k > 1:
         BLOCK = min(1024, pow2(N))
         _splitk_sum_kernel[(M, triton.cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK,
                                                          PDL=pdl_enabled(pdl), num_warps=4, **launch_opts(pdl))
-    return out
+    return out if summed is None else (out, summed)
 
 
 GEMV_PARAMS = (
@@ -234,8 +282,32 @@ def silu_mul_down_proj(
                         block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
 
 
+def add_rmsnorm_linear(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
+    block_m: int = 16, block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4,
+    num_stages: int = 3, pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(normed, weight), summed)`` where ``normed, summed = add_rmsnorm(x, residual,
+    norm_weight, eps)``: the residual add and the norm run in the GEMV's prologue (each program
+    recomputes the row statistics; one N tile writes ``summed``), so the norm kernel disappears.
+    Meant for decode-sized M (the statistics are recomputed per N tile)."""
+    return small_m_gemm(x, weight, norm=(residual, norm_weight, eps), block_m=block_m, block_n=block_n,
+                        block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+
+
+def rmsnorm_linear(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
+    block_m: int = 16, block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4,
+    num_stages: int = 3, pdl: bool = False,
+) -> torch.Tensor:
+    """``linear(rmsnorm(x, norm_weight, eps), weight)`` in one GEMV (see ``add_rmsnorm_linear``)."""
+    return small_m_gemm(x, weight, norm=(None, norm_weight, eps), block_m=block_m, block_n=block_n,
+                        block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+
+
 # Tunable params of the fused entry points, as data for the search (same meaning as GEMV_PARAMS).
 SILU_MUL_DOWN_PROJ_PARAMS = tuple(p for p in GEMV_PARAMS if p.name != "max_m")
+NORM_LINEAR_PARAMS = SILU_MUL_DOWN_PROJ_PARAMS
 LM_HEAD_ARGMAX_PARAMS = (
     Param("block_m", (16, 32, 64), 16),
     Param("block_n", (32, 64, 128, 256), 128),
@@ -266,8 +338,9 @@ def lm_head_argmax(
         num_stages = fit_stages(num_stages, (BLOCK_M + block_n) * block_k * x.element_size())
     idxs = torch.empty((M, tiles), dtype=torch.int32, device=x.device)
     _gemv_kernel[(tiles, 1, triton.cdiv(M, BLOCK_M))](
-        x, weight, vals, vals, vals, idxs, M, N, K, x.stride(0), weight.stride(0), 0, triton.cdiv(K, block_k) * block_k,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False, ARGMAX=True,
+        x, weight, vals, vals, vals, idxs, x, x, x,
+        M, N, K, x.stride(0), weight.stride(0), 0, 0, 0, triton.cdiv(K, block_k) * block_k, 0.0,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False, NORM=0, ARGMAX=True,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )

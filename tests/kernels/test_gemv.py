@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anneal.engine.kernels.gemv import silu_mul_down_proj
+from anneal.engine.kernels.gemv import add_rmsnorm_linear, rmsnorm_linear, silu_mul_down_proj
 from anneal.engine.kernels.lm_head_argmax import lm_head_argmax
 from anneal.engine.ops import reference as ref
 from anneal.engine.ops.registry import build_op, get_op
@@ -95,3 +95,24 @@ def test_gemv_rejects_mismatched_k(device):
     fn = build_op("o_proj", "triton_gemv_splitk")
     with pytest.raises(ValueError, match="weight\\[N, K\\]"):
         fn(torch.ones(2, 8, device=device), torch.ones(4, 9, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_linear(device, dtype):
+    """(add_)rmsnorm in the GEMV prologue == reference (add_)rmsnorm then the projection."""
+    shapes = SHAPES_CPU if device == "cpu" else SHAPES_GPU
+    lin = get_op("qkv_proj").reference
+    for i, (M, N, K) in enumerate(shapes):
+        g = gen(3400 + i, device)
+        x = randn(M, K, dtype=dtype, device=device, g=g, scale=2.0)
+        r = randn(M, K, dtype=dtype, device=device, g=g)
+        nw = randn(K, dtype=dtype, device=device, g=g)
+        w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+        kw = {"block_k": 64, "split_k": 1 + i % 3, "block_n": 32} if device == "cpu" else {"split_k": 1 + i % 4}
+        y, summed = add_rmsnorm_linear(x, r, nw, 1e-5, w, **kw)
+        normed, esummed = ref.add_rmsnorm(x, r, nw, 1e-5)
+        assert_close(summed, esummed, what=f"summed {M}x{N}x{K}")
+        assert_close(y, lin(normed, w), TOL_ACC, what=f"add_rmsnorm_linear {M}x{N}x{K} {dtype}")
+        assert_close(rmsnorm_linear(x, nw, 1e-5, w, **kw), lin(ref.rmsnorm(x, nw, 1e-5), w), TOL_ACC,
+                     what=f"rmsnorm_linear {M}x{N}x{K} {dtype}")

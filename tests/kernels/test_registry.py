@@ -43,7 +43,7 @@ def test_unknown_param_is_rejected():
 
 def test_fused_entry_points_declare_params():
     fused = fused_entry_points()
-    assert set(fused) == {"lm_head_argmax", "silu_mul_down_proj"}
+    assert set(fused) == {"lm_head_argmax", "silu_mul_down_proj", "add_rmsnorm_linear", "rmsnorm_linear"}
     for name, entry in fused.items():
         names = set(inspect.signature(entry["fn"]).parameters)
         for p in entry["params"]:
