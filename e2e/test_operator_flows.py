@@ -342,3 +342,37 @@ def test_operator_restart_mid_job_keeps_children_then_delete_cleans_up(anneal):
         kind, name = key.split("/")
         wait_for(lambda: get(c, kind, name, ns) is None, 90, f"{key} cleaned up")
     assert status(c, "infdep", "llama", ns).get("phase") == "Ready"  # a deleted job never touches the deployment
+
+
+def test_real_compile_on_cpu_engines(anneal):
+    """The whole chain without stand-ins: two CPU engine pods (`anneal serve`, bound to their pod IPs
+    on the runner node) and the operator's own coordinator Job running `anneal compile --engines
+    ... --report-to ...`, which reports progress and publishes a verified CompiledPlan."""
+    c, ns = anneal, namespace(anneal, "anneal-cjob-cpu")
+    job = {"apiVersion": "anneal.dev/v1alpha1", "kind": "CompilationJob", "metadata": {"name": "tiny"},
+           "spec": {"target": {"model": "random:tiny"}, "traffic": {"preset": "chat"}, "budget": "40s",
+                    "deadline": "15m", "retries": 0, "agents": ["scheduler-tuner", "graph-buckets"],
+                    "tiers": {"gpus": 0, "fastLayers": 1, "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}}},
+                    "coordinator": {"resources": {"requests": {"cpu": "100m", "memory": "512Mi"}}}}}
+    apply(c, ns, job)
+    phases = []
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        st = status(c, "cjob", "tiny", ns)
+        if st.get("phase") and (not phases or phases[-1] != st["phase"]):
+            phases.append(st["phase"])
+        if st.get("phase") in ("Succeeded", "Failed"):
+            break
+        time.sleep(1)
+    logs = "".join(c.pod_log(ns, p["metadata"]["name"])[-4000:]
+                   for p in listing(c, "pods", ns, "anneal.dev/compilation-job=tiny") + listing(c, "pods", ns, "job-name=tiny-coordinator"))
+    print("real compile:", phases, st.get("experiments"), st.get("bestSpeedup"), st.get("message"))
+    assert st.get("phase") == "Succeeded", (phases, st, logs)
+    assert {"Provisioning", "Searching", "Succeeded"} <= set(phases), phases
+    assert st["experiments"] > 0 and st["resultPlanHash"]
+    result = get(c, "configmap", "tiny-result", ns)
+    from anneal.engine.plan import CompiledPlan
+
+    compiled = CompiledPlan.model_validate_json(result["data"]["plan.json"])
+    assert compiled.plan_hash == st["resultPlanHash"] and compiled.verification["passed"] is True
+    wait_for(lambda: not _engine_pods(c, ns, "tiny"), 60, "CPU engines released")
