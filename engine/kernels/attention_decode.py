@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
-    fit_stages, pow2_split, sm_count,
+    KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
+    pdl_prologue, pow2, pow2_split, sm_count,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -153,6 +153,9 @@ def paged_decode_attention(
         raise KernelInputError(f"{name}: block_tables must be [B={B}, NB] and context_lens [B]")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise KernelInputError(f"{name}: block_tables and context_lens must be int32")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise KernelInputError(f"{name}: q, k_cache and v_cache must share a dtype, got {q.dtype}, "
+                               f"{k_cache.dtype}, {v_cache.dtype}")
     for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         if t.stride(-1) != 1:
             raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")

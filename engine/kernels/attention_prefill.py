@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
+    KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
+    pdl_prologue, pow2,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -99,6 +100,9 @@ def paged_prefill_attention(
     for t, n in ((block_tables, "block_tables"), (cu_seqlens_q, "cu_seqlens_q"), (context_lens, "context_lens")):
         if t.dtype != torch.int32:
             raise KernelInputError(f"{name}: {n} must be int32, got {t.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise KernelInputError(f"{name}: q, k_cache and v_cache must share a dtype, got {q.dtype}, "
+                               f"{k_cache.dtype}, {v_cache.dtype}")
     for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         if t.stride(-1) != 1:
             raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")
