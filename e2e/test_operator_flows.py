@@ -376,3 +376,20 @@ def test_real_compile_on_cpu_engines(anneal):
     compiled = CompiledPlan.model_validate_json(result["data"]["plan.json"])
     assert compiled.plan_hash == st["resultPlanHash"] and compiled.verification["passed"] is True
     wait_for(lambda: not _engine_pods(c, ns, "tiny"), 60, "CPU engines released")
+
+
+def test_preview_job_proposes_without_applying(anneal):
+    c, ns = anneal, namespace(anneal, "anneal-cjob-preview")
+    apply(c, ns, idep("llama", replicas=1, compilation={"mode": "preview"}))
+    before = wait_for(lambda: (s := status(c, "infdep", "llama", ns)).get("phase") == "Ready" and s, 120, "llama Ready")
+    apply(c, ns, cjob("p1", "llama"))  # autoApply defaults to false
+    apply(c, ns, stand_in_coordinator("p1", ns))
+    wait_for(lambda: status(c, "cjob", "p1", ns).get("phase") in ("Succeeded", "Failed"), 180, "p1 finished")
+    assert status(c, "cjob", "p1", ns)["phase"] == "Succeeded"
+    expected = Plan.model_validate({"scheduler": {"max_num_seqs": 24}}).hash
+    st = wait_for(lambda: (s := status(c, "infdep", "llama", ns)).get("proposedPlan") and s, 60, "proposedPlan")
+    assert st["proposedPlan"]["hash"] == expected and st["proposedPlan"]["source"] == "CompilationJob/p1"
+    assert st["proposedPlan"]["speedup"] == pytest.approx(1.3) and st["lastCompilationJob"] == "p1"
+    time.sleep(5)
+    assert status(c, "infdep", "llama", ns)["planHash"] == before["planHash"]  # proposed, not applied
+    assert get(c, "configmap", "llama-compiled", ns) is None

@@ -51,7 +51,7 @@ def _available(spec: api.InferenceDeploymentSpec, obs: Observed, ready: int) -> 
     return cond.Observation(api.AVAILABLE, False, "ReplicasNotReady", f"{ready}/{spec.replicas} replicas ready")
 
 
-def _plan_serving(spec: api.InferenceDeploymentSpec, obs: Observed, generation: int | None) -> tuple[cond.Observation, bool]:
+def _plan_serving(spec: api.InferenceDeploymentSpec, obs: Observed) -> tuple[cond.Observation, bool]:
     d = obs.deployment
     if obs.plan is None or d is None:
         return cond.Observation(api.PLAN_SERVING, None, "NotDeployed"), False
@@ -96,7 +96,7 @@ def compute(
         res_obs = cond.Observation(api.RESOURCES_READY, True, "Applied", "Deployment, Service and ConfigMap in place")
     sched = _schedulable(spec, obs)
     avail = _available(spec, obs, ready)
-    serving, rolled = _plan_serving(spec, obs, generation)
+    serving, rolled = _plan_serving(spec, obs)
     observations = [plan_obs, res_obs, sched, avail, serving]
 
     pod_fatal = any(p is not None and p.fatal for p in map(pod_health.problem, obs.pods))
