@@ -25,14 +25,7 @@ from anneal.operator.compilation_status import (
 )
 from anneal.operator.context import Context
 from anneal.operator.kube import ApiException, api_message
-from anneal.operator.deployment_handlers import announce
-
-
-def parse_spec(spec: dict[str, Any]) -> api.CompilationJobSpec:
-    try:
-        return api.CompilationJobSpec.model_validate(dict(spec))
-    except ValidationError as exc:
-        raise kopf.PermanentError(f"invalid spec: {exc}") from None
+from anneal.operator.deployment_handlers import announce, report_invalid_spec
 
 
 def _created_at(body: kopf.Body) -> datetime:
@@ -165,7 +158,12 @@ def apply_result(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, co
 def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, logger: Any) -> None:
     name, ns = body.metadata.name, body.metadata.namespace
     previous = dict(body.get("status") or {})
-    spec = parse_spec(body.spec)
+    try:
+        spec = api.CompilationJobSpec.model_validate(dict(body.spec))
+    except ValidationError as exc:
+        # Pending, not Failed: the spec stays editable (it freezes once the search starts).
+        report_invalid_spec(body, patch, exc, logger, phase=previous.get("phase") or "Pending")
+        return
     kube = ctx.kube
     phase = previous.get("phase") or "Pending"
 

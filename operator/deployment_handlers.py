@@ -20,11 +20,32 @@ from anneal.operator.deployment_status import Observed, changed, compute
 from anneal.operator.plan_source import PlanError, resolve
 
 
-def parse_spec(spec: dict[str, Any]) -> api.InferenceDeploymentSpec:
-    try:
-        return api.InferenceDeploymentSpec.model_validate(dict(spec))
-    except ValidationError as exc:
-        raise kopf.PermanentError(f"invalid spec: {exc}") from None
+def invalid_spec_status(
+    previous: dict[str, Any], exc: ValidationError, generation: int | None, phase: str = "Failed"
+) -> dict[str, Any]:
+    """Status of a spec the API server accepted but the models refuse (a schema/model mismatch or
+    a rule only the models check): `phase`, with the reason in Ready; nothing else is touched."""
+    problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors())[:1000]
+    ready = cond.Observation(cond.READY, False, "InvalidSpec", f"spec: {problems}")
+    conditions = [c for c in previous.get("conditions") or [] if c.get("type") != cond.READY]
+    return {
+        "phase": phase,
+        "message": f"invalid spec: {problems}",
+        "observedGeneration": generation,
+        "conditions": conditions + cond.merge(previous.get("conditions") or [], [], generation, ready=ready),
+    }
+
+
+def report_invalid_spec(
+    body: kopf.Body, patch: kopf.Patch, exc: ValidationError, logger: Any, phase: str = "Failed"
+) -> None:
+    previous = dict(body.get("status") or {})
+    new = invalid_spec_status(previous, exc, body.metadata.get("generation"), phase)
+    diff = changed(previous, new)
+    if diff:
+        patch.status.update(diff)
+        kopf.warn(body, reason="InvalidSpec", message=new["message"])
+    logger.warning("%s", new["message"])
 
 
 def _check_references(ctx: Context, namespace: str, spec: api.InferenceDeploymentSpec, obs: Observed) -> None:
@@ -41,7 +62,11 @@ def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, logger: Any) -> 
     name, namespace = body.metadata.name, body.metadata.namespace
     generation = body.metadata.get("generation")
     previous = dict(body.get("status") or {})
-    spec = parse_spec(body.spec)
+    try:
+        spec = api.InferenceDeploymentSpec.model_validate(dict(body.spec))
+    except ValidationError as exc:
+        report_invalid_spec(body, patch, exc, logger)
+        return
     kube = ctx.kube
     obs = Observed()
 

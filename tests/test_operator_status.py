@@ -193,3 +193,26 @@ def test_ready_aggregates_the_first_failing_condition():
     ready = cond.aggregate(obs)
     assert ready.status == "False" and ready.reason == "Broken" and ready.message == "B: fix it"
     assert cond.aggregate([cond.Observation("A", True, "Ok")]).status == "True"
+
+
+def test_a_spec_only_the_models_refuse_becomes_a_condition():
+    from pydantic import ValidationError
+
+    from anneal.operator.deployment_handlers import invalid_spec_status
+
+    previous = compute("llama", "ml", spec(), 3, ready_obs(), None)
+    try:
+        InferenceDeploymentSpec.model_validate({"model": "random:tiny", "replicas": "many"})
+    except ValidationError as exc:
+        st = invalid_spec_status(previous, exc, 4)
+    assert st["phase"] == "Failed" and "replicas" in st["message"]
+    ready = cond.find(st["conditions"], "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec" and ready["observedGeneration"] == 4
+    assert cond.find(st["conditions"], "PlanResolved") == cond.find(previous["conditions"], "PlanResolved")
+
+
+def test_inline_plans_are_checked_when_resolved_not_when_parsed():
+    s = spec(plan={"inline": {"ops": {"no_such_op": {}}}})  # the spec itself is fine
+    with pytest.raises(Exception) as err:
+        resolve("llama", s, _store())
+    assert "no_such_op" in str(err.value)

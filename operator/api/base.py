@@ -14,8 +14,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from anneal.engine.plan import Plan
-
 GROUP = "anneal.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -157,13 +155,6 @@ class PlanSource(KubeModel):
 
     config_map_ref: ConfigMapKeyRef | None = Field(None, description="a ConfigMap key holding the plan")
     inline: FreeForm | None = Field(None, description="a Plan object (see `anneal.engine.plan.Plan`)")
-
-    @field_validator("inline")
-    @classmethod
-    def _inline_is_plan(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            Plan.model_validate(value)  # a clear error now rather than a crash-looping engine later
-        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "PlanSource":
