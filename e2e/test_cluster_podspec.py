@@ -60,6 +60,13 @@ def test_volumes_and_env_from_api_objects(tmp_path):
     local = tmp_path / "volumes" / "plan"
     assert argv == ["serve", f"--plan={local}/plan.json", "/etc/planner"]  # a prefix of a longer name stays
     assert (local / "plan.json").read_text() == "{}"
+    two = {"/etc/plan": "/tmp/pod/volumes/plan", "/tmp": "/tmp/pod/volumes/tmp"}
+    assert ctx.rewrite("cat /etc/plan/x /tmp/y /var/tmp/z /tmpfoo", two) == \
+        "cat /tmp/pod/volumes/plan/x /tmp/pod/volumes/tmp/y /var/tmp/z /tmpfoo"
+
+    objects["/api/v1/namespaces/ns/configmaps/cfg"] = {"data": {"plan.json": '{"v": 2}', "mode": "fast"}}
+    ctx.materialize_volumes(refresh=True)  # a changed ConfigMap reaches the mounted file
+    assert (local / "plan.json").read_text() == '{"v": 2}'
 
     missing = {"name": "c", "command": ["x"], "env": [
         {"name": "K", "valueFrom": {"secretKeyRef": {"name": "nope", "key": "k"}}}]}

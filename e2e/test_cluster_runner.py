@@ -215,3 +215,38 @@ def test_killed_test_run_leaves_no_processes(tmp_path):
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     wait_for(lambda: procs.marked(cluster_id) == [], 30, "every process of the cluster to exit")
+
+
+WATCHER = """
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: live, namespace: default}
+data: {value: one}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: watcher, namespace: default}
+spec:
+  volumes:
+  - {name: live, configMap: {name: live}}
+  - {name: tmp, emptyDir: {}}
+  containers:
+  - name: main
+    image: unused
+    command: ["sh", "-c", "echo tmp=$TMPDIR; while true; do cat /etc/live/value; echo; sleep 0.3; done"]
+    volumeMounts:
+    - {name: live, mountPath: /etc/live}
+    - {name: tmp, mountPath: /tmp}
+"""
+
+
+def test_mounted_configmap_follows_updates(cluster):
+    cluster.kubectl("apply", "-f", "-", input=WATCHER, check=True)
+    try:
+        wait_for(lambda: "one" in cluster.pod_log("default", "watcher"), 60, "the first value")
+        cluster.kubectl("patch", "configmap", "live", "-p", '{"data": {"value": "two"}}', check=True)
+        wait_for(lambda: "two" in cluster.pod_log("default", "watcher"), 30, "the updated value")
+        first = cluster.pod_log("default", "watcher").splitlines()[0]
+        assert first.startswith("tmp=") and first.endswith("/volumes/tmp")  # /tmp mount → TMPDIR
+    finally:
+        cluster.kubectl("delete", "pod/watcher", "configmap/live", "--wait=false")

@@ -131,9 +131,15 @@ class PodContext:
 
     # ------------------------------------------------------------ volumes
 
-    def materialize_volumes(self) -> None:
+    def materialize_volumes(self, refresh: bool = False) -> None:
+        """Write every volume's files; with `refresh`, re-read ConfigMaps and Secrets and rewrite
+        changed files (as the kubelet updates mounted ConfigMaps), leaving the token alone."""
+        if refresh:
+            self._cache.clear()
         for vol in self.pod["spec"].get("volumes", []):
             name = vol["name"]
+            if refresh and not any(k in vol for k in ("configMap", "secret", "projected")):
+                continue
             if "hostPath" in vol:
                 self.volume_dirs[name] = Path(vol["hostPath"]["path"])
                 continue
@@ -162,7 +168,7 @@ class PodContext:
                 raise ConfigError(f"volume item key {key!r} is missing")
             target = d / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(data[key])
+            _write_if_changed(target, data[key])
 
     def _write_downward(self, d: Path, items: list) -> None:
         for item in items:
@@ -172,7 +178,7 @@ class PodContext:
                 value = resource_value(self.pod["spec"]["containers"][0], item["resourceFieldRef"])
             target = d / item["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(value)
+            _write_if_changed(target, value)
 
     def _write_projection(self, d: Path, src: dict) -> None:
         if "configMap" in src:
@@ -185,6 +191,8 @@ class PodContext:
             self._write_downward(d, src["downwardAPI"].get("items", []))
         elif "serviceAccountToken" in src:
             t = src["serviceAccountToken"]
+            if (d / t["path"]).exists():
+                return  # requested once per pod, valid for a day
             token = self._request_token(t)
             (d / t["path"]).write_text(token)
             self.kubeconfig = self.dir / "kubeconfig"
@@ -212,9 +220,13 @@ class PodContext:
         return out
 
     def rewrite(self, s: str, mounts: dict[str, str]) -> str:
-        for mount in sorted(mounts, key=len, reverse=True):
-            s = re.sub(re.escape(mount) + r"(?=$|/|[^\w.-])", lambda _m, m=mount: mounts[m], s)
-        return s
+        """Replace mount paths that stand as whole path prefixes, in one pass (a replacement is
+        never rewritten again, `/tmp` does not match inside `/var/tmp` or `/tmpfoo`)."""
+        if not mounts:
+            return s
+        alternatives = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
+        pattern = rf"(?<![\w./-])({alternatives})(?=$|/|[^\w.-])"
+        return re.sub(pattern, lambda m: mounts[m.group(1)], s)
 
     def env(self, container: dict, mounts: dict[str, str]) -> dict[str, str]:
         env = dict(self.base_env)
@@ -225,6 +237,8 @@ class PodContext:
         if self.kubeconfig is not None and any(m == SA_MOUNT for m in mounts):
             env["KUBECONFIG"] = str(self.kubeconfig)
         env["ANNEAL_MOUNTS"] = json.dumps(mounts)
+        if "/tmp" in mounts:
+            env["TMPDIR"] = mounts["/tmp"]
         for src in container.get("envFrom", []):
             prefix = src.get("prefix", "")
             if "configMapRef" in src:
@@ -270,6 +284,15 @@ class PodContext:
             path = self.dir / "workdir" / wd.lstrip("/")
             path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+def _write_if_changed(target: Path, text: str) -> None:
+    """Replace a volume file atomically, so a reader never sees half of it."""
+    if target.exists() and target.read_text(errors="replace") == text:
+        return
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(target)
 
 
 def base_env(venv: Path, pod_dir: Path, marker: tuple[str, str]) -> dict[str, str]:

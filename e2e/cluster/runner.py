@@ -12,6 +12,8 @@ keeps its lease fresh, and for each pod bound to it:
 - publishes the EndpointSlices of every Service (the controller manager's endpoint controllers are
   off): the API server refuses loopback IPs as IPv4 endpoint addresses, so local pods go into
   `<svc>-local` with `addressType: FQDN` and the IP text as address; kwok pods into `<svc>-nodes`;
+- refreshes mounted ConfigMap/Secret files every few seconds, as the kubelet does;
+- ignores images, securityContext (runs as the runner's user), resource limits and startup probes;
 - on deletion, SIGTERMs the process groups (SIGKILL after the grace period, at most 10 s) and
   removes the pod with grace period 0.
 Logs: `<state dir>/pods/<namespace>_<name>/<container>.log` (there is no `kubectl logs`).
@@ -38,6 +40,7 @@ from .rest import ApiError, Rest
 log = logging.getLogger("runner")
 MANAGER = "runner.anneal.dev"
 LABEL = "anneal.dev/local-exec"
+VOLUME_REFRESH_S = 3.0  # mounted ConfigMaps and Secrets follow their objects this fast
 
 
 def now_iso() -> str:
@@ -120,6 +123,7 @@ class PodWorker(threading.Thread):
         self.phase = "Pending"
         self.transitions: dict[str, tuple[str, str]] = {}
         self._last_report: str = ""
+        self.next_refresh = time.monotonic() + VOLUME_REFRESH_S
 
     # -------------------------------------------------------------- lifecycle
 
@@ -195,6 +199,12 @@ class PodWorker(threading.Thread):
     def step(self) -> None:
         if self.phase in ("Succeeded", "Failed"):
             return
+        if self.ctx is not None and time.monotonic() >= self.next_refresh:
+            self.next_refresh = time.monotonic() + VOLUME_REFRESH_S
+            try:
+                self.ctx.materialize_volumes(refresh=True)
+            except (ConfigError, ApiError) as e:
+                log.warning("%s/%s: volume refresh: %s", self.ns, self.pod_name, e)
         if not self.prepare():
             for c in self.inits + self.mains:
                 c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": self.config_error}}
