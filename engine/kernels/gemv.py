@@ -1,5 +1,5 @@
-"""Small-M GEMM / GEMV for decode projections (Triton), split-K; the fused SiLU-mul + down-proj;
-and the fused lm_head + argmax.
+"""Small-M GEMM / GEMV for decode projections (Triton), split-K, and the GEMV-based fusions:
+SiLU-mul + down-proj, (add +) RMSNorm + projection, lm_head + argmax.
 
 ``y[M, N] = x[M, K] @ W[N, K]^T`` with W row-major (the nn.Linear layout). Decode projections are
 memory-bound on W, so the kernel is built to stream W once at full bandwidth:
@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_device, dot_precision, dot_upcast, launch_opts, mma, pdl_enabled, pdl_prologue, pow2,
-    fit_stages, pow2_split, sm_count,
+    KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
+    pdl_prologue, pow2, pow2_split, sm_count,
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.ops.registry import Param, variant
