@@ -324,12 +324,14 @@ def test_operator_restart_mid_job_keeps_children_then_delete_cleans_up(anneal):
     assert all(before.values()), before
 
     old = {p["metadata"]["name"] for p in operator_pods(c)}
-    assert c.kubectl("delete", "pod", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR, "--wait=true").returncode == 0
+    # killed, not stopped: no graceful shutdown, its peering record stays until it expires
+    out = c.kubectl("delete", "pod", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR, "--grace-period=0", "--force")
+    assert out.returncode == 0, out.stderr
     wait_for(lambda: any(p["metadata"]["name"] not in old and p["status"].get("phase") == "Running" for p in operator_pods(c)),
              120, "a new operator pod")
     # the new operator is active (not frozen by a stale peer): it handles a new resource ...
     apply(c, ns, idep("probe", replicas=1))
-    wait_for(lambda: get(c, "deployment", "probe", ns), 120, "the new operator handling a new resource")
+    wait_for(lambda: get(c, "deployment", "probe", ns), 180, "the new operator handling a new resource")
     time.sleep(6)  # ... and has reconciled the running job a few times
     assert _uids(c, ns, "c3") == before
     assert len(_engine_pods(c, ns, "c3")) == 2
