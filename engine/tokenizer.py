@@ -26,6 +26,8 @@ character: text that ends in an incomplete sequence is held back until the next 
 
 from __future__ import annotations
 
+import logging
+
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -151,7 +153,17 @@ def load_tokenizer(
     path = Path(model)
     if not path.is_dir():
         raise TokenizerError(f"{model!r} is neither random:<preset> nor a model folder")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        # A weights-only folder (benchmarks write these): serve token ids, bytes for text.
+        if vocab_size is None:
+            raise TokenizerError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+        logging.getLogger("anneal.tokenizer").warning(
+            "%s has no tokenizer files; using the byte-level fallback tokenizer", path)
+        return ByteTokenizer(vocab_size, name=str(path), eos_token_ids=eos_token_ids)
     return HFTokenizer(path)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class IncrementalDetokenizer:

@@ -71,8 +71,13 @@ def test_load_tokenizer_picks_the_fallback_and_rejects_unknown_models(tmp_path):
         load_tokenizer("random:tiny")
     with pytest.raises(TokenizerError, match="neither"):
         load_tokenizer(str(tmp_path / "missing"))
+    with pytest.raises(TokenizerError, match="no tokenizer files"):
+        load_tokenizer(str(tmp_path))  # a folder without tokenizer files, no vocab to fall back on
+    # A weights-only folder (as the benchmarks write) falls back to bytes when the vocab is known.
+    assert isinstance(load_tokenizer(str(tmp_path), 512, [EOS_ID]), ByteTokenizer)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="cannot load"):
-        load_tokenizer(str(tmp_path))  # a folder without tokenizer files
+        load_tokenizer(str(tmp_path), 512, [EOS_ID])  # tokenizer files present but broken
 
 
 # ---- incremental detokenization ---------------------------------------------------------------
