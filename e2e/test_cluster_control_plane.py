@@ -108,5 +108,7 @@ def test_cpu_pod_does_not_land_on_gpu_nodes(cluster):
             get_json(cluster, "pod", "cpu-only")), 60, "cpu-only to succeed")
         assert pod["spec"]["nodeName"] == "anneal-local"
         assert "ran" in cluster.pod_log("default", "cpu-only")
+        logs = cluster.kubectl("logs", "cpu-only")  # through the API server to the runner's log API
+        assert logs.returncode == 0 and logs.stdout == "ran\n", logs.stderr
     finally:
         cluster.kubectl("delete", "pod", "cpu-only", "--wait=false")

@@ -247,6 +247,9 @@ class LocalCluster:
             # request nvidia.com/gpu the matching toleration, as on managed GPU clusters.
             "--enable-admission-plugins=ExtendedResourceToleration",
             "--allow-privileged=true",
+            # `kubectl logs` goes through the runner's kubelet log API on 127.0.0.1.
+            f"--kubelet-client-certificate={pki.admin_crt}", f"--kubelet-client-key={pki.admin_key}",
+            f"--kubelet-certificate-authority={pki.ca_crt}", "--kubelet-preferred-address-types=InternalIP",
             # Loopback addresses are not valid Endpoints, so the apiserver publishes none for itself.
             "--endpoint-reconciler-type=none",
             "--v=1",
@@ -293,6 +296,7 @@ class LocalCluster:
             str(python), "-m", "cluster.runner", f"--kubeconfig={self.kubeconfig}",
             f"--node={LOCAL_NODE}", f"--state-dir={self.state_dir / 'runner'}",
             f"--venv={self.venv}", f"--server={self.server}",
+            f"--tls-cert={self.pki.serving_crt}", f"--tls-key={self.pki.serving_key}", f"--client-ca={self.pki.ca_crt}",
         ], env=env)
         self._wait_for(lambda: self._node_ready(LOCAL_NODE), f"node {LOCAL_NODE} to be Ready",
                        timeout, "runner")

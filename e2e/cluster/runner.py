@@ -16,7 +16,7 @@ keeps its lease fresh, and for each pod bound to it:
 - ignores images, securityContext (runs as the runner's user), resource limits and startup probes;
 - on deletion, SIGTERMs the process groups (SIGKILL after the grace period, at most 10 s) and
   removes the pod with grace period 0.
-Logs: `<state dir>/pods/<namespace>_<name>/<container>.log` (there is no `kubectl logs`).
+Logs: `<state dir>/pods/<namespace>_<name>/<container>.log`, also served to `kubectl logs` (logserver.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import datetime as dt
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 
 from . import procs
+from .logserver import LogServer
 from .podspec import ConfigError, PodContext, base_env
 from .probes import ProbeState, run_probe
 from .rest import ApiError, Rest
@@ -112,6 +114,8 @@ class PodWorker(threading.Thread):
         self.uid, self.ns, self.pod_name = meta["uid"], meta["namespace"], meta["name"]
         self.ip = runner.ips.take()
         self.dir = runner.state_dir / "pods" / f"{self.ns}_{self.pod_name}"
+        if self.dir.exists():  # an earlier pod of the same name: its logs and volumes are not ours
+            shutil.rmtree(self.dir, ignore_errors=True)
         self.stop_event = threading.Event()
         self.deleted = False  # the pod is being deleted through the API
         self.vanished = False  # the pod is gone from the API (or the runner is stopping)
@@ -349,8 +353,10 @@ class PodWorker(threading.Thread):
 
 
 class Runner:
-    def __init__(self, rest: Rest, node: str, state_dir: Path, venv: Path, server: str) -> None:
+    def __init__(self, rest: Rest, node: str, state_dir: Path, venv: Path, server: str,
+                 logs: LogServer | None = None) -> None:
         self.rest, self.node, self.state_dir, self.venv, self.server = rest, node, state_dir, venv, server
+        self.logs = logs
         self.cluster_id = os.environ.get(procs.MARKER, "")
         self.ips = IpPool()
         self.workers: dict[str, PodWorker] = {}
@@ -385,6 +391,7 @@ class Runner:
         self.rest.merge_patch(f"/api/v1/nodes/{self.node}/status", {"status": {
             "capacity": capacity, "allocatable": capacity, "conditions": conds,
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.node}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.logs.port if self.logs else 0}},
             "nodeInfo": {"kubeletVersion": "anneal-local-runner", "operatingSystem": "linux",
                          "architecture": "amd64", "containerRuntimeVersion": "local-process://1",
                          "kernelVersion": os.uname().release, "osImage": "local", "kubeProxyVersion": "",
@@ -413,6 +420,12 @@ class Runner:
                 time.sleep(0.1)
 
     # -------------------------------------------------------------- pods
+
+    def running(self, ns: str, name: str) -> bool:
+        """True while a worker runs pod ns/name (for `kubectl logs -f`)."""
+        with self._lock:
+            return any(w.ns == ns and w.pod_name == name and not (w.deleted or w.vanished)
+                       for w in self.workers.values())
 
     def forget(self, uid: str) -> None:
         with self._lock:
@@ -540,6 +553,8 @@ class Runner:
     # -------------------------------------------------------------- main
 
     def run(self, period: float = 0.5) -> None:
+        if self.logs:
+            self.logs.start()
         self.register_node()
         threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True).start()
         log.info("node %s registered; running pods", self.node)
@@ -568,11 +583,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--state-dir", required=True, type=Path)
     ap.add_argument("--venv", type=Path, default=Path(os.environ.get("ANNEAL_VENV", "/root/.cache/anneal/venv")))
     ap.add_argument("--server", help="API server URL given to pods (default: the kubeconfig's)")
+    ap.add_argument("--tls-cert", help="serving certificate for the kubelet log API (with --tls-key, --client-ca)")
+    ap.add_argument("--tls-key")
+    ap.add_argument("--client-ca")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     rest = Rest(args.kubeconfig)
     runner = Runner(rest, args.node, args.state_dir, args.venv, args.server or rest.server)
+    if args.tls_cert:
+        runner.logs = LogServer(args.state_dir / "pods", args.tls_cert, args.tls_key, args.client_ca, runner.running)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
