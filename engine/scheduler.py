@@ -121,12 +121,13 @@ class Scheduler:
         # 3. Admit waiting requests while sequences, tokens and blocks last.
         while self.waiting and budget > 0 and len(self.running) < k.max_num_seqs:
             seq = self.waiting[0]
+            # Without chunking the whole rest must fit; check before allocating, so a waiting
+            # prompt neither re-counts its prefix query nor evicts cached blocks every step.
+            if not k.chunked_prefill and len(seq) - self.blocks.num_cached_tokens(seq) > budget:
+                break
             if not self.blocks.allocate(seq):
                 break
             remaining = len(seq) - seq.num_computed_tokens
-            if not k.chunked_prefill and remaining > budget:
-                self.blocks.free(seq)
-                break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
