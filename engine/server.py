@@ -224,28 +224,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="a Hugging Face model folder or random:<preset>")
     parser.add_argument("--plan", help="a Plan or CompiledPlan file (JSON/YAML); default: the reference plan")
     parser.add_argument("--host", default="0.0.0.0", help="address of both ports (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=8000, help="public OpenAI API + /metrics")
+    parser.add_argument("--port", type=int, default=8000, help="public OpenAI API + /metrics (default 8000)")
     parser.add_argument(
-        "--admin-port", type=int, default=8001, help="admin API; listens only when ANNEAL_ADMIN_TOKEN is set"
+        "--admin-port", type=int, default=8001,
+        help="admin API (default 8001); listens only when ANNEAL_ADMIN_TOKEN is set",
     )
     parser.add_argument("--layers", type=int, help="load only the first K layers (fast tier)")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     parser.add_argument("--served-model-name", help="the model id clients send (default: --model)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     parser.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized by the engine)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences per step (overrides the plan)")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, help="token budget per step (overrides the plan)"
     )
     parser.add_argument(
         "--max-waiting", type=int, default=256,
-        help="requests that may wait beyond max-num-seqs; more get 429 + Retry-After",
+        help="requests that may wait beyond max-num-seqs (default 256); more get 429 + Retry-After",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights seed for random: models")
     parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
-        help="seconds in-flight requests may finish after SIGTERM before they are aborted",
+        help="seconds in-flight requests may finish after SIGTERM before they are aborted (default 30)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -363,7 +364,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine = build_engine(args)
         tokenizer = load_tokenizer(args.model, engine.config.vocab_size, engine.config.eos_token_ids)
-    except (OSError, ValueError, TokenizerError) as e:
+    except (OSError, ValueError, RuntimeError, TokenizerError) as e:
         log.error("cannot start: %s", e)
         return 2
     asyncio.run(serve(args, engine, tokenizer))

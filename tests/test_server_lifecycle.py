@@ -69,3 +69,24 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout():
     finally:
         server.stop()
     assert "[DONE]" not in result["chunks"]  # cut off, not completed
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "random:tiny", "--plan", "/nonexistent/plan.json"], "No such file"),
+        (["--model", "random:no-such-preset"], "unknown random preset"),
+        (["--model", "random:tiny", "--max-num-seqs", "0"], "max_num_seqs"),
+    ],
+    ids=["missing-plan", "unknown-preset", "bad-knob"],
+)
+def test_bad_flags_fail_fast_with_a_message_and_exit_2(args, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    anneal = str(Path(sys.executable).with_name("anneal"))
+    r = subprocess.run([anneal, "serve", *args, "--device", "cpu", "--port", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "cannot start" in r.stderr and message in r.stderr
