@@ -240,7 +240,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-num-batched-tokens", type=int, help="token budget per step (overrides the plan)"
     )
     parser.add_argument(
-        "--max-waiting", type=int, default=256,
+        "--max-waiting", "--max-queue", dest="max_waiting", type=int, default=256,
         help="requests that may wait beyond max-num-seqs (default 256); more get 429 + Retry-After",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights seed for random: models")
