@@ -350,10 +350,12 @@ class Bench:
 
         defaults = get_variant(op, "triton_gemv_splitk").defaults()
         build = lambda **p: _make_linear(**{**defaults, **p})  # noqa: E731
-        sweep = [{}, {"split_k": 1}, {"block_n": 128, "block_k": 64}, {"block_n": 32, "block_k": 256},
-                 {"block_k": 256, "num_warps": 8}, {"num_stages": 4}, {"block_m": 32, "block_n": 128, "num_warps": 8}]
+        sweep = [{}, {"reduce": "ticket"}, {"split_k": 1}, {"block_n": 128, "block_k": 64},
+                 {"block_n": 32, "block_k": 256}, {"block_k": 256, "num_warps": 8}, {"num_stages": 4}]
+        if bs == 1:
+            sweep += [{"m1": "fma"}, {"m1": "fma", "block_k": 512, "reduce": "ticket"}]
         if bs > 64:
-            sweep.append({"max_m": 0})
+            sweep += [{"max_m": 0}, {"max_m": 0, "block_n": 128, "num_warps": 8}]
         if self.args.tiny:
             sweep = [{}, {"split_k": 2, "block_k": 64}]
         return Case(op, model, {"M": bs, "N": n, "K": k}, nbytes, make, get_op(op).reference, {},
@@ -375,6 +377,8 @@ class Bench:
             return lm_head(x, weight).argmax(-1)
 
         sweep = [{}, {"block_n": 64}, {"block_n": 256, "num_warps": 8}, {"block_k": 256}, {"num_stages": 4}]
+        if bs == 1:
+            sweep.append({"m1": "fma"})
         if self.args.tiny:
             sweep = [{}, {"block_n": 64, "block_k": 64}]
         build = lambda **p: (lambda x, weight: lm_head_argmax(x, weight, **p))  # noqa: E731
@@ -398,9 +402,10 @@ class Bench:
         def make(i):
             return (self.randn(bs, 2 * I, g=self.gen(400 + i)), ws[i % R])
 
-        sweep = [{}, {"split_k": 1}, {"block_n": 32, "block_k": 256}, {"block_k": 256, "num_warps": 8}]
+        sweep = [{}, {"reduce": "ticket"}, {"split_k": 1}, {"block_n": 32, "block_k": 256},
+                 {"block_k": 256, "num_warps": 8}]
         if self.args.tiny:
-            sweep = [{}, {"block_k": 64, "split_k": 2}]
+            sweep = [{}, {"block_k": 64, "split_k": 2, "reduce": "ticket"}]
         build = lambda **p: (lambda gu, w: silu_mul_down_proj(gu, w, **p))  # noqa: E731
         return Case("silu_mul_down_proj", model, {"M": bs, "N": N, "I": I}, nbytes, make,
                     lambda gu, w: down(ref.silu_and_mul(gu), w),
@@ -433,9 +438,10 @@ class Bench:
             normed, summed = t_norm(x, r, w_norm, eps)
             return t_qkv(normed, w), summed
 
-        sweep = [{}, {"split_k": 1}, {"block_n": 32, "block_k": 256}, {"block_k": 256, "num_warps": 8}]
+        sweep = [{}, {"reduce": "ticket"}, {"split_k": 1}, {"block_n": 32, "block_k": 256},
+                 {"block_k": 256, "num_warps": 8}]
         if self.args.tiny:
-            sweep = [{}, {"block_k": 64, "split_k": 2}]
+            sweep = [{}, {"block_k": 64, "split_k": 2, "reduce": "ticket"}]
         build = lambda **p: (lambda x, r, w_norm, eps, w: add_rmsnorm_linear(x, r, w_norm, eps, w, **p))  # noqa: E731
         err = lambda out, r: max(self._err(out[0], r[0]), self._err(out[1], r[1]))  # noqa: E731
         return Case("add_rmsnorm_qkv_proj", model, {"M": bs, "N": N, "K": K}, nbytes, make, reference,

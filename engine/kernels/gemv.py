@@ -6,13 +6,14 @@ memory-bound on W, so the kernel is built to stream W once at full bandwidth:
 
 * grid ``[cdiv(N, block_n), split_k, cdiv(M, BLOCK_M)]``; each program reads a ``block_n x K/split_k``
   slab of W in ``block_k`` steps. Split-K fills the SMs when N alone gives too few programs (o_proj,
-  down_proj at bs 1); partial sums go to an fp32 workspace and a second kernel adds them in a fixed
-  order (deterministic, no atomics).
-* ``M == 1``: multiply-accumulate in registers and one reduction at the end (no tensor cores: a
-  single row gains nothing from them); the bytes in flight per program are ``block_n * block_k``
-  (``num_stages`` has no effect there: the loop is not software-pipelined), so ``block_k`` and
-  ``split_k`` are the levers. ``M > 1``: ``tl.dot`` with the M tile padded to 16; ``num_stages``
-  is lowered where needed so the pipeline fits in shared memory.
+  down_proj at bs 1); partial sums go to an fp32 workspace and are added in split order
+  (deterministic): by a second kernel (``reduce="kernel"``) or by the last split of each tile to
+  arrive, counted with an atomic ticket (``reduce="ticket"``: one launch instead of two).
+* M rows go in one tile up to ``block_m`` (W streamed once for the whole batch) through ``tl.dot``
+  with M padded to 16: the dot loop is software-pipelined (``num_stages`` tiles in flight through
+  shared memory, lowered where needed to fit), which is what keeps enough loads in flight; the
+  wasted MMA work is free in a memory-bound kernel. ``m1="fma"`` instead runs a single row as a
+  register multiply-accumulate (not pipelined: ``block_k`` sets the bytes in flight).
 * any M is correct (M is tiled); above ``max_m`` rows (prefill) the call goes to ``torch``'s GEMM,
   which is what large M wants (``max_m=0``: always Triton).
 
@@ -53,11 +54,11 @@ MAX_SPLIT_K = 16
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr, r_ptr, nw_ptr, sum_ptr,
+    x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr, r_ptr, nw_ptr, sum_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_sm, k_per_split, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, TICKET: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
@@ -134,8 +135,23 @@ def _gemv_kernel(
         tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
     else:
-        ws = ws_ptr + (pid_s * M + m).to(tl.int64)[:, None] * N + n[None, :]
-        tl.store(ws, acc, mask=mm[:, None] & nm[None, :])
+        omask = mm[:, None] & nm[None, :]
+        ws_tile = ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(ws_tile + pid_s * M * N, acc, mask=omask)
+        if TICKET:
+            # The last split of this tile to finish adds all partials (in split order, like the
+            # sum kernel) and resets the tile's counter: no second kernel. The barrier makes every
+            # thread's partial part of the counter's release.
+            tl.debug_barrier()
+            tile = pid_m * tl.num_programs(0) + pid_n
+            ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s2 in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_tile + s2 * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
+                         total.to(out_ptr.dtype.element_ty), mask=omask)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -187,11 +203,38 @@ def _check(name, x, weight, k_in):
         raise KernelInputError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype}")
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-tile arrival counters for ``reduce="ticket"``: zeros, and every kernel leaves them zero.
+
+    One buffer per device, grown when a larger grid needs it (normally while kernels are warmed
+    up, before graph capture). Kernels that share it must not run concurrently on several streams.
+    Allocated inside a graph capture it is used for that call only (the capture's memory pool)."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    fresh = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        _COUNTERS[device] = fresh
+    return fresh
+
+
+def _block_m(M: int, block_m: int, m1: str) -> int:
+    """Rows per program: all of M in one tile up to ``block_m`` (W is then read once); the register
+    FMA path (``m1="fma"``) for a single row, else ``tl.dot`` with M padded to 16."""
+    if M == 1 and m1 == "fma":
+        return 1
+    return min(block_m, pow2(M, 16))
+
+
 def small_m_gemm(
     x: torch.Tensor, weight: torch.Tensor, *, silu_mul_input: bool = False,
-    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, block_m: int = 16,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, block_m: int = 64,
     block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
-    pdl: bool = False,
+    m1: str = "dot", reduce: str = "kernel", pdl: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
@@ -216,13 +259,17 @@ def small_m_gemm(
         if summed is not None and M > 0:
             summed.copy_(x + residual)  # no N tile writes it
         return out if residual is None else (out, summed)
-    BLOCK_M = 1 if M == 1 else min(block_m, pow2(M, 16))
+    if reduce not in ("kernel", "ticket") or m1 not in ("dot", "fma"):
+        raise KernelInputError(f"{name}: reduce must be 'kernel' or 'ticket' and m1 'dot' or 'fma'")
+    BLOCK_M = _block_m(M, block_m, m1)
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
     if split_k == 0:
         split_k = auto_split_k(tiles, K, block_k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)  # no empty splits
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    ticket = split_k > 1 and reduce == "ticket"
+    counters = _tile_counters(x.device, tiles) if ticket else out
     if BLOCK_M > 1:  # the M == 1 path keeps its tiles in registers (no shared-memory pipeline)
         x_cols = 2 * block_k if silu_mul_input else block_k
         num_stages = fit_stages(num_stages, (BLOCK_M * x_cols + block_n * block_k) * x.element_size())
@@ -230,37 +277,42 @@ def small_m_gemm(
     r = residual if residual is not None else x
     sm = summed if summed is not None else x
     _gemv_kernel[grid](
-        x, weight, out, ws, out, out, r, norm_w if norm_w is not None else x, sm,
+        x, weight, out, ws, out, out, r, norm_w if norm_w is not None else x, sm, counters,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), sm.stride(0), k_per_split, float(eps),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
-        NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=False, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
+        NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=False, TICKET=ticket,
+        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
-    if split_k > 1:
+    if split_k > 1 and not ticket:
         BLOCK = min(1024, pow2(N))
         _splitk_sum_kernel[(M, triton.cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK,
                                                          PDL=pdl_enabled(pdl), num_warps=4, **launch_opts(pdl))
     return out if summed is None else (out, summed)
 
 
-GEMV_PARAMS = (
-    Param("block_m", (16, 32, 64), 16),
+# The tunable params of every GEMV-based kernel (the fused entry points take them as keywords).
+KERNEL_PARAMS = (
+    Param("block_m", (16, 32, 64, 128), 64),  # rows per program; M up to this is one tile (W read once)
     Param("block_n", (16, 32, 64, 128), 64),
     Param("block_k", (64, 128, 256, 512), 128),
     Param("split_k", (0, 1, 2, 4, 8, 16), 0),  # 0 = auto from shapes and SM count
     Param("num_warps", (2, 4, 8), 4),
     Param("num_stages", (1, 2, 3, 4), 3),
-    Param("max_m", (0, 8, 32, 64, 128, 256), 64),  # above this many rows use torch's GEMM; 0 = never
+    Param("m1", ("dot", "fma"), "dot"),  # M == 1: pipelined tl.dot (M padded to 16) or register FMA
+    Param("reduce", ("kernel", "ticket"), "kernel"),  # split-K sum: second kernel, or last split adds
     Param("pdl", (False, True), False),
+)
+GEMV_PARAMS = KERNEL_PARAMS + (
+    Param("max_m", (0, 8, 32, 64, 128, 256), 64),  # above this many rows use torch's GEMM; 0 = never
 )
 
 
-def _make_linear(block_m=16, block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=3, max_m=64, pdl=False):
+def _make_linear(max_m: int = 64, **params):
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if max_m and x.dim() == 2 and x.shape[0] > max_m:
             return F.linear(x, weight)
-        return small_m_gemm(x, weight, block_m=block_m, block_n=block_n, block_k=block_k,
-                            split_k=split_k, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+        return small_m_gemm(x, weight, **params)
 
     return linear
 
@@ -268,59 +320,53 @@ def _make_linear(block_m=16, block_n=64, block_k=128, split_k=0, num_warps=4, nu
 for _op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"):
     variant(
         _op, "triton_gemv_splitk", params=GEMV_PARAMS, devices=("cuda",),
-        description="small-M GEMM/GEMV streaming W once, split-K with a deterministic sum kernel; "
-                    "torch GEMM above max_m rows",
+        description="small-M GEMM/GEMV streaming W once for the batch, pipelined tl.dot, deterministic "
+                    "split-K (sum kernel or last-arrival ticket); torch GEMM above max_m rows",
     )(_make_linear)
 
 
-def silu_mul_down_proj(
-    gate_up: torch.Tensor, weight: torch.Tensor, *, block_n: int = 64, block_k: int = 128,
-    split_k: int = 0, num_warps: int = 4, num_stages: int = 3, block_m: int = 16, pdl: bool = False,
-) -> torch.Tensor:
-    """``down_proj(silu_and_mul(gate_up), weight)`` in one GEMV (see the module doc)."""
-    return small_m_gemm(gate_up, weight, silu_mul_input=True, block_m=block_m, block_n=block_n,
-                        block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+def silu_mul_down_proj(gate_up: torch.Tensor, weight: torch.Tensor, **params) -> torch.Tensor:
+    """``down_proj(silu_and_mul(gate_up), weight)`` in one GEMV (see the module doc); ``params``
+    from ``KERNEL_PARAMS``."""
+    return small_m_gemm(gate_up, weight, silu_mul_input=True, **params)
 
 
 def add_rmsnorm_linear(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
-    block_m: int = 16, block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4,
-    num_stages: int = 3, pdl: bool = False,
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    **params,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(normed, weight), summed)`` where ``normed, summed = add_rmsnorm(x, residual,
     norm_weight, eps)``: the residual add and the norm run in the GEMV's prologue (each program
     recomputes the row statistics; one N tile writes ``summed``), so the norm kernel disappears.
-    Meant for decode-sized M (the statistics are recomputed per N tile)."""
-    return small_m_gemm(x, weight, norm=(residual, norm_weight, eps), block_m=block_m, block_n=block_n,
-                        block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+    Meant for decode-sized M (the statistics are recomputed per N tile); ``params`` from
+    ``KERNEL_PARAMS``."""
+    return small_m_gemm(x, weight, norm=(residual, norm_weight, eps), **params)
 
 
 def rmsnorm_linear(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
-    block_m: int = 16, block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4,
-    num_stages: int = 3, pdl: bool = False,
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, **params,
 ) -> torch.Tensor:
     """``linear(rmsnorm(x, norm_weight, eps), weight)`` in one GEMV (see ``add_rmsnorm_linear``)."""
-    return small_m_gemm(x, weight, norm=(None, norm_weight, eps), block_m=block_m, block_n=block_n,
-                        block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+    return small_m_gemm(x, weight, norm=(None, norm_weight, eps), **params)
 
 
 # Tunable params of the fused entry points, as data for the search (same meaning as GEMV_PARAMS).
-SILU_MUL_DOWN_PROJ_PARAMS = tuple(p for p in GEMV_PARAMS if p.name != "max_m")
-NORM_LINEAR_PARAMS = SILU_MUL_DOWN_PROJ_PARAMS
+SILU_MUL_DOWN_PROJ_PARAMS = KERNEL_PARAMS
+NORM_LINEAR_PARAMS = KERNEL_PARAMS
 LM_HEAD_ARGMAX_PARAMS = (
-    Param("block_m", (16, 32, 64), 16),
+    Param("block_m", (16, 32, 64, 128), 64),
     Param("block_n", (32, 64, 128, 256), 128),
     Param("block_k", (64, 128, 256), 128),
     Param("num_warps", (2, 4, 8), 4),
     Param("num_stages", (1, 2, 3, 4), 3),
+    Param("m1", ("dot", "fma"), "dot"),
     Param("pdl", (False, True), False),
 )
 
 
 def lm_head_argmax(
-    x: torch.Tensor, weight: torch.Tensor, *, block_m: int = 16, block_n: int = 128,
-    block_k: int = 128, num_warps: int = 4, num_stages: int = 3, pdl: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, *, block_m: int = 64, block_n: int = 128,
+    block_k: int = 128, num_warps: int = 4, num_stages: int = 3, m1: str = "dot", pdl: bool = False,
 ) -> torch.Tensor:
     """Greedy tokens ``argmax(x @ weight.T, -1)`` as int64 ``[B]`` without writing the logits."""
     _check("lm_head_argmax", x, weight, x.shape[1] if x.dim() == 2 else -1)
@@ -331,16 +377,16 @@ def lm_head_argmax(
         return tokens
     if N == 0:
         raise KernelInputError("lm_head_argmax: empty vocabulary")
-    BLOCK_M = 1 if M == 1 else min(block_m, pow2(M, 16))
+    BLOCK_M = _block_m(M, block_m, m1)
     tiles = triton.cdiv(N, block_n)
     vals = torch.empty((M, tiles), dtype=torch.float32, device=x.device)
     if BLOCK_M > 1:
         num_stages = fit_stages(num_stages, (BLOCK_M + block_n) * block_k * x.element_size())
     idxs = torch.empty((M, tiles), dtype=torch.int32, device=x.device)
     _gemv_kernel[(tiles, 1, triton.cdiv(M, BLOCK_M))](
-        x, weight, vals, vals, vals, idxs, x, x, x,
+        x, weight, vals, vals, vals, idxs, x, x, x, x,
         M, N, K, x.stride(0), weight.stride(0), 0, 0, 0, triton.cdiv(K, block_k) * block_k, 0.0,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False, NORM=0, ARGMAX=True,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False, NORM=0, ARGMAX=True, TICKET=False,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )

@@ -38,12 +38,14 @@ def specs():
         D=128, BLOCK_D=128, BLOCK_N=64, SPLIT_K=16), 4
     yield attention_prefill._prefill_kernel, {"bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32"}, dict(
         G=4, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BS=16, PREC="tf32", UPCAST=False), 4
-    gp = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32"}
-    for bm, split, silu, norm, argmax in ((1, 4, False, 0, False), (16, 1, False, 0, False), (64, 2, True, 0, False),
-                                          (1, 1, False, 0, True), (16, 1, False, 0, True), (1, 4, False, 2, False),
-                                          (16, 2, False, 2, False), (1, 1, False, 1, False)):
+    gp = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "cnt_ptr": "*i32"}
+    for bm, split, silu, norm, argmax, ticket in (
+            (1, 4, False, 0, False, False), (16, 1, False, 0, False, False), (64, 2, True, 0, False, False),
+            (1, 1, False, 0, True, False), (16, 1, False, 0, True, False), (1, 4, False, 2, False, False),
+            (16, 2, False, 2, False, False), (1, 1, False, 1, False, False), (16, 4, False, 0, False, True),
+            (1, 8, True, 0, False, True), (32, 2, False, 2, False, True)):
         yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SILU_MUL=silu,
-                                          NORM=norm, ARGMAX=argmax, PREC="tf32", UPCAST=False), 4
+                                          NORM=norm, ARGMAX=argmax, TICKET=ticket, PREC="tf32", UPCAST=False), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4
     yield gemv._argmax_merge_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i32", "tok_ptr": "*i64"}, dict(BLOCK_T=1024), 4
     del bf

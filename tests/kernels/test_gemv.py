@@ -14,16 +14,20 @@ from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn
 SHAPES_CPU = [(1, 70, 130), (3, 33, 200), (17, 50, 64), (40, 20, 37)]  # M, N, K
 SHAPES_GPU = [(1, 6144, 4096), (8, 4096, 4096), (32, 28672, 4096), (128, 4096, 14336), (200, 1000, 2048), (3, 1023, 4000)]
 PARAMS_CPU = [
-    {"split_k": 1, "block_n": 16, "block_k": 64, "max_m": 0},
-    {"split_k": 4, "block_n": 32, "block_k": 64, "max_m": 0},
+    {"split_k": 1, "block_n": 16, "block_k": 64, "max_m": 0, "m1": "fma"},
+    {"split_k": 4, "block_n": 32, "block_k": 64, "max_m": 0, "block_m": 16},
     {"split_k": 0, "block_n": 64, "block_k": 64, "block_m": 32, "max_m": 0},
+    {"split_k": 4, "block_n": 16, "block_k": 64, "max_m": 0, "reduce": "ticket", "m1": "fma"},
+    {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "reduce": "ticket", "block_m": 16},
 ]
 PARAMS_GPU = [
     {"max_m": 0},
-    {"split_k": 8, "block_n": 32, "block_k": 256, "max_m": 0, "num_warps": 8},
+    {"split_k": 8, "block_n": 32, "block_k": 256, "max_m": 0, "num_warps": 8, "m1": "fma"},
     {"split_k": 1, "block_n": 128, "block_k": 64, "block_m": 64, "max_m": 0, "num_stages": 4},
     {"max_m": 32},
     {"split_k": 4, "max_m": 0, "pdl": True},
+    {"split_k": 8, "max_m": 0, "reduce": "ticket", "block_m": 16},
+    {"split_k": 4, "max_m": 0, "reduce": "ticket", "pdl": True, "m1": "fma"},
 ]
 
 
@@ -50,7 +54,7 @@ def test_silu_mul_down_proj(device, dtype):
         gu = randn(M, 2 * K, dtype=dtype, device=device, g=g, scale=2.0)
         w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
         expected = get_op("down_proj").reference(ref.silu_and_mul(gu), w)
-        kw = {"block_k": 64, "split_k": 2} if device == "cpu" else {}
+        kw = {"block_k": 64, "split_k": 2, "reduce": ("kernel", "ticket")[i % 2]} if device == "cpu" else {"reduce": ("kernel", "ticket")[i % 2]}
         assert_close(silu_mul_down_proj(gu, w, **kw), expected, TOL_ACC, what=f"{M}x{N}x{K} {dtype}")
 
 
@@ -58,8 +62,9 @@ def test_silu_mul_down_proj(device, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lm_head_argmax(device, dtype):
     shapes = [(1, 1000, 64), (5, 777, 48), (20, 300, 40)] if device == "cpu" else [(1, 128256, 4096), (32, 151936, 4096), (7, 32000, 2048)]
-    kw = {"block_n": 64, "block_k": 64} if device == "cpu" else {}
     for i, (M, V, K) in enumerate(shapes):
+        kw = {"block_n": 64, "block_k": 64} if device == "cpu" else {}
+        kw["m1"] = ("dot", "fma")[i % 2]
         g = gen(3200 + i, device)
         x = randn(M, K, dtype=dtype, device=device, g=g)
         w = randn(V, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
@@ -110,6 +115,7 @@ def test_norm_linear(device, dtype):
         nw = randn(K, dtype=dtype, device=device, g=g)
         w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
         kw = {"block_k": 64, "split_k": 1 + i % 3, "block_n": 32} if device == "cpu" else {"split_k": 1 + i % 4}
+        kw["m1"] = ("dot", "fma")[i % 2]
         y, summed = add_rmsnorm_linear(x, r, nw, 1e-5, w, **kw)
         normed, esummed = ref.add_rmsnorm(x, r, nw, 1e-5)
         assert_close(summed, esummed, what=f"summed {M}x{N}x{K}")
