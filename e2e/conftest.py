@@ -9,7 +9,12 @@ and yields the `LocalCluster`:
   .api()                           -> kubernetes.client.ApiClient
   .service_url(name, namespace, port) -> "http://<pod ip>:<port>" of a ready local pod
   .pod_log(namespace, name, container=None) -> what a runner pod's process printed
-Every test under e2e/ is marked `e2e`.
+                                     (`kubectl logs` works too)
+Nodes: `kwok-gpu-0`, `kwok-gpu-1` (8 `nvidia.com/gpu` each, tainted; pods requesting GPUs tolerate
+it automatically; nothing runs there) and `anneal-local` (label `anneal.dev/local-exec=true`) where
+every other pod runs as local processes: bind to $(POD_IP) (from the downward API), see
+cluster/runner.py and cluster/podspec.py for what the runner does with a pod spec.
+Every test under e2e/ is marked `e2e`. ANNEAL_E2E_GPU_NODES changes the number of GPU nodes.
 """
 
 from __future__ import annotations

@@ -250,3 +250,35 @@ def test_mounted_configmap_follows_updates(cluster):
         assert first.startswith("tmp=") and first.endswith("/volumes/tmp")  # /tmp mount → TMPDIR
     finally:
         cluster.kubectl("delete", "pod/watcher", "configmap/live", "--wait=false")
+
+
+INIT = """
+apiVersion: v1
+kind: Pod
+metadata: {name: with-init, namespace: default}
+spec:
+  restartPolicy: Never
+  volumes: [{name: shared, emptyDir: {}}]
+  initContainers:
+  - name: prepare
+    image: unused
+    command: ["sh", "-c", "echo prepared > /work/ready"]
+    volumeMounts: [{name: shared, mountPath: /work}]
+  containers:
+  - name: main
+    image: unused
+    command: ["cat", "/work/ready"]
+    volumeMounts: [{name: shared, mountPath: /work}]
+"""
+
+
+def test_init_container_runs_first(cluster):
+    cluster.kubectl("apply", "-f", "-", input=INIT, check=True)
+    try:
+        pod = wait_for(lambda: (lambda p: p if p and p["status"].get("phase") in ("Succeeded", "Failed") else None)(
+            get_json(cluster, "pod", "with-init")), 60, "with-init to finish")
+        assert pod["status"]["phase"] == "Succeeded", cluster.pod_log("default", "with-init")
+        assert pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        assert cluster.pod_log("default", "with-init", "main") == "prepared\n"
+    finally:
+        cluster.kubectl("delete", "pod", "with-init", "--wait=false")

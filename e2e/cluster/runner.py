@@ -3,7 +3,7 @@
 Why: the e2e suite needs pods that really run (the operator, engines, coordinator jobs) without a
 container runtime. The runner registers node `anneal-local` (label `anneal.dev/local-exec=true`),
 keeps its lease fresh, and for each pod bound to it:
-- gives it its own loopback IP (127.1.x.y) as pod IP: programs must bind to $(POD_IP) or 0.0.0.0
+- gives it its own loopback IP (127.1.x.y; 127.0.0.1 with hostNetwork) as pod IP: programs must bind to $(POD_IP) or 0.0.0.0
   (binding 0.0.0.0 takes the port on every pod IP, so two such pods cannot share a port);
 - runs each container's command + args (the image is ignored) in its own process group, with the
   pod's env (downward API, ConfigMap/Secret refs) and its volumes as local directories (podspec.py);
@@ -112,7 +112,8 @@ class PodWorker(threading.Thread):
         super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
         self.runner, self.pod = runner, pod
         self.uid, self.ns, self.pod_name = meta["uid"], meta["namespace"], meta["name"]
-        self.ip = runner.ips.take()
+        self.host_network = bool(pod["spec"].get("hostNetwork"))
+        self.ip = "127.0.0.1" if self.host_network else runner.ips.take()
         self.dir = runner.state_dir / "pods" / f"{self.ns}_{self.pod_name}"
         if self.dir.exists():  # an earlier pod of the same name: its logs and volumes are not ours
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -145,7 +146,8 @@ class PodWorker(threading.Thread):
             self.kill_all(self._grace())
             if self.deleted and not self.vanished:
                 self.runner.delete_pod(self.ns, self.pod_name, self.uid)
-            self.runner.ips.release(self.ip)
+            if not self.host_network:
+                self.runner.ips.release(self.ip)
             self.runner.forget(self.uid)
 
     def _grace(self) -> float:
