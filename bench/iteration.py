@@ -103,14 +103,15 @@ def start_server(model: str, port: int, aport: int, plan_file: str | None, kv_bl
     if plan_file:
         cmd += ["--plan", plan_file]
     env = {**os.environ, "ANNEAL_ADMIN_TOKEN": TOKEN}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = open(os.environ.get("ANNEAL_BENCH_LOG", "/tmp/anneal-iteration-server.log"), "w")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_ready(port: int, proc, timeout: float = 600) -> float:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
+            raise RuntimeError("server exited; see ANNEAL_BENCH_LOG")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return time.perf_counter()
@@ -168,6 +169,8 @@ def main() -> int:
         st = httpx.get(admin + "/admin/state", headers=H, timeout=600).json()
         t_b = time.perf_counter()
         first = httpx.post(admin + "/admin/benchmark", headers=H, json=BENCH, timeout=600).json()
+        if "error" in first:
+            print("first benchmark failed:", first, flush=True)
         t_done = time.perf_counter()
         startup = st.get("startup", {})
         engine_s = sum(v for v in startup.values())
@@ -190,6 +193,9 @@ def main() -> int:
             t1 = time.perf_counter()
             b = httpx.post(admin + "/admin/benchmark", headers=H, json=BENCH, timeout=600).json()
             t2 = time.perf_counter()
+            for what, resp in (("apply", r.json()), ("benchmark", b)):
+                if "error" in resp:
+                    print(f"candidate {i} {what} failed: {resp['error']}", flush=True)
             row = {"candidate": i, "apply_http_s": t1 - t0, "benchmark_http_s": t2 - t1,
                    "total_s": t2 - t0, "status": r.status_code,
                    "apply_timings": r.json().get("timings"), "median_ms": b.get("median_ms"),
