@@ -395,3 +395,18 @@ def test_preview_job_proposes_without_applying(anneal):
     time.sleep(5)
     assert status(c, "infdep", "llama", ns)["planHash"] == before["planHash"]  # proposed, not applied
     assert get(c, "configmap", "llama-compiled", ns) is None
+
+
+def test_unknown_model_path_is_a_condition_not_a_silent_crash_loop(anneal):
+    """A model folder that does not exist: the engine (a real `anneal serve` on the runner node,
+    gpus: 0) exits at once; the operator reports the crash loop in Available and the phase."""
+    c, ns = anneal, namespace(anneal, "anneal-badmodel")
+    apply(c, ns, idep("nope", model="/models/does-not-exist", gpus=0, replicas=1,
+                      resources={"requests": {"cpu": "100m", "memory": "256Mi"}}))
+    st = wait_for(lambda: (s := status(c, "infdep", "nope", ns)) and condition(s, "Available").get("reason") == "EngineCrashing" and s,
+                  120, "Available=False EngineCrashing")
+    assert condition(st, "Available")["status"] == "False" and "exited with code" in condition(st, "Available")["message"]
+    wait_for(lambda: status(c, "infdep", "nope", ns).get("phase") == "Failed", 60, "phase Failed")
+    assert ("Warning", "EngineCrashing") in events(c, ns, "nope")
+    pods = listing(c, "pods", ns, "anneal.dev/inference-deployment=nope")
+    assert "does not exist" in c.pod_log(ns, pods[0]["metadata"]["name"])

@@ -62,9 +62,10 @@ def merge(
 
 
 def transitions(previous: list[dict], current: list[dict]) -> list[dict]:
-    """Conditions whose status changed (for events)."""
-    old = {c.get("type"): c.get("status") for c in previous or []}
-    return [c for c in current if old.get(c["type"]) != c["status"]]
+    """Conditions whose status or reason changed (for events: False/ReplicasNotReady turning into
+    False/EngineCrashing is news)."""
+    old = {c.get("type"): (c.get("status"), c.get("reason")) for c in previous or []}
+    return [c for c in current if old.get(c["type"]) != (c["status"], c.get("reason"))]
 
 
 def find(conditions: list[dict] | None, type_: str) -> dict | None:

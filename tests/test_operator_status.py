@@ -216,3 +216,12 @@ def test_inline_plans_are_checked_when_resolved_not_when_parsed():
     with pytest.raises(Exception) as err:
         resolve("llama", s, _store())
     assert "no_such_op" in str(err.value)
+
+
+def test_a_new_reason_is_a_transition_but_keeps_the_transition_time():
+    first = cond.merge([], [cond.Observation("Available", False, "ReplicasNotReady")], 1, now="t1")
+    second = cond.merge(first, [cond.Observation("Available", False, "EngineCrashing", "exit 2")], 1, now="t2")
+    changed_ = cond.transitions(first, second)
+    assert [c["type"] for c in changed_] == ["Available", "Ready"]  # Ready names the new reason too
+    assert cond.find(second, "Available")["lastTransitionTime"] == "t1"  # status did not flip
+    assert cond.transitions(second, second) == []
