@@ -26,15 +26,25 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("anneal.engine.admin") is None, reason="the engine's admin API is not built yet"
 )
 
-# The checks that may catch each planted fault inside the engine (verification suite), by name.
+# The verification check that must fail for each planted fault, and a word its reason must carry.
 CAUGHT_BY = {
-    "stale_kv_block": ("kv_contamination", "prefix_cache", "quality"),
-    "wrong_at_batch": ("batch_invariance", "quality"),
-    "nan_past_context": ("non-finite", "nan", "quality"),
-    "side_stream": ("quality", "non-finite", "determinism"),
-    "nondeterministic": ("determinism",),
+    "stale_kv_block": ("kv_contamination", "recycled blocks"),
+    "wrong_at_batch": ("batch_invariance", "relative error"),
+    "nan_past_context": ("quality", "non-finite"),
+    "side_stream": ("quality", "non-finite"),
+    "nondeterministic": ("determinism", "nondeterministic"),
 }
-CASES = [(f, "plain") for f in sorted(FAULTY)] + [(f, "evasive") for f in sorted(EVASIVE)]
+# Known gap in the engine's verification (reported to the lead, issue 4): its recycled-blocks run
+# does not decode over the other requests' full blocks before recycling them, so a decode kernel
+# that caches K/V per physical block is never shown a recycled block it has cached. Generating two
+# batches through a 16-block cache in-process does hit stale blocks (max |dK| ~ 1.0). Strict: the
+# marker must go when the engine catches it.
+_STALE_GAP = pytest.mark.xfail(strict=True, reason="engine verify: recycled blocks never decoded by "
+                               "their previous owner, so per-block K/V caching goes unseen")
+CASES = [
+    pytest.param(f, kind, marks=_STALE_GAP if f == "stale_kv_block" else ())
+    for kind, faults in (("plain", FAULTY), ("evasive", EVASIVE)) for f in sorted(faults)
+]
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +96,10 @@ def test_planted_faulty_kernel_is_rejected_with_its_reason(fault, kind, engines,
         plan = plan.model_copy(update={"kernels": [KernelSource(op=op, impl=impl, source=source)]})
         rep, row = lab.verify(Candidate(plan=plan, agent="test", note=fault), "slow")
         assert not rep.passed
-        failed = {c.name for c in rep.failures()}
-        assert failed, rep
-        assert any(word in row.verdict.reason.lower() for word in CAUGHT_BY[fault]), row.verdict.reason
+        check, word = CAUGHT_BY[fault]
+        failed = {c.name: c.detail for c in rep.failures()}
+        assert check in failed, failed
+        assert word in failed[check] and f"{check}: " in row.verdict.reason, row.verdict.reason
     else:
         row = kexp
         assert res.stage in ("check", "crash", "timeout") and res.error

@@ -39,19 +39,21 @@ import torch
 from anneal.engine.ops import reference as R
 
 def build():
-    seen = {}
+    seen = {}  # (layer cache, physical block) -> its K/V when first seen full
     def attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
         bs = k_cache.shape[1]
-        kc, vc = k_cache.clone(), v_cache.clone()
-        for b in range(block_tables.shape[0]):
-            full = int(context_lens[b]) // bs
-            for i in range(full):
-                pid = int(block_tables[b, i])
-                if pid in seen:
-                    kc[pid], vc[pid] = seen[pid]
+        ids = block_tables.long()
+        B, NB = ids.shape
+        kc, vc = k_cache[ids], v_cache[ids]  # copies of just the blocks in use: [B, NB, bs, H, D]
+        for b in range(B):
+            for i in range(int(context_lens[b]) // bs):  # full blocks only: "they never change"
+                key = (k_cache.data_ptr(), int(ids[b, i]))
+                if key in seen:
+                    kc[b, i], vc[b, i] = seen[key]
                 else:
-                    seen[pid] = (k_cache[pid].clone(), v_cache[pid].clone())
-        return R.attention_decode(q, kc, vc, block_tables, context_lens, scale)
+                    seen[key] = (kc[b, i].clone(), vc[b, i].clone())
+        tables = torch.arange(B * NB, dtype=block_tables.dtype, device=q.device).reshape(B, NB)
+        return R.attention_decode(q, kc.flatten(0, 1), vc.flatten(0, 1), tables, context_lens, scale)
     return attention_decode
 '''
 
