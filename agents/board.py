@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anneal.engine.plan import KernelSource, OpChoice, Plan, SchedulerKnobs
-from anneal.agents.space import CandidateSpace
+from anneal.agents.space import CandidateSpace, normalized
 from anneal.agents.types import BenchSpec, LatencyObjective
 
 
@@ -100,7 +100,7 @@ class Board:
                 upd["scheduler"] = self.scheduler
             if self.graph_batch_sizes is not None:
                 upd["cuda_graph_batch_sizes"] = list(self.graph_batch_sizes)
-        return plan.model_copy(update=upd)
+        return normalized(plan.model_copy(update=upd))
 
     @property
     def best_ms(self) -> float:

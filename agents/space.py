@@ -94,8 +94,13 @@ class CandidateSpace:
         for op, impls in state.ops.items():
             if op not in ops:
                 ops[op] = OpSpace(op=op, impls={i: {} for i in impls} or {"reference": {}})
+        gpu = state.device.startswith("cuda")
         fusions = list((state.model_extra or {}).get("fusions") or [])
-        return cls(ops=ops, fusions=fusions, uses_graphs=state.device.startswith("cuda"))
+        if not fusions and gpu:  # fused kernels exist on the GPU only
+            from anneal.engine import plan as plan_mod
+
+            fusions = sorted(getattr(plan_mod, "FUSIONS", {}))
+        return cls(ops=ops, fusions=fusions, uses_graphs=gpu)
 
     def forget(self, op: str, impl: str) -> bool:
         """Drop an impl the engine cannot run (the reference stays); True when it was there."""
@@ -126,7 +131,7 @@ class CandidateSpace:
         upd: dict[str, Any] = {"ops": ops, "fusions": fusions, "name": None}
         if self.uses_graphs:
             upd["cuda_graph_batch_sizes"] = list(rng.choice(self.graph_sets))
-        return base.model_copy(update=upd)
+        return normalized(base.model_copy(update=upd))
 
     def mutate(self, plan: Plan, rng: random.Random, n: int = 1) -> Plan:
         """``n`` small moves: one op's parameter or impl, a fusion flag, or a scheduler knob.
@@ -135,11 +140,11 @@ class CandidateSpace:
         """
         for _ in range(n):
             for _attempt in range(8):
-                moved = self._move(plan, rng)
+                moved = normalized(self._move(plan, rng))
                 if moved.hash != plan.hash:
                     plan = moved
                     break
-        return with_used_kernels(plan.model_copy(update={"name": None}), plan.kernels)
+        return normalized(with_used_kernels(plan.model_copy(update={"name": None}), plan.kernels))
 
     def _move(self, plan: Plan, rng: random.Random) -> Plan:
         tunable = [op for op, s in self.ops.items() if s.size > 1]
@@ -178,7 +183,7 @@ class CandidateSpace:
             "scheduler": (a if rng.random() < 0.5 else b).scheduler,
             "cuda_graph_batch_sizes": (a if rng.random() < 0.5 else b).cuda_graph_batch_sizes,
         })
-        return with_used_kernels(child, [*a.kernels, *b.kernels])
+        return normalized(with_used_kernels(child, [*a.kernels, *b.kernels]))
 
     def scheduler_grid(self, limit_seqs: int | None = None) -> list[SchedulerKnobs]:
         """The scheduler knob settings the scheduler agent sweeps (small: a few dozen)."""
@@ -203,3 +208,9 @@ def with_used_kernels(plan: Plan, kernels) -> Plan:
             seen.add((k.op, k.impl))
             used.append(k)
     return plan.model_copy(update={"kernels": used})
+
+
+def normalized(plan: Plan) -> Plan:
+    """The plan re-validated, so equal plans hash equal (``model_copy`` skips the validators that
+    sort graph sizes and drop disabled fusions)."""
+    return Plan.model_validate(plan.model_dump(mode="json"))

@@ -62,3 +62,14 @@ def test_scheduler_grid_respects_token_budget():
     grid = CandidateSpace.from_state(STATE).scheduler_grid()
     assert grid and all(k.max_num_batched_tokens >= k.max_num_seqs for k in grid)
     assert {k.chunked_prefill for k in grid} == {True, False}
+
+
+def test_gpu_space_has_fusions_and_graphs_and_equal_plans_hash_equal():
+    gpu = CandidateSpace.from_state(STATE.model_copy(update={"device": "cuda"}))
+    assert gpu.uses_graphs and set(gpu.fusions) == {"lm_head_argmax", "silu_mul_down"}
+    rng = random.Random(1)
+    for _ in range(100):
+        p = gpu.mutate(gpu.random_plan(rng), rng, n=2)
+        # What the search hands the engine is exactly what the engine would validate it to.
+        assert p == Plan.model_validate(p.model_dump(mode="json"))
+        assert all(p.fusions.values())
