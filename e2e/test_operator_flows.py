@@ -410,3 +410,24 @@ def test_unknown_model_path_is_a_condition_not_a_silent_crash_loop(anneal):
     assert ("Warning", "EngineCrashing") in events(c, ns, "nope")
     pods = listing(c, "pods", ns, "anneal.dev/inference-deployment=nope")
     assert "does not exist" in c.pod_log(ns, pods[0]["metadata"]["name"])
+
+
+def test_an_engine_lost_mid_search_is_recreated_with_backoff(anneal):
+    c, ns = anneal, namespace(anneal, "anneal-cjob-retry")
+    apply(c, ns, idep("llama", replicas=1))
+    wait_for(lambda: status(c, "infdep", "llama", ns).get("phase") == "Ready", 120, "llama Ready")
+    apply(c, ns, cjob("r1", "llama", budget="10m", retries=1))
+    apply(c, ns, stand_in_coordinator("r1", ns, forever=True))
+    wait_for(lambda: status(c, "cjob", "r1", ns).get("phase") == "Searching", 120, "r1 Searching")
+    before = _uids(c, ns, "r1")
+    assert c.kubectl("delete", "pod", "r1-fast", "-n", ns, "--wait=false").returncode == 0
+    st = wait_for(lambda: (s := status(c, "cjob", "r1", ns)).get("engineRestarts") == 1 and s, 60, "a restart")
+    assert st["phase"] == "Provisioning" and st.get("lastRestartAt")
+    # the engines come back (after the backoff) as new pods, and a new coordinator starts
+    wait_for(lambda: (u := _uids(c, ns, "r1"))["pod/r1-fast"] not in (None, before["pod/r1-fast"])
+             and u["job/r1-coordinator"] not in (None, before["job/r1-coordinator"]), 120, "new engines and coordinator")
+    after = _uids(c, ns, "r1")
+    assert after["pod/r1-slow"] != before["pod/r1-slow"]  # both engines restart together
+    assert after["serviceaccount/r1-coordinator"] == before["serviceaccount/r1-coordinator"]
+    assert status(c, "cjob", "r1", ns)["engineRestarts"] == 1
+    assert c.kubectl("delete", "cjob", "r1", "-n", ns, "--timeout=90s").returncode == 0

@@ -28,11 +28,12 @@ from anneal.operator.kube import ApiException, api_message
 from anneal.operator.deployment_handlers import announce, report_invalid_spec
 
 
+def _parse_time(raw: Any) -> datetime | None:
+    return datetime.fromisoformat(str(raw).replace("Z", "+00:00")) if raw else None
+
+
 def _created_at(body: kopf.Body) -> datetime:
-    raw = body.metadata.get("creationTimestamp")
-    if not raw:
-        return datetime.now(timezone.utc)
-    return datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
+    return _parse_time(body.metadata.get("creationTimestamp")) or datetime.now(timezone.utc)
 
 
 def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -> tuple[objects.Target | None, tuple[str, str] | None]:
@@ -177,6 +178,7 @@ def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, logger: Any) -> 
         deadline_s=spec.deadline_seconds(),
         retries=spec.retries,
         restarts=int(previous.get("engineRestarts") or 0),
+        last_restart_at=_parse_time(previous.get("lastRestartAt")),
         target_problem=problem,
         pods={t: kube.get("v1", "Pod", naming.tier_pod(name, t), ns) for t in objects.TIERS},
         job=kube.get("batch/v1", "Job", naming.coordinator(name), ns),
@@ -257,6 +259,7 @@ def _execute(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, target
         elif action == RESTART_ENGINES:
             kube.delete("batch/v1", "Job", naming.coordinator(name), ns)
             release_engines(ctx, name, ns)
+            new["lastRestartAt"] = now_iso()
         elif action == RELEASE_ENGINES:
             release_engines(ctx, name, ns)
         elif action == STOP_COORDINATOR:

@@ -31,6 +31,7 @@ class JobObserved:
     deadline_s: float
     retries: int
     restarts: int = 0
+    last_restart_at: datetime | None = None
     target_problem: tuple[str, str] | None = None  # (reason, message) why the target cannot work
     pods: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     job: dict[str, Any] | None = None
@@ -128,12 +129,14 @@ def decide(obs: JobObserved) -> Decision:
         return out("Pending", obs.target_problem[0], obs.target_problem[1])
 
     # Engines: a dead one is recreated (with the coordinator, whose addresses are now stale).
-    problems = {t: pod_health.problem(obs.pods[t]) for t in TIERS if obs.pods.get(t) is not None}
+    # A pod already being deleted (after a restart decision) counts as gone, never as dead again.
+    live = {t: p for t, p in obs.pods.items() if p is not None and not (p.get("metadata") or {}).get("deletionTimestamp")}
+    problems = {t: pod_health.problem(live[t]) for t in TIERS if t in live}
     dead = {t: p for t, p in problems.items() if p and (p.fatal or p.reason == "EngineCrashing")}
     if obs.job is not None and obs.phase in ("Searching", "Verifying"):
         # a vanished engine mid-search leaves the coordinator with a stale address
         for t in TIERS:
-            if obs.pods.get(t) is None:
+            if t not in live:
                 dead.setdefault(t, pod_health.Problem("EngineMissing", f"{t} engine pod disappeared", True))
     if dead:
         tier, p = next(iter(dead.items()))
@@ -144,6 +147,10 @@ def decide(obs: JobObserved) -> Decision:
             [RESTART_ENGINES], restarts=obs.restarts + 1,
         )
 
+    if obs.restarts and obs.last_restart_at is not None:
+        wait = restart_backoff(obs.restarts) - (obs.now - obs.last_restart_at).total_seconds()
+        if wait > 0:
+            return out("Provisioning", "BackingOff", f"retry {obs.restarts}/{obs.retries} in {int(wait) + 1}s")
     if obs.job is not None and (obs.job.get("metadata") or {}).get("deletionTimestamp"):
         return out("Provisioning", "WaitingForOldCoordinator", "the previous coordinator Job is being deleted", [PROVISION])
     if obs.job is None:
@@ -180,6 +187,11 @@ def decide(obs: JobObserved) -> Decision:
     else:
         phase = "Searching"
     return out(phase, "CoordinatorRunning", str(obs.progress.get("message") or ""), [PROVISION])
+
+
+def restart_backoff(restarts: int) -> float:
+    """Seconds between an engine failure and the next attempt: 10 s, doubling, at most 5 min."""
+    return min(300.0, 10.0 * 2 ** max(restarts - 1, 0))
 
 
 def _job_running(job: dict[str, Any] | None) -> bool:

@@ -127,6 +127,18 @@ def test_dead_engine_is_retried_then_fails_the_job():
     assert d.phase == "Failed" and d.reason == "EngineFailed" and "OOMKilled" in d.message
 
 
+def test_restarts_back_off_and_terminating_pods_are_not_dead_again():
+    dying = engine(ready=False, phase="Failed", terminated={"exitCode": 137, "message": "OOMKilled"})
+    dying["metadata"]["deletionTimestamp"] = "2026-11-29T12:04:00Z"
+    just_now = T0 + timedelta(minutes=5) - timedelta(seconds=3)
+    d = cs.decide(obs(phase="Provisioning", pods={"fast": dying, "slow": None}, restarts=1, last_restart_at=just_now))
+    assert d.phase == "Provisioning" and d.reason == "BackingOff" and d.actions == [] and d.restarts == 1
+    later = cs.decide(obs(phase="Provisioning", pods={"fast": None, "slow": None}, restarts=1,
+                          last_restart_at=T0 + timedelta(minutes=5) - timedelta(seconds=11)))
+    assert later.actions == [cs.PROVISION]
+    assert [cs.restart_backoff(n) for n in (1, 2, 3, 10)] == [10, 20, 40, 300]
+
+
 def test_an_engine_vanishing_mid_search_restarts_the_engines():
     d = cs.decide(obs(phase="Searching", pods={"fast": None, "slow": engine()}, job=job()))
     assert d.actions == [cs.RESTART_ENGINES] and "disappeared" in d.message

@@ -225,4 +225,5 @@ class CompilationJobStatus(KubeModel):
     search_started_at: str | None = Field(None, description="when the coordinator started")
     completed_at: str | None = Field(None, description="when the job succeeded or failed")
     engine_restarts: int = Field(0, ge=0, description="engine pods recreated after a failure")
+    last_restart_at: str | None = Field(None, description="when the engines were last recreated (backoff)")
     conditions: list[Condition] = Field(default_factory=list, description="typed conditions and their aggregate Ready")
