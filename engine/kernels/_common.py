@@ -122,3 +122,27 @@ def fit_stages(num_stages: int, bytes_per_stage: int, budget: int = SMEM_BUDGET)
     while stages > 1 and stages * bytes_per_stage > budget:
         stages -= 1
     return stages
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_KEEP_ALIVE: list[torch.Tensor] = []
+
+
+def tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters for the last-arrival ("ticket") reductions: int32 zeros, and every kernel
+    that uses them leaves them zero.
+
+    One buffer per device, grown when a larger grid needs it (normally while kernels are warmed up,
+    before graph capture); kernels that share it must not run concurrently on several streams.
+    Allocated inside a graph capture, a buffer serves that call only (it lives in the capture's
+    memory pool)."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    fresh = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    # Never freed: a captured graph keeps using the address it saw (and memory freed inside a
+    # capture would be handed to the capture's later allocations).
+    _KEEP_ALIVE.append(fresh)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _COUNTERS[device] = fresh
+    return fresh

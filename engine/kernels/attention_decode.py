@@ -8,7 +8,13 @@ value, read on the device, so short sequences in a batch of long ones waste noth
 exit. The program keeps an online softmax and writes an unnormalised partial (acc, max, sum).
 
 Kernel 2 (grid ``[B, H]``): merges the valid splits of each (sequence, head) with the usual
-log-sum-exp rescaling. With ``split_k == 1`` kernel 1 normalises and writes the output itself.
+log-sum-exp rescaling. With ``split_k == 1`` kernel 1 normalises and writes the output itself;
+with ``merge="ticket"`` the last split of each (sequence, kv head) to finish merges (an atomic
+arrival counter), so the step has one kernel instead of two.
+
+``pv_precision``: the probabilities enter the PV product as bf16 (``"bf16"``, as flash attention
+does) or as fp32 through a tf32 MMA (``"tf32"``: closer to the fp32 reference, at no cost in a
+memory-bound kernel).
 
 CUDA-graph safe: no host sync, grid and workspace depend only on shapes (``B``, ``H``,
 ``block_tables.shape[1]``), never on context-length values. Padding entries of ``block_tables``
@@ -24,7 +30,7 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
-    pdl_prologue, pow2, pow2_split, sm_count,
+    pdl_prologue, pow2, pow2_split, sm_count, tile_counters,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -40,14 +46,14 @@ def _split_len(ctx, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     H, max_tokens,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PV_F32: tl.constexpr, TICKET: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -57,8 +63,8 @@ def _decode_split_kernel(
     split_len = _split_len(ctx, SPLIT_K, BLOCK_N)
     start = s * split_len
     if SPLIT_K > 1:
-        if start >= ctx:  # nothing to do; the merge ignores this split
-            return
+        if (s > 0) & (start >= ctx):  # nothing to do; the merge ignores this split (split 0
+            return                    # always reports, so an empty sequence still gets zeros)
     end = tl.minimum(start + split_len, ctx)
 
     g = tl.arange(0, BLOCK_G)
@@ -89,7 +95,11 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
+        if PV_F32:  # probabilities kept in fp32 (tf32 MMA): closer to the fp32 reference
+            pv = mma(p, v.to(tl.float32), PREC, UPCAST)
+        else:
+            pv = mma(p.to(v.dtype), v, PREC, UPCAST)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     if SPLIT_K == 1:
@@ -101,6 +111,34 @@ def _decode_split_kernel(
         tl.store(po_ptr + row.to(tl.int64)[:, None] * BLOCK_D + d[None, :], acc, mask=gm[:, None])
         tl.store(pm_ptr + row, m_i, mask=gm)
         tl.store(pl_ptr + row, l_i, mask=gm)
+        if TICKET:
+            # The last split of (b, kv head) to arrive merges the partials of its G heads, in split
+            # order (the merge kernel's arithmetic), and resets the counter: no second kernel.
+            tl.debug_barrier()
+            n_valid = tl.maximum(tl.cdiv(ctx, split_len), 1)
+            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+            ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_valid - 1:
+                base = (b * H + heads) * SPLIT_K
+                ss = tl.arange(0, SPLIT_K)
+                vmask = gm[:, None] & (ss < n_valid)[None, :]
+                m_all = tl.load(pm_ptr + base[:, None] + ss[None, :], mask=vmask, other=float("-inf"),
+                                cache_modifier=".cg")
+                l_all = tl.load(pl_ptr + base[:, None] + ss[None, :], mask=vmask, other=0.0, cache_modifier=".cg")
+                m_max = tl.max(m_all, axis=1)
+                m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+                denom = tl.sum(tl.exp2(m_all - m_max[:, None]) * l_all, axis=1)
+                total = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                for s2 in range(0, n_valid):
+                    r2 = base + s2
+                    w2 = tl.exp2(tl.load(pm_ptr + r2, mask=gm, other=float("-inf"), cache_modifier=".cg") - m_max)
+                    part = tl.load(po_ptr + r2.to(tl.int64)[:, None] * BLOCK_D + d[None, :], mask=gm[:, None],
+                                   other=0.0, cache_modifier=".cg")
+                    total += w2[:, None] * part
+                out = total / tl.where(denom > 0, denom, 1.0)[:, None]
+                tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -112,7 +150,7 @@ def _decode_merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.minimum(tl.load(lens_ptr + b), max_tokens)
-    n_valid = tl.cdiv(ctx, _split_len(ctx, SPLIT_K, BLOCK_N))
+    n_valid = tl.maximum(tl.cdiv(ctx, _split_len(ctx, SPLIT_K, BLOCK_N)), 1)
     s = tl.arange(0, SPLIT_K)
     sm = s < n_valid
     row = (b * H + h) * SPLIT_K + s
@@ -138,7 +176,8 @@ def auto_split_k(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, d
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, *, split_k: int = 0, block_n: int = 64,
-    num_warps: int = 4, num_stages: int = 2, pdl: bool = False,
+    num_warps: int = 4, num_stages: int = 2, pv_precision: str = "bf16", merge: str = "kernel",
+    pdl: bool = False,
 ) -> torch.Tensor:
     name = "attention_decode"
     check_device(name, q, k_cache, v_cache, block_tables, context_lens)
@@ -161,6 +200,8 @@ def paged_decode_attention(
             raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
+    if pv_precision not in ("bf16", "tf32") or merge not in ("kernel", "ticket"):
+        raise KernelInputError(f"{name}: pv_precision must be 'bf16' or 'tf32', merge 'kernel' or 'ticket'")
     G = H // Hkv
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     if B == 0:
@@ -174,20 +215,23 @@ def paged_decode_attention(
         pl = torch.empty((B, H, split_k), dtype=torch.float32, device=q.device)
     else:
         po = pm = pl = out  # unused
+    ticket = split_k > 1 and merge == "ticket"
+    counters = tile_counters(q.device, B * Hkv) if ticket else out
     LOG2E = 1.4426950408889634
     num_stages = fit_stages(num_stages, 2 * block_n * BLOCK_D * k_cache.element_size())
     _decode_split_kernel[(B, Hkv, split_k)](
-        q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl,
+        q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl, counters,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H, block_tables.shape[1] * BS,
         G=G, BLOCK_G=pow2(G, 16), D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, BS=BS, SPLIT_K=split_k,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl), num_warps=num_warps, num_stages=num_stages,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PV_F32=pv_precision == "tf32", TICKET=ticket,
+        PDL=pdl_enabled(pdl), num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl),
     )
-    if split_k > 1:
+    if split_k > 1 and not ticket:
         _decode_merge_kernel[(B, H)](
             context_lens, out, po, pm, pl, out.stride(0), out.stride(1), H, block_tables.shape[1] * BS,
             D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT_K=split_k, PDL=pdl_enabled(pdl), num_warps=4,
@@ -203,13 +247,16 @@ def paged_decode_attention(
         Param("block_n", (16, 32, 64, 128), 64),
         Param("num_warps", (2, 4, 8), 4),
         Param("num_stages", (1, 2, 3, 4), 2),
+        Param("pv_precision", ("bf16", "tf32"), "bf16"),  # softmax probabilities in the PV MMA
+        Param("merge", ("kernel", "ticket"), "kernel"),  # split merge: second kernel, or last split
         Param("pdl", (False, True), False),
     ),
     devices=("cuda",),
     description="flash-decoding over the paged cache: GQA heads share one K/V read, split-K + merge kernel",
 )
 def build_attention_decode(
-    split_k: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, pdl: bool = False,
+    split_k: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, pv_precision: str = "bf16",
+    merge: str = "kernel", pdl: bool = False,
 ):
     def attention_decode(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -217,7 +264,8 @@ def build_attention_decode(
     ) -> torch.Tensor:
         return paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale,
-            split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
+            split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            pv_precision=pv_precision, merge=merge, pdl=pdl,
         )
 
     return attention_decode

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
-    pdl_prologue, pow2, pow2_split, sm_count,
+    pdl_prologue, pow2, pow2_split, sm_count, tile_counters,
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.ops.registry import Param, variant
@@ -203,25 +203,6 @@ def _check(name, x, weight, k_in):
         raise KernelInputError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype}")
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-tile arrival counters for ``reduce="ticket"``: zeros, and every kernel leaves them zero.
-
-    One buffer per device, grown when a larger grid needs it (normally while kernels are warmed
-    up, before graph capture). Kernels that share it must not run concurrently on several streams.
-    Allocated inside a graph capture it is used for that call only (the capture's memory pool)."""
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    fresh = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing:
-        _COUNTERS[device] = fresh
-    return fresh
-
-
 def _block_m(M: int, block_m: int, m1: str) -> int:
     """Rows per program: all of M in one tile up to ``block_m`` (W is then read once); the register
     FMA path (``m1="fma"``) for a single row, else ``tl.dot`` with M padded to 16."""
@@ -269,7 +250,7 @@ def small_m_gemm(
     split_k = triton.cdiv(K, k_per_split)  # no empty splits
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     ticket = split_k > 1 and reduce == "ticket"
-    counters = _tile_counters(x.device, tiles) if ticket else out
+    counters = tile_counters(x.device, tiles) if ticket else out
     if BLOCK_M > 1:  # the M == 1 path keeps its tiles in registers (no shared-memory pipeline)
         x_cols = 2 * block_k if silu_mul_input else block_k
         num_stages = fit_stages(num_stages, (BLOCK_M * x_cols + block_n * block_k) * x.element_size())

@@ -29,10 +29,11 @@ def specs():
     yield activation._silu_and_mul_kernel, {}, dict(BLOCK=1024), 4
     yield rope._qk_rope_store_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": "*fp32"}, dict(
         HAS_NORM=True, D=128, BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64), 4
-    for split in (1, 8):
+    for split, pv32, ticket in ((1, False, False), (8, False, False), (8, True, True), (1, True, False)):
         yield attention_decode._decode_split_kernel, {
-            "bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32"}, dict(
-            G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=split, PREC="tf32", UPCAST=False), 4
+            "bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
+            "cnt_ptr": "*i32"}, dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=split,
+                                     PREC="tf32", UPCAST=False, PV_F32=pv32, TICKET=ticket), 4
     yield attention_decode._decode_merge_kernel, {
         "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32"}, dict(
         D=128, BLOCK_D=128, BLOCK_N=64, SPLIT_K=16), 4

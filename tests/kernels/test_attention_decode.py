@@ -24,7 +24,8 @@ CASES_GPU = [
 PARAMS_CPU = [
     {"split_k": 1, "block_n": 16},
     {"split_k": 4, "block_n": 16},
-    {"split_k": 0, "block_n": 32},
+    {"split_k": 0, "block_n": 32, "pv_precision": "tf32"},
+    {"split_k": 8, "block_n": 16, "merge": "ticket"},
 ]
 PARAMS_GPU = [
     {"split_k": 1},
@@ -32,6 +33,8 @@ PARAMS_GPU = [
     {"split_k": 0, "block_n": 64, "num_warps": 4, "num_stages": 2},
     {"split_k": 64, "block_n": 128, "num_warps": 8, "num_stages": 3},
     {"split_k": 4, "pdl": True},
+    {"split_k": 16, "merge": "ticket", "pv_precision": "tf32"},
+    {"split_k": 0, "merge": "ticket", "pdl": True},
 ]
 
 
@@ -64,7 +67,7 @@ def test_attention_decode_rejects_int64_tables(device):
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_attention_decode_cuda_graph(device):
     """Captured once, replayed with new lengths and tables: the grid must not depend on their values."""
-    fn = build_op("attention_decode", "triton_splitk", {"split_k": 8})
+    fn = build_op("attention_decode", "triton_splitk", {"split_k": 8, "merge": "ticket"})
     g = gen(5, device)
     kc, vc, bt, cl = paged_cache([100, 3000, 1], 8, 128, 16, torch.bfloat16, device, g)
     q = randn(3, 32, 128, dtype=torch.bfloat16, device=device, g=g)
