@@ -161,7 +161,6 @@ class BlockManager:
                 self._free[bid] = None  # most recently freed goes last: LRU reuse
         seq.block_table = []
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
         seq.num_hashed_blocks, seq.last_block_hash = 0, None
 
     def mark_computed(self, seq: Sequence) -> None:
