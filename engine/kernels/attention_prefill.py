@@ -29,7 +29,8 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PV_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     mb = tl.program_id(0)
@@ -73,7 +74,11 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
+        if PV_F32:  # probabilities kept in fp32 (tf32 MMA): closer to the fp32 reference, slower
+            pv = mma(p, v.to(tl.float32), PREC, UPCAST)
+        else:
+            pv = mma(p.to(v.dtype), v, PREC, UPCAST)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -83,7 +88,7 @@ def _prefill_kernel(
 
 def paged_prefill_attention(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, *,
-    block_m=64, block_n=64, num_warps=4, num_stages=2, pdl=False,
+    block_m=64, block_n=64, num_warps=4, num_stages=2, pv_precision="bf16", pdl=False,
 ):
     name = "attention_prefill"
     check_device(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
@@ -108,6 +113,8 @@ def paged_prefill_attention(
             raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
+    if pv_precision not in ("bf16", "tf32"):
+        raise KernelInputError(f"{name}: pv_precision must be 'bf16' or 'tf32'")
     out = torch.empty_like(q)
     if T == 0 or B == 0 or max_seqlen_q <= 0:
         return out
@@ -120,7 +127,8 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=H // Hkv, D=D, BLOCK_D=pow2(D, 16), BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl), num_warps=num_warps, num_stages=num_stages,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PV_F32=pv_precision == "tf32",
+        PDL=pdl_enabled(pdl), num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl),
     )
     return out
@@ -133,13 +141,15 @@ def paged_prefill_attention(
         Param("block_n", (16, 32, 64, 128), 64),
         Param("num_warps", (2, 4, 8), 4),
         Param("num_stages", (1, 2, 3, 4), 2),
+        Param("pv_precision", ("bf16", "tf32"), "bf16"),
         Param("pdl", (False, True), False),
     ),
     devices=("cuda",),
     description="varlen causal flash attention over the paged cache, one program per (query block, seq, head)",
 )
 def build_attention_prefill(
-    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, pdl: bool = False,
+    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, pv_precision: str = "bf16",
+    pdl: bool = False,
 ):
     def attention_prefill(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -147,7 +157,8 @@ def build_attention_prefill(
     ) -> torch.Tensor:
         return paged_prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale,
-            block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
+            block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            pv_precision=pv_precision, pdl=pdl,
         )
 
     return attention_prefill
