@@ -49,7 +49,8 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     p = parser
     p.add_argument("--model", required=True, help="Hugging Face model folder or random:<preset>")
     p.add_argument("--traffic", required=True, help="preset (chat, rag, agentic, batch) or a YAML/JSON TrafficShape")
-    p.add_argument("--budget", type=float, default=120.0, help="seconds for the whole compile (default 120)")
+    p.add_argument("--budget", type=float, default=120.0,
+                   help="seconds of search and promotion once the engines are up (default 120)")
     p.add_argument("--out", default="anneal-out", help="output folder (plan.json, report.md, ledger.sqlite)")
     p.add_argument("--engines", default=None, help="FAST_URL,SLOW_URL of running engines' admin APIs; "
                    "without it both tiers start as local `anneal serve` processes")
@@ -219,7 +220,6 @@ def compile_plan(
     """One compilation; writes plan.json, report.md (+ PNGs) and ledger.sqlite under ``settings.out``."""
     from anneal.engine.traffic import load_traffic
 
-    t0_wall, t0 = time.time(), time.monotonic()
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     traffic = load_traffic(settings.traffic)
@@ -235,6 +235,7 @@ def compile_plan(
             _say(progress, f"starting the fast-tier ({settings.fast_layers} layers) and slow-tier engines ...")
             clients = local.start()
     ledger = Ledger(out / "ledger.sqlite")
+    t0_wall, t0 = time.time(), time.monotonic()  # the budget starts once the engines answer
     try:
         return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
                         max_len, cross_traffic, gpus, progress, verification or {}, llm_model)

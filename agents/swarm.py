@@ -35,7 +35,7 @@ def run_swarm(
     def one(agent: Agent) -> None:
         try:
             agent.run(lab, setting, board)
-            outcome = "done"
+            outcome = "done" if lab.time_left() > 0 else "budget"
         except BudgetExhausted:
             outcome = "budget"
         except Exception as e:  # noqa: BLE001 - reported, the other agents continue

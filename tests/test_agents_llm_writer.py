@@ -105,3 +105,33 @@ def test_wrong_key_is_reported_not_fatal(tmp_path, engine):
         ledger.close()
     finally:
         fake.close()
+
+
+def test_compile_runs_the_writer_when_a_key_is_set(tmp_path, monkeypatch):
+    """`anneal compile` picks the writer up from the environment (key + base URL), nothing else."""
+    import argparse
+
+    from anneal.agents.compile import add_compile_args, run_compile
+
+    fake = FakeAnthropic([f"```python\n{SILU_MUL_OK}```"] * 4)
+    f_srv, f_url = serve_in_thread(FakeEngine(token="tok", layers=1))  # FAKE numbers
+    s_srv, s_url = serve_in_thread(FakeEngine(token="tok", layers=4))
+    try:
+        monkeypatch.setenv("ANNEAL_ADMIN_TOKEN", "tok")
+        monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test")
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
+        out = tmp_path / "out"
+        args = add_compile_args(argparse.ArgumentParser()).parse_args(
+            ["--model", "random:tiny", "--traffic", "chat", "--budget", "20", "--out", str(out),
+             "--engines", f"{f_url},{s_url}", "--quiet", "--agents", "kernel-tuner,llm-writer"])
+        assert run_compile(args) == 0
+        assert fake.requests, "the writer never called the Messages API"
+        led = Ledger(out / "ledger.sqlite")
+        kern = [r for r in led.experiments(kind="kernel") if r.agent == "llm-writer"]
+        assert kern and kern[0].verdict.status == "registered"
+        assert any(r.agent == "llm-writer" for r in led.experiments(kind="benchmark"))
+        led.close()
+    finally:
+        fake.close()
+        f_srv.shutdown()
+        s_srv.shutdown()
