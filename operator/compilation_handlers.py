@@ -66,7 +66,7 @@ def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -
         return None, ("ModelVolumeNotFound", f"PersistentVolumeClaim {target.model_volume.claim_name!r} does not exist in {namespace}")
     placement = target.placement
     if placement.gpus:
-        capacity = pod_health.max_allocatable(kube.list("v1", "Node"), placement.gpu_resource, placement.node_selector)
+        capacity = pod_health.max_allocatable(ctx.nodes(), placement.gpu_resource, placement.node_selector)
         if capacity < placement.gpus:
             return None, (
                 "InsufficientGPUs",

@@ -55,7 +55,7 @@ def _check_references(ctx: Context, namespace: str, spec: api.InferenceDeploymen
             ("ModelVolumeNotFound", f"PersistentVolumeClaim {spec.model_volume.claim_name!r} does not exist in {namespace}")
         )
     if spec.gpus:
-        obs.gpu_capacity = pod_health.max_allocatable(kube.list("v1", "Node"), spec.gpu_resource, spec.node_selector)
+        obs.gpu_capacity = pod_health.max_allocatable(ctx.nodes(), spec.gpu_resource, spec.node_selector)
 
 
 def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, logger: Any) -> None:
