@@ -87,14 +87,15 @@ def _decode_split_kernel(
         kmask = tm[:, None] & dm[None, :]
         k = tl.load(kc_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
+        # V is requested together with K (not after the scores): both tiles in flight at once.
+        v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=kmask, other=0.0)
         sc = mma(q, tl.trans(k), PREC, UPCAST) * scale_log2
         sc = tl.where(tm[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=kmask, other=0.0)
         if PV_F32:  # probabilities kept in fp32 (tf32 MMA): closer to the fp32 reference
             pv = mma(p, v.to(tl.float32), PREC, UPCAST)
         else:
