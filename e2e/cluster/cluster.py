@@ -24,7 +24,10 @@ from . import procs
 from .binaries import ensure_binaries
 from .pki import Pki, make_pki, write_kubeconfig
 
-DEFAULT_VENV = Path(os.environ.get("ANNEAL_VENV", "/root/.cache/anneal/venv"))
+# Pods get this venv's bin/ first on PATH (so `anneal …` and `python -m anneal…` work): ANNEAL_VENV,
+# else the venv running this code, else the project's usual venv.
+DEFAULT_VENV = Path(os.environ.get("ANNEAL_VENV") or
+                    (sys.prefix if sys.prefix != sys.base_prefix else "/root/.cache/anneal/venv"))
 LOCAL_NODE = "anneal-local"
 GPU_NODE_PREFIX = "kwok-gpu-"
 SERVICE_CIDR = "10.0.0.0/24"
@@ -32,6 +35,13 @@ SERVICE_CIDR = "10.0.0.0/24"
 
 class ClusterError(RuntimeError):
     """A component failed to start or to become healthy; the message names its log file."""
+
+
+class ToolError(subprocess.CalledProcessError):
+    """kubectl/helm failed; the message carries what it printed on stderr."""
+
+    def __str__(self) -> str:
+        return f"{' '.join(map(str, self.cmd))} exited {self.returncode}: {self.stderr.strip()}"
 
 
 class LocalCluster:
@@ -171,7 +181,7 @@ class LocalCluster:
         proc = subprocess.run([str(self.bin_dir / tool), *map(str, args)], input=input,
                               capture_output=True, text=True, env=self.env(), timeout=timeout)
         if check and proc.returncode != 0:
-            raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
+            raise ToolError(proc.returncode, proc.args, proc.stdout, proc.stderr)
         return proc
 
     def _kubectl_ok(self, *args: str) -> bool:
