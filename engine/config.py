@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 Family = Literal["llama", "qwen3"]
 
@@ -112,6 +112,8 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{path}: must be a JSON object, not a {type(cfg).__name__}")
     archs = cfg.get("architectures") or []
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if family is None:
@@ -125,6 +127,9 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         raise ModelError(f"{path}: quantized checkpoints are not supported")
     heads = _require(cfg, "num_attention_heads", path)
     hidden = _require(cfg, "hidden_size", path)
+    for key, v in (("num_attention_heads", heads), ("hidden_size", hidden)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ModelError(f"{path}: {key} must be a positive integer, not {v!r}")
     scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
     rope_theta = cfg.get("rope_theta")
     if isinstance(scaling, dict):
@@ -139,22 +144,29 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ModelError(f"{path}: unsupported dtype {dtype!r} (float32, float16, bfloat16)")
-    return ModelConfig(
-        name=str(folder),
-        family=family,
-        vocab_size=_require(cfg, "vocab_size", path),
-        hidden_size=hidden,
-        intermediate_size=_require(cfg, "intermediate_size", path),
-        num_hidden_layers=_require(cfg, "num_hidden_layers", path),
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if family == "qwen3" else 1e-5),
-        rope_theta=rope_theta or 10000.0,
-        rope_scaling=RopeScaling.model_validate(scaling) if scaling else None,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        torch_dtype=dtype,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-    )
+    try:
+        return ModelConfig(
+            name=str(folder),
+            family=family,
+            vocab_size=_require(cfg, "vocab_size", path),
+            hidden_size=hidden,
+            intermediate_size=_require(cfg, "intermediate_size", path),
+            num_hidden_layers=_require(cfg, "num_hidden_layers", path),
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if family == "qwen3" else 1e-5),
+            rope_theta=rope_theta or 10000.0,
+            rope_scaling=RopeScaling.model_validate(scaling) if scaling else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            torch_dtype=dtype,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors()
+        )
+        raise ModelError(f"{path}: invalid config ({problems})") from None

@@ -90,7 +90,10 @@ class _SafetensorsFolder:
         index = folder / "model.safetensors.index.json"
         single = folder / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map")
+            except (json.JSONDecodeError, AttributeError) as e:
+                raise ModelError(f"{index}: not a valid index file ({e})") from None
             if not isinstance(weight_map, dict):
                 raise ModelError(f"{index}: no weight_map")
             files = sorted(set(weight_map.values()))
@@ -107,7 +110,10 @@ class _SafetensorsFolder:
             path = folder / f
             if not path.is_file():
                 raise ModelError(f"{folder}: shard {f} listed in the index is missing")
-            self.handles[f] = safe_open(str(path), framework="pt", device=str(device))
+            try:
+                self.handles[f] = safe_open(str(path), framework="pt", device=str(device))
+            except Exception as e:  # safetensors raises its own error type for a bad header
+                raise ModelError(f"{path}: not a readable safetensors file ({e})") from None
         self.where: dict[str, str] = {}
         for f, h in self.handles.items():
             for k in h.keys():
