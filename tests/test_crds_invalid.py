@@ -94,7 +94,7 @@ INVALID: list[tuple[str, str, dict[str, Any]]] = [
     ("idep-env-name", "schema", _set(I(), "spec.serving.env", [{"name": "1BAD", "value": "x"}])),
     ("idep-too-many-args", "schema", _set(I(), "spec.serving.extraArgs", ["-x"] * 65)),
     ("idep-mode", "schema", _set(I(), "spec.compilation.mode", "yes")),
-    ("idep-threshold-above-one", "schema", _set(I(), "spec.compilation.drift.threshold", 1.5)),
+    ("idep-threshold-out-of-range", "schema", _set(I(), "spec.compilation.drift.threshold", 150.0)),
     ("idep-negative-min-requests", "schema", _set(I(), "spec.compilation.drift.minRequests", -5)),
     ("idep-cooldown-words", "schema", _set(I(), "spec.compilation.drift.cooldown", "6 hours")),
     ("idep-prometheus-url", "schema", _set(I(), "spec.compilation.prometheus.url", "prometheus:9090")),

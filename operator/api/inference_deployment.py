@@ -75,17 +75,52 @@ class PrometheusQuery(KubeModel):
     )
 
 
-class DriftPolicy(KubeModel):
-    """When the observed traffic has moved far enough from the compiled one to recompile."""
+# The parts of a drift score, as status and the policy's weights name them.
+DRIFT_PARTS = ("promptLength", "outputLength", "concurrency", "prefixReuse")
 
-    threshold: float = Field(0.25, ge=0.0, le=1.0, description="drift score (0..1) that triggers a compile")
+
+class DriftPolicy(KubeModel):
+    """When the observed traffic has moved far enough, for long enough, to recompile.
+
+    The score is the largest weighted part (see `anneal.operator.drift`): 1.0 means lengths moved
+    by one doubling on average, concurrency doubled or halved, or the prefix-cache hit ratio
+    moved by 0.25. A streak starts at `threshold`, continues while the score stays at or above
+    `exitThreshold`, and triggers after `consecutiveWindows` non-overlapping Prometheus windows
+    that each saw at least `minRequests` requests; never within `cooldown` of the last compile.
+    """
+
+    threshold: float = Field(
+        1.0, gt=0.0, le=100.0,
+        description="drift score that starts a streak (1.0 = lengths moved one doubling, load doubled, "
+        "or hit ratio moved 0.25)",
+    )
+    exit_threshold: float | None = Field(
+        None, gt=0.0, le=100.0, description="score below which a streak ends (hysteresis); default 0.7 x threshold"
+    )
+    consecutive_windows: int = Field(
+        3, ge=1, le=100, description="non-overlapping windows the drift must last before a compile"
+    )
     weights: dict[str, float] = Field(
         default_factory=lambda: {"promptLength": 1.0, "outputLength": 1.0, "concurrency": 1.0, "prefixReuse": 1.0},
-        description="weight of each part of the drift score",
+        description="weight of each part (promptLength, outputLength, concurrency, prefixReuse); 0 ignores a part",
     )
     min_requests: int = Field(500, ge=0, le=10**9, description="requests in the window before drift counts")
     check_interval: Duration = Field("5m", description="how often drift is computed")
     cooldown: Duration = Field("6h", description="least time between two compilations")
+    max_staleness: Duration = Field(
+        "30m", description="the newest usable window must have ended this recently to trigger"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "DriftPolicy":
+        for key, value in self.weights.items():
+            if key not in DRIFT_PARTS:
+                raise ValueError(f"unknown drift part {key!r} in weights; known: {', '.join(DRIFT_PARTS)}")
+            if value < 0:
+                raise ValueError(f"weights.{key} must be >= 0")
+        if self.exit_threshold is not None and self.exit_threshold > self.threshold:
+            raise ValueError("exitThreshold must be <= threshold")
+        return self
 
 
 class SearchPolicy(KubeModel):
@@ -141,7 +176,12 @@ class CanaryAnalysis(KubeModel):
     iterations: int = Field(5, ge=1, le=1000, description="passing analyses needed to promote")
     failure_limit: int = Field(2, ge=0, le=100, description="failed analyses that trigger a rollback")
     max_error_rate_increase: float = Field(0.01, ge=0.0, le=1.0, description="vs. the stable replicas")
-    max_latency_regression: float = Field(0.10, ge=0.0, le=10.0, description="relative p95 latency increase")
+    max_latency_regression: float = Field(
+        0.10, ge=0.0, le=10.0, description="relative p90 TTFT and inter-token latency increase vs. the stable replicas"
+    )
+    min_throughput_ratio: float = Field(
+        0.8, ge=0.0, le=10.0, description="canary tokens/s at least this fraction of a stable replica's"
+    )
     gates: list[MetricGate] = Field(default_factory=list, max_length=32, description="extra metric gates")
 
 
@@ -231,12 +271,29 @@ class DriftStatus(KubeModel):
     compiled: FreeForm | None = Field(None, description="TrafficShape the serving plan was compiled for")
     requests: int | None = Field(None, ge=0, description="requests in the window")
     observed_at: str | None = Field(None, description="when the observed shape was read")
-    message: str = Field("", description="why drift is not computed, when it is not")
+    dominant: str | None = Field(None, description="the part that sets the score")
+    streak: int = Field(0, ge=0, description="windows the current drift has lasted")
+    windows_needed: int = Field(0, ge=0, description="windows a drift must last to trigger")
+    compilation_job: str | None = Field(None, description="CompilationJob the drift triggered last")
+    last_compilation_at: str | None = Field(None, description="when drift last triggered a compilation")
+    message: str = Field("", description="the decision and its reason, or why drift is not computed")
 
 
 RolloutState = Literal[
-    "Idle", "Compiling", "Verifying", "Canary", "Promoting", "RollingBack", "Held", "Succeeded", "Failed"
+    "Idle", "Compiling", "Verifying", "Proposed", "Canary", "Promoting", "RollingBack", "RolledBack", "Held",
+    "Succeeded", "Failed",
 ]
+
+
+class GateStatus(KubeModel):
+    """One canary gate of the last analysis."""
+
+    name: str = Field(description="gate name")
+    outcome: Literal["pass", "fail", "missing"] = Field(description="missing: no data, the rollout holds")
+    canary: float | None = Field(None, description="the canary's value")
+    baseline: float | None = Field(None, description="the stable replicas' value")
+    limit: float | None = Field(None, description="the bound the canary was held to")
+    message: str = Field("", description="the comparison, in words")
 
 
 class RolloutStatus(KubeModel):
@@ -249,7 +306,17 @@ class RolloutStatus(KubeModel):
     compilation_job: str | None = Field(None, description="CompilationJob that produced the plan")
     analyses_passed: int = Field(0, ge=0, description="canary analyses passed")
     analyses_failed: int = Field(0, ge=0, description="canary analyses failed")
+    analyses_inconclusive: int = Field(0, ge=0, description="analyses without data (held, not counted)")
+    in_place: bool | None = Field(None, description="plans applied through the admin API (no restart)")
+    speedup: float | None = Field(None, description="the compiled plan's measured gain")
+    canary_since: str | None = Field(None, description="when the canary was seen serving the new plan")
+    last_analysis_at: str | None = Field(None, description="time of the last canary analysis")
+    gates: list[GateStatus] = Field(default_factory=list, description="gates of the last analysis")
+    rejected_plans: list[str] = Field(
+        default_factory=list, max_length=32, description="plan hashes rolled back or failed: never retried automatically"
+    )
     started_at: str | None = Field(None, description="when the rollout started")
+    finished_at: str | None = Field(None, description="when the rollout ended")
     message: str = Field("", description="what the rollout waits for or why it stopped")
 
 
