@@ -2,7 +2,9 @@
 lets through (type changes across branches, dot shape limits, unsupported ops).
 
 Run as a script (it must run without TRITON_INTERPRET): ``python tests/kernels/compile_sm90.py``;
-``test_compile.py`` runs it in a subprocess. Each spec gives the pointer dtypes and the constexprs
+``test_compile.py`` runs it in a subprocess. To check against the GPU machine's Triton (3.6) from
+here: ``pip install --no-deps --target /tmp/tri36 triton==3.6.0`` and run the script with
+``PYTHONPATH=/tmp/tri36`` (done for every kernel in this folder: all compile). Each spec gives the pointer dtypes and the constexprs
 of one representative specialisation; other scalar arguments default to i32 (``eps``/``scale`` fp32).
 """
 
