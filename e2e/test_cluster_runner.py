@@ -282,3 +282,49 @@ def test_init_container_runs_first(cluster):
         assert cluster.pod_log("default", "with-init", "main") == "prepared\n"
     finally:
         cluster.kubectl("delete", "pod", "with-init", "--wait=false")
+
+
+PROBED = """
+apiVersion: v1
+kind: Pod
+metadata: {name: slow-start, namespace: default}
+spec:
+  containers:
+  - name: main
+    image: unused
+    command: ["sh", "-c", "sleep 2; touch $HOME/up; sleep 300"]
+    startupProbe:
+      exec: {command: ["sh", "-c", "test -f $HOME/up"]}
+      periodSeconds: 1
+      failureThreshold: 20
+    livenessProbe:  # would fail at once, were it not gated by the startup probe
+      exec: {command: ["sh", "-c", "test -f $HOME/up"]}
+      periodSeconds: 1
+      failureThreshold: 1
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: bad-model, namespace: default}
+spec:
+  restartPolicy: Never
+  containers:
+  - name: main
+    image: unused
+    command: ["sh", "-c", "echo loading; echo 'error: model path /models/x not found' >&2; exit 3"]
+    terminationMessagePolicy: FallbackToLogsOnError
+"""
+
+
+def test_startup_probe_gates_liveness_and_failure_message_from_logs(cluster):
+    cluster.kubectl("apply", "-f", "-", input=PROBED, check=True)
+    try:
+        pod = wait_for(lambda: (lambda p: p if p and ready(p) else None)(get_json(cluster, "pod", "slow-start")),
+                       60, "slow-start Ready")
+        st = pod["status"]["containerStatuses"][0]
+        assert st["started"] is True and st["restartCount"] == 0
+        bad = wait_for(lambda: (lambda p: p if p and p["status"].get("phase") == "Failed" else None)(
+            get_json(cluster, "pod", "bad-model")), 60, "bad-model Failed")
+        term = bad["status"]["containerStatuses"][0]["state"]["terminated"]
+        assert term["exitCode"] == 3 and "model path /models/x not found" in term["message"]
+    finally:
+        cluster.kubectl("delete", "pod", "slow-start", "bad-model", "--wait=false")

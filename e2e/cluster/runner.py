@@ -13,7 +13,8 @@ keeps its lease fresh, and for each pod bound to it:
   off): the API server refuses loopback IPs as IPv4 endpoint addresses, so local pods go into
   `<svc>-local` with `addressType: FQDN` and the IP text as address; kwok pods into `<svc>-nodes`;
 - refreshes mounted ConfigMap/Secret files every few seconds, as the kubelet does;
-- ignores images, securityContext (runs as the runner's user), resource limits and startup probes;
+- runs startupProbe before readiness/liveness; FallbackToLogsOnError puts the log tail in the message;
+- ignores images, securityContext (runs as the runner's user) and resource limits;
 - on deletion, SIGTERMs the process groups (SIGKILL after the grace period, at most 10 s) and
   removes the pod with grace period 0.
 Logs: `<state dir>/pods/<namespace>_<name>/<container>.log`, also served to `kubectl logs` (logserver.py).
@@ -90,6 +91,8 @@ class Container:
         self.ready = False
         self.readiness: ProbeState | None = None
         self.liveness: ProbeState | None = None
+        self.startup: ProbeState | None = None
+        self.started_ok = False  # the startupProbe passed (or there is none)
         self.env: dict[str, str] = {}
         self.cwd = ""
 
@@ -97,7 +100,7 @@ class Container:
         ready = self.ready if not self.init else bool(self.done and self.exit_code() == 0)
         return {"name": self.name, "image": self.spec.get("image", ""), "imageID": "",
                 "containerID": f"anneal-local://{self.proc.pid}" if self.proc else "",
-                "ready": ready, "restartCount": self.restarts, "started": "running" in self.state,
+                "ready": ready, "restartCount": self.restarts, "started": "running" in self.state and self.started_ok,
                 "state": self.state, "lastState": self.last_state}
 
     def exit_code(self) -> int | None:
@@ -266,10 +269,15 @@ class PodWorker(threading.Thread):
         log.info("%s/%s: started %s (pid %d, ip %s)", self.ns, self.pod_name, c.name, c.proc.pid, self.ip)
         c.state = {"running": {"startedAt": now_iso()}}
         c.ready = False
-        if c.spec.get("readinessProbe"):
-            c.readiness = ProbeState(c.spec["readinessProbe"])
-        if c.spec.get("livenessProbe"):
-            c.liveness = ProbeState(c.spec["livenessProbe"])
+        c.startup = ProbeState(c.spec["startupProbe"]) if c.spec.get("startupProbe") else None
+        c.started_ok = c.startup is None
+        self._arm_probes(c)
+
+    @staticmethod
+    def _arm_probes(c: Container) -> None:
+        """Readiness and liveness count from the moment the container has started."""
+        c.readiness = ProbeState(c.spec["readinessProbe"]) if c.spec.get("readinessProbe") else None
+        c.liveness = ProbeState(c.spec["livenessProbe"]) if c.spec.get("livenessProbe") else None
 
     def exited(self, c: Container, policy: str, now: float) -> None:
         code = c.proc.returncode
@@ -278,6 +286,8 @@ class PodWorker(threading.Thread):
         c.state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
                                   "startedAt": started, "finishedAt": now_iso(),
                                   "containerID": f"anneal-local://{c.proc.pid}"}}
+        if code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            c.state["terminated"]["message"] = self._log_tail(c)
         log.info("%s/%s: %s exited with %d", self.ns, self.pod_name, c.name, code)
         c.ready = False
         restart = policy == "Always" or (policy == "OnFailure" and code != 0)
@@ -291,11 +301,30 @@ class PodWorker(threading.Thread):
         c.state = {"waiting": {"reason": "CrashLoopBackOff",
                                "message": f"back-off restarting failed container {c.name}"}}
 
+    def _log_tail(self, c: Container) -> str:
+        """What the kubelet puts in the message for FallbackToLogsOnError: the last 80 lines, 2 KiB."""
+        try:
+            data = (self.dir / f"{c.name}.log").read_bytes()
+        except OSError:
+            return ""
+        return b"".join(data.splitlines(keepends=True)[-80:])[-2048:].decode(errors="replace")
+
     @staticmethod
     def _backoff(c: Container) -> float:
         return min(10.0, 2.0 ** max(c.restarts - 1, 0))
 
     def probe(self, c: Container, now: float) -> None:
+        if not c.started_ok:
+            if c.startup.due(now):
+                ok, msg = run_probe(c.startup.probe, c.spec, self.ip, c.env, c.cwd)
+                c.startup.record(ok, time.monotonic())
+                if ok:
+                    c.started_ok = True
+                    self._arm_probes(c)
+                elif c.startup.failures >= int(c.startup.probe.get("failureThreshold", 3)):
+                    log.info("%s/%s: %s failed its startup probe (%s), restarting", self.ns, self.pod_name, c.name, msg)
+                    procs.kill_group(c.proc.pid, grace=2)
+            return
         if c.readiness is None:
             c.ready = True
         elif c.readiness.due(now):
