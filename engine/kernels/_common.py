@@ -1,4 +1,5 @@
-"""Helpers shared by the Triton kernel modules: launch checks and small numeric utilities."""
+"""Helpers shared by the Triton kernel modules: input checks, launch options (PDL), the MMA helper,
+shared-memory fitting, arrival counters for last-arrival reductions, small numeric utilities."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def check_device(name: str, *tensors: torch.Tensor | None) -> None:
     """All tensors on one device, and a device the compiled kernels can run on.
 
     On the CPU the kernels only run through Triton's interpreter (tests); it has to be switched on
-    with ``TRITON_INTERPRET=1`` before the kernel modules are imported.
+    with ``TRITON_INTERPRET=1`` before triton is first imported.
     """
     devs = {t.device for t in tensors if t is not None}
     if len(devs) != 1:
@@ -32,8 +33,8 @@ def check_device(name: str, *tensors: torch.Tensor | None) -> None:
     if dev.type == "cpu" and not interpreting():
         raise KernelInputError(
             f"{name}: Triton kernels need CUDA tensors; on the CPU they run only under "
-            "TRITON_INTERPRET=1 set before anneal.engine.kernels is imported (use the reference "
-            "variant on the CPU)"
+            "TRITON_INTERPRET=1 set before triton is first imported (use the reference variant "
+            "on the CPU)"
         )
 
 
