@@ -33,6 +33,7 @@ class EngineUnavailable(RuntimeError):
 
 
 UNREACHABLE_LIMIT = 3  # consecutive unanswered calls before a tier is declared gone
+WARMUP_SEED = 1_000_003  # warm-up benchmarks use their own inputs, never a candidate's
 
 
 @dataclass
@@ -181,6 +182,7 @@ class Lab:
     def warm_up(self, spec: BenchSpec, traffic: dict[str, Any] | None = None) -> None:
         """One unrecorded benchmark per engine, so the first candidate does not pay start-up costs
         (allocator growth, lazy imports, caches) that the baseline measured later would not."""
+        spec = spec.model_copy(update={"seed": WARMUP_SEED, "steps": 1, "warmup": 0, "repeats": 1})
         for tier, client in self.engines.items():
             with self._locks[tier]:
                 try:
