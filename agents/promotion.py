@@ -34,6 +34,10 @@ class Promotion:
     is_baseline: bool = False
 
 
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} ms"
+
+
 def _median(xs: list[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -91,8 +95,9 @@ def promote(
             rejected.append((cand.hash, exp.verdict.reason or exp.verdict.status))
             continue
         if not bound.satisfied(exp.measurement):
-            rejected.append((cand.hash, f"latency bound: itl p90 {exp.measurement.itl_p90_ms} ms, "
-                                        f"ttft p90 {exp.measurement.ttft_p90_ms} ms vs {bound}"))
+            rejected.append((cand.hash, f"latency bound: itl p90 {_ms(exp.measurement.itl_p90_ms)}, ttft p90 "
+                                        f"{_ms(exp.measurement.ttft_p90_ms)} vs bounds {_ms(bound.itl_p90_ms)}, "
+                                        f"{_ms(bound.ttft_p90_ms)}"))
             continue
         ranked.append((score(exp.measurement), cand, exp))
     ranked.sort(key=lambda t: -t[0])
@@ -116,7 +121,8 @@ def promote(
         scores = [score(m) for m in wins]
         worst_own = max((m.spread for m in wins), default=0.0)
         if len(wins) < rounds + 1 or _spread(scores) > max_spread or worst_own > max_spread:
-            rejected.append((cand.hash, f"inconsistent timing: re-measured tokens/s {scores} "
+            rejected.append((cand.hash, f"inconsistent timing: re-measured tokens/s "
+                                        f"{[round(x, 1) for x in scores]} "
                                         f"(spread {_spread(scores):.2f}, worst own spread {worst_own:.2f}, "
                                         f"limit {max_spread})"))
             continue

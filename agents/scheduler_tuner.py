@@ -21,7 +21,7 @@ def score(m: Measurement) -> float:
 class SchedulerTuner:
     name = "scheduler-tuner"
 
-    def __init__(self, max_settings: int = 12):
+    def __init__(self, max_settings: int | None = None):
         self.max_settings = max_settings
 
     def run(self, lab: Lab, setting: SearchSetting, board: Board) -> None:
@@ -32,7 +32,7 @@ class SchedulerTuner:
         spec = setting.workload_spec()
         best = None
         try:
-            for knobs in grid[: self.max_settings]:
+            for knobs in grid[: self.max_settings or len(grid)]:
                 plan = setting.base.model_copy(update={"scheduler": knobs, "name": None})
                 exp = lab.measure(Candidate(plan=plan, agent=self.name, note=_label(knobs)), spec)
                 m = exp.measurement
