@@ -4,7 +4,8 @@ Why: ops interact (a fused norm changes what the projection after it reads; a bi
 changes capture memory), so per-op tuning alone misses combinations. A small population evolves
 by tournament selection, crossover and mutation over the candidate space, seeded with the
 baseline, the kernel tuner's findings and a few random plans; the cost model prunes children
-predicted to lose before they cost engine time.
+predicted to lose before they cost engine time. Scheduler knobs are left to the scheduler tuner:
+they do not change a decode step, so timing them here would only select noise.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from anneal.engine.plan import Plan
 from anneal.agents.board import Board, SearchSetting
 from anneal.agents.lab import BudgetExhausted, Lab
 from anneal.agents.types import Candidate
+
+
+# What can change a decode step's time; scheduler knobs only show in a workload (scheduler tuner).
+STEP_MOVES = ("op", "fusion", "graphs")
 
 
 class PlanSearch:
@@ -58,10 +63,10 @@ class PlanSearch:
                 a = _tournament(pop, rng)
                 if len(pop) > 1 and rng.random() < 0.5:
                     b = _tournament(pop, rng)
-                    child = space.mutate(space.crossover(a, b, rng), rng, n=rng.randint(0, 1))
+                    child = space.mutate(space.crossover(a, b, rng), rng, n=rng.randint(0, 1), moves=STEP_MOVES)
                     note = f"crossover {a.hash[:6]}x{b.hash[:6]}"
                 else:
-                    child = space.mutate(a, rng, n=rng.randint(1, 2))
+                    child = space.mutate(a, rng, n=rng.randint(1, 2), moves=STEP_MOVES)
                     note = f"mutate {a.hash[:6]}"
                 if child.hash in seen:
                     stall += 1

@@ -133,24 +133,29 @@ class CandidateSpace:
             upd["cuda_graph_batch_sizes"] = list(rng.choice(self.graph_sets))
         return normalized(base.model_copy(update=upd))
 
-    def mutate(self, plan: Plan, rng: random.Random, n: int = 1) -> Plan:
-        """``n`` small moves: one op's parameter or impl, a fusion flag, or a scheduler knob.
+    def mutate(self, plan: Plan, rng: random.Random, n: int = 1,
+               moves: tuple[str, ...] = ("op", "fusion", "graphs", "sched")) -> Plan:
+        """``n`` small moves among ``moves``: one op's parameter or impl, a fusion flag, the graph
+        sizes, or a scheduler knob.
 
         A move that lands on the same plan is retried (a few times), so a mutation changes something.
         """
         for _ in range(n):
             for _attempt in range(8):
-                moved = normalized(self._move(plan, rng))
+                moved = normalized(self._move(plan, rng, moves))
                 if moved.hash != plan.hash:
                     plan = moved
                     break
         return normalized(with_used_kernels(plan.model_copy(update={"name": None}), plan.kernels))
 
-    def _move(self, plan: Plan, rng: random.Random) -> Plan:
+    def _move(self, plan: Plan, rng: random.Random, allowed: tuple[str, ...]) -> Plan:
         tunable = [op for op, s in self.ops.items() if s.size > 1]
-        moves = (["op"] * 4 if tunable else []) + (["fusion"] if self.fusions else []) + ["sched"]
-        if self.uses_graphs:
-            moves.append("graphs")
+        moves = (["op"] * 4 if tunable else []) + (["fusion"] if self.fusions else [])
+        moves += ["graphs"] if self.uses_graphs else []
+        moves += ["sched"]
+        moves = [m for m in moves if m in allowed]
+        if not moves:
+            return plan
         move = rng.choice(moves)
         if move == "op":
             op = rng.choice(sorted(tunable))
