@@ -276,11 +276,21 @@ class Engine:
     ) -> list[list[int]]:
         """Run prompts to completion; returns each one's generated token ids."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         ids = [f"gen-{self._steps}-{i}" for i in range(len(prompts))]
-        for rid, p, sp in zip(ids, prompts, plist):
-            self.add_request(rid, p, sp)
+        added: list[str] = []
+        try:
+            for rid, p, sp in zip(ids, prompts, plist):
+                self.add_request(rid, p, sp)
+                added.append(rid)
+        except Exception:
+            for rid in added:  # all or nothing: a bad prompt leaves none of this call in flight
+                self.abort_request(rid)
+            raise
         out: dict[str, list[int]] = {rid: [] for rid in ids}
-        while self.has_unfinished_requests():
+        while any(rid in self._requests for rid in ids):
             for o in self.step():
-                out[o.request_id] += o.new_token_ids
+                if o.request_id in out:  # other requests in flight keep running alongside
+                    out[o.request_id] += o.new_token_ids
         return [out[r] for r in ids]
