@@ -87,7 +87,7 @@ class LLMKernelWriter:
     def __init__(
         self, key: str, model: str = DEFAULT_MODEL, ops: list[str] | None = None,
         attempts_per_op: int = 3, max_ops: int = 2, base_url: str | None = None,
-        max_tokens: int = 4096,
+        max_tokens: int = 4096, verify_first: bool = True,
     ):
         import anthropic
 
@@ -97,6 +97,7 @@ class LLMKernelWriter:
         self.attempts_per_op = attempts_per_op
         self.max_ops = max_ops
         self.max_tokens = max_tokens
+        self.verify_first = verify_first
         self.attempts: list[Attempt] = []
 
     def pick_ops(self, lab: Lab, setting: SearchSetting) -> list[str]:
@@ -161,6 +162,14 @@ class LLMKernelWriter:
             kernel = KernelSource(op=op, impl=impl, source=source)
             plan = setting.base.with_ops(**{op: OpChoice(impl=impl)})
             plan = plan.model_copy(update={"kernels": [*plan.kernels, kernel], "name": None})
+            if self.verify_first:
+                # The full gates on the fast tier before any timing: a kernel that is only right in
+                # isolation (stale cache blocks, batch-dependent, nondeterministic) goes back to the
+                # model with the failing checks, instead of winning a race it should not be in.
+                rep, _ = lab.verify(Candidate(plan=plan, agent=self.name, note=f"{op}={impl}"), "fast")
+                if not rep.passed:
+                    history.append(Attempt(op, impl, False, "verify", rep.reason()))
+                    continue
             exp = lab.measure(Candidate(plan=plan, agent=self.name, note=f"{op}={impl}"), setting.decode_spec)
             ms = exp.measurement.median_ms if exp.measurement else None
             history.append(Attempt(op, impl, exp.verdict.status == "measured", exp.verdict.status,

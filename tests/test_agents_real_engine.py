@@ -116,25 +116,35 @@ def test_planted_faulty_kernel_is_rejected_with_its_reason(fault, kind, engines,
 
 
 def test_llm_writer_kernels_pass_the_real_checks(engines, tmp_path):
+    """A wrong kernel fails the isolated check, a nondeterministic one the verification suite;
+    both reasons go back to the model; only the correct one is timed."""
     from anneal.engine.traffic import load_traffic
     from anneal.agents.board import Board
     from anneal.agents.compile import make_setting
     from anneal.agents.llm_writer import LLMKernelWriter
 
-    fake = FakeAnthropic([f"```python\n{SILU_MUL_BROKEN}```", f"```python\n{SILU_MUL_OK}```"])
+    _, nondet = FAULTY["nondeterministic"]
+    fake = FakeAnthropic([f"```python\n{SILU_MUL_BROKEN}```", f"```python\n{nondet}```",
+                          f"```python\n{SILU_MUL_OK}```"])
     try:
         fast = engines["fast"]
         setting, _ = make_setting(fast.state(), load_traffic("chat"), seed=0, max_len=64,
                                   workload_requests=2, quick=True)
         led = Ledger(tmp_path / "l.sqlite")
         board = Board()
-        LLMKernelWriter("sk-test", base_url=fake.url, ops=["silu_and_mul"], attempts_per_op=2).run(
+        LLMKernelWriter("sk-test", base_url=fake.url, ops=["silu_and_mul"], attempts_per_op=3).run(
             Lab(ledger=led, engines=engines), setting, board)
         kern = led.experiments(kind="kernel")
-        assert [r.verdict.status for r in kern] == ["rejected", "registered"], [r.verdict for r in kern]
-        assert "REJECTED" in fake.requests[1]["messages"][0]["content"]
+        assert [r.verdict.status for r in kern] == ["rejected", "registered", "registered"], [r.verdict for r in kern]
+        ver = led.experiments(kind="verify")
+        assert [r.verdict.status for r in ver] == ["rejected", "verified"]
+        assert "determinism" in ver[0].verdict.reason
+        prompts = [r["messages"][0]["content"] for r in fake.requests]
+        assert "REJECTED at check" in prompts[1]
+        assert "REJECTED at verify" in prompts[2] and "determinism" in prompts[2]
         bench = led.experiments(kind="benchmark")
-        assert bench and bench[0].verdict.status == "measured"
+        assert len(bench) == 1 and bench[0].verdict.status == "measured"
+        assert bench[0].plan.choice("silu_and_mul").impl == "llm_silu_and_mul_2"
         led.close()
     finally:
         fake.close()
