@@ -7,6 +7,7 @@ at once (they would slow each other down), so agents running concurrently queue 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -217,8 +218,18 @@ class Lab:
     def verify(
         self, cand: Candidate, tier: Tier = "slow", checks: list[str] | None = None, **kw: Any
     ) -> tuple[VerifyReport, Experiment]:
-        """Run the engine's verification suite on a plan; failure reasons go to the ledger."""
-        key = experiment_key(cand.hash, tier, "verify")
+        """Run the engine's verification suite on a plan; failure reasons go to the ledger.
+
+        A verdict already in the ledger for the same plan, tier and options is reused (a resumed
+        run does not verify twice), unless the engine could not be reached that time.
+        """
+        opts = json.dumps({"checks": checks, **kw}, sort_keys=True, default=str)
+        key = f"{experiment_key(cand.hash, tier, 'verify')}|{_short_hash(opts)}"
+        old = self.ledger.lookup(key)
+        if old is not None and "report" in old.detail:
+            rep = VerifyReport.model_validate(old.detail["report"])
+            if not any(c.name == "engine" for c in rep.failures()):
+                return rep, old
         started = time.time()
         try:
             with self._locks[tier]:
