@@ -81,7 +81,7 @@ def run_batch(eng: Engine, prompts, params, tag: str):
     return [toks[r] for r in ids], [lps[r] for r in ids], [cached[r] for r in ids]
 
 
-def run(model: str, block_size: int, caching: bool, mode: str, seed: int = 0):
+def run(model: str, block_size: int, caching: bool, mode: str, seed: int = 0, poison: float | None = None):
     prompts, params, warm, dirt = workload(seed)
     greedy_warm = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     if mode == "batch":
@@ -94,6 +94,8 @@ def run(model: str, block_size: int, caching: bool, mode: str, seed: int = 0):
         out = run_batch(eng, prompts, params, "b")
     else:
         eng = make_engine(model, block_size, caching)
+        if poison is not None:  # every slot no request has written yet holds poison
+            eng.runner.kv.fill_(poison)
         run_batch(eng, dirt, [greedy_warm] * len(dirt), "dirt")
         run_batch(eng, warm, [greedy_warm] * len(warm), "warm")
         res = [run_batch(eng, [p], [sp], f"s{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -149,6 +151,15 @@ def test_cached_paged_decoding_equals_the_uncached_path(model):
                 off, off_st = run(model, block_size, caching=False, mode=mode)
                 assert off_st.prefix_hit_tokens == 0
                 assert_same(ref, off, what + " caching off")
+
+
+@pytest.mark.parametrize("poison", [float("nan"), 1e30], ids=["nan", "huge"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_poisoned_recycled_blocks_do_not_leak_into_outputs(block_size, poison):
+    ref, _ = run("random:tiny", 16, caching=False, mode="one_at_a_time")
+    got, st = run("random:tiny", block_size, caching=True, mode="one_at_a_time", poison=poison)
+    assert st.prefix_hit_tokens > 0
+    assert_same(ref, got, f"poisoned with {poison}, block_size={block_size}")
 
 
 def test_batch_invariance_without_cache():
