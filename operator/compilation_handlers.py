@@ -126,11 +126,16 @@ def apply_result(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, co
         ref["speedup"] = gain
     policy = dspec.compilation
     hold = "paused" if policy.paused else ("pinnedPlan is set" if policy.pinned_plan else None)
-    if not spec.auto_apply or hold:
+    # issue 8: with mode auto and a Canary strategy, autoApply hands the plan to the canary
+    # rollout (anneal.operator.rollout_handlers) instead of restarting every replica at once
+    canary = spec.auto_apply and policy.mode == "auto" and policy.rollout.type == "Canary"
+    if not spec.auto_apply or hold or canary:
         kube.patch_merge(f"{GROUP}/{VERSION}", idep_api.KIND, target, ns,
                          {"status": {"proposedPlan": ref, "lastCompilationJob": name}}, status=True)
         if hold:
             kopf.info(body, reason="NotApplied", message=f"{target}: {hold}; plan proposed in its status")
+        elif canary:
+            kopf.info(body, reason="CanaryPending", message=f"{target}: plan proposed; its canary rollout follows")
         return None
     base = plan_source.base_plan(dspec, lambda cm: kube.config_map(ns, cm))
     cm = {

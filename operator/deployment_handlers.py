@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from anneal.operator import conditions as cond
 from anneal.operator import deployment_objects as objects
-from anneal.operator import naming, pod_health
+from anneal.operator import naming, pod_health, rollout
 from anneal.operator.api import GROUP, VERSION
 from anneal.operator.api import inference_deployment as api
 from anneal.operator.context import Context
@@ -112,7 +112,12 @@ def _write_children(ctx: Context, body: kopf.Body, spec: api.InferenceDeployment
         found = kube.config_map(namespace, naming.plan_config_map(name))
         plan_hash = found[1].get(naming.ANNOTATION_PLAN_HASH) if found else None
     if plan_hash is not None and not obs.missing:
-        dep = objects.deployment(name, namespace, spec, plan_hash, ctx.settings)
+        # issue 8: a plan promoted in place keeps the pod template's hash (no restart of the replicas)
+        current = kube.get("apps/v1", "Deployment", naming.deployment(name), namespace) if (
+            (body.get("status") or {}).get("rollout") or {}).get("inPlace") else None
+        template_hash = rollout.template_plan_hash(body.get("status"), plan_hash, rollout.deployment_template_hash(current))
+        obs.template_plan_hash = template_hash
+        dep = objects.deployment(name, namespace, spec, template_hash, ctx.settings)
         kopf.adopt(dep, owner=body)
         kube.apply(dep)
     svc = objects.service(name, namespace)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anneal.operator import conditions as cond
-from anneal.operator import deployment_objects, naming, pod_health
+from anneal.operator import deployment_objects, naming, pod_health, rollout
 from anneal.operator.api import inference_deployment as api
 from anneal.operator.plan_source import PlanError, ResolvedPlan
 
@@ -24,6 +24,7 @@ class Observed:
     gpu_capacity: int | None = None  # most GPUs one matching node offers; None: not checked
     missing: list[tuple[str, str]] = field(default_factory=list)  # (reason, message) of absent references
     applied: bool = True  # children written without error
+    template_plan_hash: str | None = None  # issue 8: the pod template's hash (differs after an in-place promotion)
 
 
 def _schedulable(spec: api.InferenceDeploymentSpec, obs: Observed) -> cond.Observation:
@@ -58,7 +59,7 @@ def _plan_serving(spec: api.InferenceDeploymentSpec, obs: Observed) -> tuple[con
     dstatus = d.get("status") or {}
     template_hash = (d["spec"]["template"]["metadata"].get("annotations") or {}).get(naming.ANNOTATION_PLAN_HASH)
     rolled = (
-        template_hash == obs.plan.hash
+        template_hash == (obs.template_plan_hash or obs.plan.hash)
         and dstatus.get("observedGeneration", 0) >= d.get("metadata", {}).get("generation", 0)
         and dstatus.get("updatedReplicas", 0) == spec.replicas
         and dstatus.get("readyReplicas", 0) == spec.replicas
@@ -116,7 +117,9 @@ def compute(
         "readyReplicas": ready,
         "updatedReplicas": int(dstatus.get("updatedReplicas", 0) or 0),
         "endpoint": deployment_objects.endpoint(name, namespace),
-        "conditions": cond.merge(previous.get("conditions") or [], observations, generation),
+        # issue 8: drift/rollout conditions from the status those timers write; Ready stays ours
+        "conditions": cond.merge(previous.get("conditions") or [], observations + rollout.conditions(previous),
+                                 generation, ready=cond.aggregate(observations)),
     }
     if obs.plan is not None:
         status["planHash"] = obs.plan.hash

@@ -13,7 +13,7 @@ from typing import Any
 
 import kopf
 
-from anneal.operator import compilation_handlers, deployment_handlers
+from anneal.operator import compilation_handlers, deployment_handlers, drift_watch, rollout_handlers
 from anneal.operator.context import Context
 from anneal.operator.settings import OperatorSettings, from_env
 
@@ -22,6 +22,8 @@ def build_registry(ctx: Context) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     deployment_handlers.register(registry, ctx)
     compilation_handlers.register(registry, ctx)
+    drift_watch.register(registry, ctx)  # issue 8: drift -> CompilationJob
+    rollout_handlers.register(registry, ctx)  # issue 8: canary, promote, roll back
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> Any:

@@ -269,6 +269,8 @@ class DriftStatus(KubeModel):
     parts: dict[str, float] = Field(default_factory=dict, description="per-part drift")
     observed: FreeForm | None = Field(None, description="observed TrafficShape")
     compiled: FreeForm | None = Field(None, description="TrafficShape the serving plan was compiled for")
+    compiled_plan_hash: str | None = Field(None, description="the plan `compiled` belongs to")
+    baseline: str = Field("", description="where `compiled` came from (CompiledPlan, preset, first observed window)")
     requests: int | None = Field(None, ge=0, description="requests in the window")
     observed_at: str | None = Field(None, description="when the observed shape was read")
     dominant: str | None = Field(None, description="the part that sets the score")
