@@ -247,6 +247,7 @@ class Engine:
             raise RuntimeError("apply_plan needs an idle engine (drain or pause requests first)")
         t0 = time.perf_counter()
         old_plan, old_ops = self.plan, self.runner.model.ops
+        Scheduler.check_knobs(plan.scheduler, self.max_model_len)
         register_plan_kernels(plan)
         ops = OpTable.from_plan(plan, self.device.type)  # validates everything before any swap
         t1 = time.perf_counter()

@@ -36,17 +36,22 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, knobs: SchedulerKnobs, blocks: BlockManager, max_model_len: int):
-        if not knobs.chunked_prefill and knobs.max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                "without chunked prefill, max_num_batched_tokens "
-                f"({knobs.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
-            )
+        self.check_knobs(knobs, max_model_len)
         self.knobs = knobs
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0
+
+    @staticmethod
+    def check_knobs(knobs: SchedulerKnobs, max_model_len: int) -> None:
+        """Knobs that could leave a request waiting forever are refused."""
+        if not knobs.chunked_prefill and knobs.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({knobs.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
+            )
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING

@@ -376,3 +376,23 @@ def test_engine_abort_frees_blocks_at_once_and_the_rest_completes():
     # r0 gives what it gives alone: aborting its neighbours did not disturb it.
     solo = tiny_engine(64, max_num_batched_tokens=16).generate([prompts["r0"]], params)[0]
     assert r0 == solo and len(solo) == 30
+
+
+def test_apply_plan_refuses_knobs_that_could_never_admit_a_long_prompt():
+    """Without chunked prefill a prompt runs whole, so the budget must cover max_model_len; a
+    plan breaking that would leave long prompts waiting forever. The old plan keeps serving."""
+    rng = random.Random(15)
+    eng = tiny_engine(64)
+    old = eng.plan
+    bad = Plan(scheduler=SchedulerKnobs(chunked_prefill=False, max_num_batched_tokens=32))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        eng.apply_plan(bad)
+    assert eng.plan == old and eng.scheduler.knobs == old.scheduler
+    out = eng.generate([rand_tokens(rng, 50)], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0]) == 3
+    # A non-chunked plan whose budget covers the context is fine.
+    good = Plan(scheduler=SchedulerKnobs(chunked_prefill=False, max_num_batched_tokens=64))
+    eng.apply_plan(good)
+    assert eng.scheduler.knobs == good.scheduler
+    out = eng.generate([rand_tokens(rng, 60)], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert len(out[0]) == 2 and eng.stats().num_free_blocks == 64
