@@ -38,6 +38,7 @@ from anneal.agents.types import BenchSpec, Candidate, CompileSettings, EngineSta
 
 AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner", "llm-writer")
 SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
+CPU_MAX_LEN = 128  # CPU engines: traffic lengths scaled to fit (a CPU step costs ~50 ms even when tiny)
 
 
 class CompileError(RuntimeError):
@@ -60,7 +61,8 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     p.add_argument("--agents", default=None, help=f"comma-separated subset of {','.join(AGENT_NAMES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-len", type=int, default=None,
-                   help="scale the traffic's lengths to fit this many tokens (default 256 on the CPU)")
+                   help=f"scale the traffic's lengths to fit this many tokens (default {CPU_MAX_LEN} "
+                        f"on CPU engines, else the engines' max_model_len)")
     p.add_argument("--cross-traffic", default=None,
                    help="also measure baseline and winner on this other traffic shape (the loss is reported)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs per replica the cost model may split the model over")
@@ -173,7 +175,7 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     ``quick`` (the CPU) times fewer steps per candidate: a CPU step of even a tiny model costs
     tens of milliseconds, and the README's compile must finish in a couple of minutes.
     """
-    if max_len:
+    if max_len and traffic.max_total_len > max_len:
         traffic = traffic.scaled(max_len)
     space = CandidateSpace.from_state(state)
     base = state.plan
@@ -223,8 +225,6 @@ def compile_plan(
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     traffic = load_traffic(settings.traffic)
-    if max_len is None and settings.device == "cpu":
-        max_len = 128
     local: LocalEngines | None = None
     if clients is None:
         if settings.engines:
@@ -258,6 +258,10 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     run_id = uuid.uuid4().hex[:12]
     ledger.set_meta("runs", [*(ledger.get_meta("runs", []) or []), run_id])
     quick = not fast_state.device.startswith("cuda")
+    if max_len is None:  # decided by where the engines run, not by this (maybe torch-free) process
+        max_len = CPU_MAX_LEN if quick else None
+    engine_max = min(int((s.model_extra or {}).get("max_model_len") or 1 << 30) for s in (fast_state, slow_state))
+    max_len = min(max_len or engine_max, engine_max)
     setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len,
                                     workload_requests=4 if quick else 64, quick=quick)
     traffic_json = traffic.model_dump(mode="json", exclude_none=True)
@@ -380,7 +384,7 @@ def _cross_measure(lab: Lab, spec_name: str, max_len: int | None, promo: Promoti
     from anneal.engine.traffic import load_traffic
 
     other = load_traffic(spec_name)
-    if max_len:
+    if max_len and other.max_total_len > max_len:
         other = other.scaled(max_len)
     tj = other.model_dump(mode="json", exclude_none=True)
     res: dict[str, Any] = {"traffic": other.name or spec_name}

@@ -136,3 +136,23 @@ def test_an_engine_that_stops_answering_ends_the_search(tmp_path):
         with pytest.raises(EngineUnavailable, match="fast-tier engine stopped answering"):
             lab.measure(Candidate(plan=plans[2], agent="t"), BenchSpec())
     led.close()
+
+
+def test_the_coordinator_side_imports_without_torch():
+    """`anneal compile --engines ...` runs in a torch-free image: nothing it imports needs torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'triton'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import anneal.agents.compile, anneal.agents.promotion, anneal.agents.report, anneal.agents.llm_writer\n"
+        "from anneal.agents.compile import _default_device\n"
+        "assert _default_device() == 'cpu'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
