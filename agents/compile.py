@@ -195,6 +195,12 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     return setting, traffic
 
 
+def _gpu_requests(traffic, tokens_per_replay: float = 2e5) -> int:
+    """Requests per workload replay on a GPU: ~200k tokens, 8..64 requests (long prompts, fewer)."""
+    per_request = traffic.prompt_len.mean() + traffic.output_len.mean()
+    return int(max(8, min(64, tokens_per_replay / max(per_request, 1.0))))
+
+
 def _agents(names: list[str], llm_model: str | None = None):
     out = []
     for n in names:
@@ -263,7 +269,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     engine_max = min(int((s.model_extra or {}).get("max_model_len") or 1 << 30) for s in (fast_state, slow_state))
     max_len = min(max_len or engine_max, engine_max)
     setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len,
-                                    workload_requests=4 if quick else 64, quick=quick)
+                                    workload_requests=4 if quick else _gpu_requests(traffic), quick=quick)
     traffic_json = traffic.model_dump(mode="json", exclude_none=True)
     try:
         cost = CostModel.from_state(fast_state)
