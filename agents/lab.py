@@ -101,6 +101,8 @@ class Lab:
     def _measure(self, key: str, cand: Candidate, spec: BenchSpec, tier: Tier, prune: bool,
                  traffic: dict[str, Any] | None, budgeted: bool) -> Experiment:
         old = self.ledger.lookup(key)
+        if old is not None and _transient(old):
+            old = None  # the engine crashed or was unreachable that time: worth another try
         if old is not None:
             with self._state_lock:
                 self.reused += 1
@@ -245,6 +247,13 @@ class Lab:
             detail={"report": rep.model_dump()},
         )
         return rep, self._record(exp)
+
+
+def _transient(exp: Experiment) -> bool:
+    """A failure that says nothing about the candidate: no answer, or a 5xx from the engine."""
+    if exp.verdict.status != "failed":
+        return False
+    return not re.search(r" -> 4\d\d: ", exp.verdict.reason)
 
 
 _NOT_ON_DEVICE = re.compile(r"(\w+)/([\w.-]+) does not run on")

@@ -154,3 +154,36 @@ def test_killed_compile_resumes_without_remeasuring(tmp_path):
         for p in (fast, slow):
             p.kill()
             p.wait()
+
+
+def test_resume_retries_transient_failures_but_not_refusals(tmp_path):
+    """A 400 (the engine refused the plan) is final; no answer or a 5xx is retried on resume."""
+    from anneal.agents.lab import Lab
+    from anneal.agents.types import Candidate
+
+    spec = BenchSpec()
+    plans = [Plan().model_copy(update={"cuda_graph_batch_sizes": [i]}) for i in (1, 2, 3)]
+    reasons = ["fast-tier engine: POST /admin/benchmark -> 400: x/y does not run on cpu",
+               "fast-tier engine: POST /admin/benchmark -> 500: CUDA error",
+               "fast-tier engine: POST /admin/benchmark failed: connection refused"]
+    with Ledger(tmp_path / "l.sqlite") as led:
+        for p, why in zip(plans, reasons):
+            led.record(Experiment(key=experiment_key(p.hash, "fast", "benchmark", spec), plan=p,
+                                  plan_hash=p.hash, spec=spec, verdict=Verdict(status="failed", reason=why)))
+        srv, url = _fake_in_thread()
+        try:
+            from anneal.agents.engine_client import EngineClient
+
+            with EngineClient(url, "tok") as c:
+                lab = Lab(ledger=led, engines={"fast": c})
+                got = [lab.measure(Candidate(plan=p, agent="t"), spec) for p in plans]
+        finally:
+            srv.shutdown()
+    assert got[0].verdict.status == "failed" and lab.reused == 1
+    assert [g.verdict.status for g in got[1:]] == ["measured", "measured"]
+
+
+def _fake_in_thread():
+    from fakes.fake_engine import FakeEngine, serve_in_thread
+
+    return serve_in_thread(FakeEngine(token="tok"))
