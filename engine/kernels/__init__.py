@@ -46,6 +46,13 @@ def fused_entry_points() -> dict:
             "replaces": ("lm_head", "sample (all requests greedy)"),
             "signature": "lm_head_argmax(x[B, K], weight[V, K]) -> tokens[B] int64",
         },
+        "norm_lm_head_argmax": {
+            "fn": gemv.norm_lm_head_argmax,
+            "params": gemv.LM_HEAD_ARGMAX_PARAMS,
+            "replaces": ("add_rmsnorm | rmsnorm (final norm)", "lm_head", "sample (all requests greedy)"),
+            "signature": "norm_lm_head_argmax(x[B, K], residual[B, K] | None, norm_weight[K], eps, "
+                         "weight[V, K]) -> tokens[B] int64",
+        },
         "add_rmsnorm_linear": {
             "fn": gemv.add_rmsnorm_linear,
             "params": gemv.NORM_LINEAR_PARAMS,

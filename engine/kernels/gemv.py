@@ -348,10 +348,22 @@ LM_HEAD_ARGMAX_PARAMS = (
 def lm_head_argmax(
     x: torch.Tensor, weight: torch.Tensor, *, block_m: int = 64, block_n: int = 128,
     block_k: int = 128, num_warps: int = 4, num_stages: int = 3, m1: str = "dot", pdl: bool = False,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """Greedy tokens ``argmax(x @ weight.T, -1)`` as int64 ``[B]`` without writing the logits."""
-    _check("lm_head_argmax", x, weight, x.shape[1] if x.dim() == 2 else -1)
+    """Greedy tokens ``argmax(x @ weight.T, -1)`` as int64 ``[B]`` without writing the logits.
+
+    With ``norm=(residual | None, norm_weight, eps)`` the input is first ``(add_)rmsnorm``-ed in
+    the kernel's prologue (the model's final norm), as in ``add_rmsnorm_linear``."""
+    name = "lm_head_argmax"
+    _check(name, x, weight, x.shape[1] if x.dim() == 2 else -1)
     M, K = x.shape
+    residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
+    if norm is not None:
+        check_device(name, residual, norm_w)
+        if norm_w.shape != (K,) or norm_w.dtype != x.dtype:
+            raise KernelInputError(f"{name}: norm weight must be [{K}] of {x.dtype}")
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+            raise KernelInputError(f"{name}: residual must match x {tuple(x.shape)} {x.dtype}, contiguous in K")
     N = weight.shape[0]
     tokens = torch.empty((M,), dtype=torch.int64, device=x.device)
     if M == 0:
@@ -364,13 +376,27 @@ def lm_head_argmax(
     if BLOCK_M > 1:
         num_stages = fit_stages(num_stages, (BLOCK_M + block_n) * block_k * x.element_size())
     idxs = torch.empty((M, tiles), dtype=torch.int32, device=x.device)
+    r = residual if residual is not None else x
+    summed = torch.empty_like(x) if residual is not None else x  # written by the kernel, not returned
     _gemv_kernel[(tiles, 1, triton.cdiv(M, BLOCK_M))](
-        x, weight, vals, vals, vals, idxs, x, x, x, x,
-        M, N, K, x.stride(0), weight.stride(0), 0, 0, 0, triton.cdiv(K, block_k) * block_k, 0.0,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False, NORM=0, ARGMAX=True, TICKET=False,
+        x, weight, vals, vals, vals, idxs, r, norm_w if norm_w is not None else x, summed, x,
+        M, N, K, x.stride(0), weight.stride(0), 0, r.stride(0), summed.stride(0),
+        triton.cdiv(K, block_k) * block_k, float(eps),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False,
+        NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=True, TICKET=False,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     _argmax_merge_kernel[(M,)](vals, idxs, tokens, tiles, BLOCK_T=min(1024, pow2(tiles)),
                                   PDL=pdl_enabled(pdl), num_warps=4, **launch_opts(pdl))
     return tokens
+
+
+def norm_lm_head_argmax(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, **params,
+) -> torch.Tensor:
+    """Greedy tokens of ``lm_head((add_)rmsnorm(x [+ residual]))``: the model's final norm, the
+    lm_head GEMV and the argmax in one pass (plus the small argmax merge); ``params`` from
+    ``LM_HEAD_ARGMAX_PARAMS``."""
+    return lm_head_argmax(x, weight, norm=(residual, norm_weight, eps), **params)

@@ -48,7 +48,7 @@ def specs():
             (1, 4, False, 0, False, False), (16, 1, False, 0, False, False), (64, 2, True, 0, False, False),
             (1, 1, False, 0, True, False), (16, 1, False, 0, True, False), (1, 4, False, 2, False, False),
             (16, 2, False, 2, False, False), (1, 1, False, 1, False, False), (16, 4, False, 0, False, True),
-            (1, 8, True, 0, False, True), (32, 2, False, 2, False, True)):
+            (1, 8, True, 0, False, True), (32, 2, False, 2, False, True), (16, 1, False, 2, True, False)):
         yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SILU_MUL=silu,
                                           NORM=norm, ARGMAX=argmax, TICKET=ticket, PREC="tf32", UPCAST=False), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from anneal.engine.kernels.gemv import add_rmsnorm_linear, rmsnorm_linear, silu_mul_down_proj
-from anneal.engine.kernels.lm_head_argmax import lm_head_argmax
+from anneal.engine.kernels.lm_head_argmax import lm_head_argmax, norm_lm_head_argmax
 from anneal.engine.ops import reference as ref
 from anneal.engine.ops.registry import build_op, get_op
 from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn
@@ -122,3 +122,26 @@ def test_norm_linear(device, dtype):
         assert_close(y, lin(normed, w), TOL_ACC, what=f"add_rmsnorm_linear {M}x{N}x{K} {dtype}")
         assert_close(rmsnorm_linear(x, nw, 1e-5, w, **kw), lin(ref.rmsnorm(x, nw, 1e-5), w), TOL_ACC,
                      what=f"rmsnorm_linear {M}x{N}x{K} {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_lm_head_argmax(device, dtype):
+    """Final (add_)rmsnorm + lm_head + argmax in one kernel == reference norm, lm_head, argmax."""
+    shapes = [(1, 500, 64), (6, 333, 40)] if device == "cpu" else [(1, 128256, 2048), (16, 151936, 4096)]
+    lm_head = get_op("lm_head").reference
+    for i, (M, V, K) in enumerate(shapes):
+        g = gen(3500 + i, device)
+        x = randn(M, K, dtype=dtype, device=device, g=g)
+        r = randn(M, K, dtype=dtype, device=device, g=g) if i % 2 == 0 else None
+        nw = randn(K, dtype=dtype, device=device, g=g)
+        w = randn(V, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+        kw = {"block_n": 64, "block_k": 32} if device == "cpu" else {}
+        tokens = norm_lm_head_argmax(x, r, nw, 1e-5, w, **kw)
+        normed = ref.add_rmsnorm(x, r, nw, 1e-5)[0] if r is not None else ref.rmsnorm(x, nw, 1e-5)
+        logits = lm_head(normed, w).float()
+        chosen = logits.gather(1, tokens[:, None])[:, 0]
+        best = logits.max(-1).values
+        atol = 1e-5 if dtype == torch.float32 else 2e-2 * best.abs().max().item()
+        assert torch.all(chosen >= best - atol), (tokens, logits.argmax(-1))
+        assert (tokens == logits.argmax(-1)).float().mean().item() >= 0.8

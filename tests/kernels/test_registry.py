@@ -43,12 +43,16 @@ def test_unknown_param_is_rejected():
 
 def test_fused_entry_points_declare_params():
     fused = fused_entry_points()
-    assert set(fused) == {"lm_head_argmax", "silu_mul_down_proj", "add_rmsnorm_linear", "rmsnorm_linear"}
+    assert set(fused) == {"lm_head_argmax", "norm_lm_head_argmax", "silu_mul_down_proj", "add_rmsnorm_linear",
+                          "rmsnorm_linear"}
     from anneal.engine.kernels.gemv import small_m_gemm
 
-    gemm_names = set(inspect.signature(small_m_gemm).parameters)
+    from anneal.engine.kernels.gemv import lm_head_argmax
+
     for name, entry in fused.items():
         params = inspect.signature(entry["fn"]).parameters
-        names = gemm_names if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set(params)
+        inner = lm_head_argmax if "lm_head" in name else small_m_gemm
+        names = (set(inspect.signature(inner).parameters) if any(p.kind is p.VAR_KEYWORD for p in params.values())
+                 else set(params))
         for p in entry["params"]:
             assert p.name in names, f"{name}: param {p.name} is not a keyword of the function"
