@@ -278,7 +278,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         cost = None
     board = Board()
     lab = Lab(ledger=ledger, engines=clients, cost_model=cost, run_id=run_id, traffic=traffic_json,
-              deadline=t0 + settings.budget_s * SEARCH_SHARE, space=setting.space, on_note=board.note)
+              deadline=t0 + settings.budget_s * SEARCH_SHARE, space=setting.space, on_note=board.note,
+              base=setting.base)
     baseline = slow_state.plan.model_copy(update={"name": None})
     _report(settings.report_to, phase="Searching", experiments=0,
             message=f"searching on {fast_state.model} ({fast_state.num_layers_loaded} layers)")

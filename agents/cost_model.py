@@ -262,13 +262,43 @@ class CostModel:
 
     # ---- decisions -----------------------------------------------------------------------------
 
-    def should_prune(self, plan: Plan, spec: BenchSpec, best_ms: float, margin: float = 0.25) -> bool:
-        """Prune only when every op's impl has been calibrated and it still predicts a clear loss."""
+    # ---- one-op deltas: what a choice does to the whole step, when the engine reports no per-op times
+
+    def observe_delta(self, base: Plan, plan: Plan, spec: BenchSpec, base_ms: float, ms: float) -> None:
+        """``plan`` differs from ``base`` in one op: its step-time ratio is that op choice's effect."""
+        diff = _op_diff(base, plan)
+        if len(diff) == 1 and base_ms > 0 and ms > 0:
+            with self._lock:
+                self._fits.setdefault(_delta_key(diff[0], plan, spec), _Fit()).add(ms / base_ms)
+
+    def predict_from_base(self, base: Plan, plan: Plan, spec: BenchSpec, base_ms: float) -> float | None:
+        """``base_ms`` times the learned effect of each op ``plan`` changes; None if one is unknown."""
+        ms = base_ms
+        with self._lock:
+            for op in _op_diff(base, plan):
+                fit = self._fits.get(_delta_key(op, plan, spec))
+                if fit is None or not fit.n:
+                    return None
+                ms *= fit.factor
+        return ms
+
+    def should_prune(
+        self, plan: Plan, spec: BenchSpec, best_ms: float, margin: float = 0.25,
+        base: Plan | None = None, base_ms: float | None = None,
+    ) -> bool:
+        """Prune only on a calibrated prediction of a clear loss: every op's impl fitted from per-op
+        timings, or every changed op's effect learned from one-op experiments against ``base``."""
         if not math.isfinite(best_ms):
             return False
         pred = self.predict(plan, spec)
         calibrated = all(self._factor(op, plan)[1] for op in pred.per_op_ms)
-        return calibrated and pred.ms > best_ms * (1.0 + margin)
+        if calibrated and pred.ms > best_ms * (1.0 + margin):
+            return True
+        if base is not None and base_ms is not None and plan.fusions == base.fusions and (
+                plan.cuda_graph_batch_sizes == base.cuda_graph_batch_sizes):
+            est = self.predict_from_base(base, plan, spec, base_ms)
+            return est is not None and est > best_ms * (1.0 + margin)
+        return False
 
     def choose_tp(
         self, spec: BenchSpec, objective: str = "latency", kv_gb: float = 0.0
@@ -299,6 +329,17 @@ def _fit_key(op: str, impl: str, params: dict[str, Any] | None = None) -> str:
     if params is None:
         return f"{op}/{impl}"
     return f"{op}/{impl}/{json.dumps(params, sort_keys=True)}"
+
+
+def _op_diff(base: Plan, plan: Plan) -> list[str]:
+    from anneal.engine.plan import OP_NAMES
+
+    return [op for op in OP_NAMES if base.choice(op) != plan.choice(op)]
+
+
+def _delta_key(op: str, plan: Plan, spec: BenchSpec) -> str:
+    ch = plan.choice(op)
+    return f"delta/{_fit_key(op, ch.impl, ch.params)}|{spec.key()}"
 
 
 def _step_key(mode: str) -> str:

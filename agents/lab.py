@@ -21,7 +21,7 @@ from anneal.agents.engine_client import EngineClient, EngineError
 from anneal.agents.ledger import Ledger, experiment_key
 from anneal.agents.space import CandidateSpace
 from anneal.agents.types import (
-    BenchSpec, Candidate, CheckResult, Experiment, KernelResult, Tier, Verdict, VerifyReport,
+    BenchSpec, Candidate, CheckResult, Experiment, KernelResult, Prediction, Tier, Verdict, VerifyReport,
 )
 
 
@@ -48,6 +48,8 @@ class Lab:
     prune_margin: float = 0.25
     on_experiment: Callable[[Experiment], None] | None = None
     space: CandidateSpace | None = None  # refusals teach it what the device cannot run
+    base: Plan | None = None  # the baseline: one-op changes against it teach the cost model
+    _base_ms: dict[str, float] = field(default_factory=dict)  # spec key -> baseline ms
     on_note: Callable[[str], None] | None = None
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _best: dict[str, tuple[float, Plan]] = field(default_factory=dict)
@@ -106,11 +108,15 @@ class Lab:
         if old is not None:
             with self._state_lock:
                 self.reused += 1
+            if old.measurement is not None and old.verdict.status == "measured" and self.cost_model \
+                    and spec.mode != "workload":  # a resumed run calibrates from what it reuses
+                self.cost_model.observe(old.plan, spec, old.measurement)
+                self._learn_delta(old.plan, spec, old.measurement.median_ms)
             self._note_best(old, spec)
             return old
         if budgeted:
             self.check_budget()
-        pred = self.cost_model.predict(cand.plan, spec) if self.cost_model and spec.mode != "workload" else None
+        pred = self._predict(cand.plan, spec)
         exp = Experiment(
             run_id=self.run_id, key=key, plan=cand.plan, plan_hash=cand.hash, tier=tier,
             kind="benchmark", agent=cand.agent, note=cand.note, spec=spec, prediction=pred,
@@ -119,11 +125,12 @@ class Lab:
         )
         best_ms, _ = self.best(spec)
         if prune and self.cost_model and spec.mode != "workload" and self.cost_model.should_prune(
-            cand.plan, spec, best_ms, self.prune_margin
+            cand.plan, spec, best_ms, self.prune_margin, base=self.base, base_ms=self._base_ms.get(spec.key())
         ):
             exp = exp.model_copy(update={"verdict": Verdict(
                 status="pruned",
-                reason=f"predicted {pred.ms:.3f} ms > best {best_ms:.3f} ms x {1 + self.prune_margin:.2f}",
+                reason=f"predicted {pred.ms:.3f} ms ({pred.model}) > best {best_ms:.3f} ms "
+                       f"x {1 + self.prune_margin:.2f}",
             )})
             return self._record(exp)
         try:
@@ -142,6 +149,7 @@ class Lab:
             return self._record(exp)
         if self.cost_model and spec.mode != "workload":
             self.cost_model.observe(cand.plan, spec, m)
+            self._learn_delta(cand.plan, spec, m.median_ms)
         exp = exp.model_copy(update={"measurement": m})
         self._note_best(exp, spec)
         return self._record(exp)
@@ -164,6 +172,28 @@ class Lab:
             n = self._unreachable[tier] = self._unreachable.get(tier, 0) + 1
         if n >= UNREACHABLE_LIMIT:
             raise EngineUnavailable(f"the {tier}-tier engine stopped answering: {e}")
+
+    def _predict(self, plan: Plan, spec: BenchSpec) -> Prediction | None:
+        """The roofline's prediction, or, when every changed op's effect is known, the baseline's
+        measured time times those effects (the better estimate), logged beside the measurement."""
+        if self.cost_model is None or spec.mode == "workload":
+            return None
+        pred = self.cost_model.predict(plan, spec)
+        base_ms = self._base_ms.get(spec.key())
+        if self.base is not None and base_ms is not None and plan.hash != self.base.hash:
+            est = self.cost_model.predict_from_base(self.base, plan, spec, base_ms)
+            if est is not None:
+                pred = pred.model_copy(update={"ms": est, "model": "baseline x one-op effects",
+                                               "corrected": True})
+        return pred
+
+    def _learn_delta(self, plan: Plan, spec: BenchSpec, ms: float) -> None:
+        if self.base is None or self.cost_model is None:
+            return
+        if plan.hash == self.base.hash:
+            self._base_ms[spec.key()] = ms
+        elif spec.key() in self._base_ms:
+            self.cost_model.observe_delta(self.base, plan, spec, self._base_ms[spec.key()], ms)
 
     def _note_best(self, exp: Experiment, spec: BenchSpec) -> None:
         if exp.verdict.status != "measured" or exp.measurement is None:

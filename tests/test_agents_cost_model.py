@@ -92,3 +92,57 @@ def test_shape_from_a_reported_config():
     assert (s.head_dim, s.num_kv_heads, s.dtype_bytes) == (32, 2, 2)
     with pytest.raises(ValueError, match="no shape"):
         shape_from_state(EngineState(model="/models/unknown"))
+
+
+def test_one_op_effects_predict_and_prune_combinations():
+    cm = CostModel.from_state(H200)
+    spec = BenchSpec(batch_size=4)
+    base = Plan()
+    slow = OpChoice(impl="triton", params={"block": 1})
+    fast = OpChoice(impl="triton", params={"block": 2})
+    cm.observe_delta(base, base.with_ops(rmsnorm=slow), spec, 10.0, 20.0)
+    cm.observe_delta(base, base.with_ops(silu_and_mul=fast), spec, 10.0, 8.0)
+    both = base.with_ops(rmsnorm=slow, silu_and_mul=fast)
+    assert cm.predict_from_base(base, both, spec, 10.0) == pytest.approx(16.0)
+    assert cm.should_prune(both, spec, best_ms=10.0, base=base, base_ms=10.0)
+    assert not cm.should_prune(base.with_ops(silu_and_mul=fast), spec, best_ms=10.0, base=base, base_ms=10.0)
+    unknown = both.with_ops(qkv_proj=OpChoice(impl="x"))
+    assert cm.predict_from_base(base, unknown, spec, 10.0) is None
+    assert not cm.should_prune(unknown, spec, best_ms=1.0, base=base, base_ms=10.0)
+    # Effects are per shape: at another batch size nothing is known yet.
+    assert cm.predict_from_base(base, both, BenchSpec(batch_size=64), 10.0) is None
+
+
+def test_lab_prunes_a_combination_of_known_losers_without_per_op_timings(tmp_path):
+    """Against an engine that reports only step times (like the real one), one-op experiments
+    teach the cost model enough to skip a plan that combines two known losers."""
+    from fakes.fake_engine import FakeEngine, serve_in_thread
+    from anneal.agents.engine_client import EngineClient
+    from anneal.agents.lab import Lab
+    from anneal.agents.ledger import Ledger
+    from anneal.agents.types import Candidate
+
+    srv, url = serve_in_thread(FakeEngine(token="tok", per_op=False))  # FAKE numbers
+    try:
+        with EngineClient(url, "tok") as c:
+            st = c.state()
+            led = Ledger(tmp_path / "l.sqlite")
+            lab = Lab(ledger=led, engines={"fast": c}, cost_model=CostModel.from_state(st), base=Plan())
+            spec = BenchSpec(batch_size=4)
+            # In the fake, split_k=1 costs as much as the reference, block=64 a little less: give the
+            # search a clear winner first, then two "losers" relative to it.
+            win = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4, "block_n": 32}))
+            lose_a = OpChoice(impl="triton", params={"block": 64})
+            lose_b = OpChoice(impl="triton", params={"block": 256})
+            for p in (Plan(), win, Plan().with_ops(rmsnorm=lose_a), Plan().with_ops(silu_and_mul=lose_b)):
+                assert lab.measure(Candidate(plan=p, agent="t"), spec).verdict.status == "measured"
+            combo = Plan().with_ops(rmsnorm=lose_a, silu_and_mul=lose_b)
+            lab.prune_margin = 0.1
+            exp = lab.measure(Candidate(plan=combo, agent="t"), spec)
+            assert exp.verdict.status == "pruned", exp.verdict
+            assert "one-op effects" in exp.verdict.reason
+            assert exp.prediction.model == "baseline x one-op effects"
+            assert c._http.get("/fake/calls").json().get(f"{combo.hash}|decode|b4|s0") is None
+            led.close()
+    finally:
+        srv.shutdown()

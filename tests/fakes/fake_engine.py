@@ -47,9 +47,11 @@ def fake_per_op(plan: Plan, batch: int) -> dict[str, float]:
 
 class FakeEngine:
     def __init__(self, token: str = "tok", layers: int = 1, noise: float = 0.02, model: str = "random:tiny",
-                 bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu"):
+                 bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu",
+                 per_op: bool = True):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
+        self.per_op = per_op  # the real engine reports no per-op times yet
         self.plan = Plan()
         self.calls: dict[str, int] = {}
         self.kernels: dict[str, dict] = {}
@@ -99,6 +101,8 @@ class FakeEngine:
         out = {"plan_hash": plan.hash, "median_ms": med, "p10_ms": samples[0], "p90_ms": samples[-1],
                "tokens_per_s": 1e3 * batch / med if body.get("mode") != "workload" else 1e3 * 16 / med,
                "samples_ms": samples, "per_op_ms": {k: v * self.layers for k, v in per_op.items()}}
+        if not self.per_op:
+            del out["per_op_ms"]
         if body.get("mode") == "workload":
             out["itl_p90_ms"] = med * 1.1
             out["ttft_p90_ms"] = med * 3
