@@ -222,8 +222,10 @@ class RolloutDriver:
             if isinstance(a, rollout.AcceptPlan):
                 self.accept(body, spec, a, proposal)
         new = result.status.wire()
-        if new != (previous.wire() if previous else None):
-            patch.status["rollout"] = new
+        old = previous.wire() if previous else {}
+        if new != old:
+            # a merge patch: keys of the last rollout that this one lacks must be nulled explicitly
+            patch.status["rollout"] = {**{k: None for k in old if k not in new}, **new}
             if result.status.state == "Succeeded" and status.get("proposedPlan"):
                 patch.status["proposedPlan"] = None
         for e in events:
