@@ -161,7 +161,8 @@ class DriftWatch:
         cp = spec.compilation
         now = time.time() if now is None else now
         if cp.mode == "off":
-            self._write(body, patch, previous, {"message": "mode off: traffic drift is not watched"})
+            if previous:  # switched off: say so instead of leaving a stale score
+                self._write(body, patch, previous, {"message": "mode off: traffic drift is not watched"})
             return
         url = cp.prometheus.url or self.ctx.settings.prometheus_url
         if not url:

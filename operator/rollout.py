@@ -164,7 +164,8 @@ def _settled(st: RolloutStatus, policy: CompilationPolicy, view: View) -> Step:
         and not (st.state == "Proposed" and st.to_plan_hash == p.plan_hash and policy.mode != "auto")
     )
     if not fresh:
-        if view.job_phase and (view.job != st.compilation_job or st.state in ("Compiling", "Verifying")):
+        running = view.job_phase not in (None, "Succeeded", "Failed", "Gone")
+        if (view.job_phase and st.state in ("Compiling", "Verifying")) or (running and view.job != st.compilation_job):
             return _follow_job(st, view)
         return Step(st)
     assert p is not None

@@ -221,6 +221,8 @@ class RolloutDriver:
         for a in result.actions:
             if isinstance(a, rollout.AcceptPlan):
                 self.accept(body, spec, a, proposal)
+        if previous is None and result.status == api.RolloutStatus() and not result.actions:
+            return  # nothing ever rolled out here: no status to write
         new = result.status.wire()
         old = previous.wire() if previous else {}
         if new != old:

@@ -246,3 +246,14 @@ def test_conditions_from_drift_and_rollout_status():
                                                "rollout": {"state": "RolledBack"}})}
     assert obs[ro.TRAFFIC_IN_POLICY].ok is True and obs[ro.ROLLOUT_SETTLED].reason == "RolledBack"
     assert ro.conditions({}) == []
+
+
+def test_a_finished_drift_job_does_not_overwrite_a_later_rollout():
+    """After a user's job rolled back, the (older, succeeded) drift job is not 'followed' again."""
+    w, pol = World(), policy()
+    st = RolloutStatus(state="RolledBack", compilation_job="planted", rejected_plans=[NEW], to_plan_hash=NEW)
+    s = ro.step(st, pol, w.view(proposal=False, job_phase="Succeeded"))
+    assert s.status == st and s.actions == []
+    # a new drift job that is running is followed
+    s = ro.step(st, pol, w.view(proposal=False, job_phase="Searching"))
+    assert s.status.state == "Compiling" and s.status.rejected_plans == [NEW]
