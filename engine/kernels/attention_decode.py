@@ -201,6 +201,7 @@ def paged_decode_attention(
             raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()  # read as a flat array (no copy when it already is)
     if pv_precision not in ("bf16", "tf32") or merge not in ("kernel", "ticket"):
         raise KernelInputError(f"{name}: pv_precision must be 'bf16' or 'tf32', merge 'kernel' or 'ticket'")
     G = H // Hkv

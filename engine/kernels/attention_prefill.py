@@ -113,6 +113,7 @@ def paged_prefill_attention(
             raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
+    cu_seqlens_q, context_lens = cu_seqlens_q.contiguous(), context_lens.contiguous()  # flat arrays
     if pv_precision not in ("bf16", "tf32"):
         raise KernelInputError(f"{name}: pv_precision must be 'bf16' or 'tf32'")
     out = torch.empty_like(q)

@@ -120,6 +120,7 @@ def build_qk_rope_store(num_warps: int = 4, pdl: bool = False):
             if q_norm.dtype != qkv.dtype or k_norm.dtype != qkv.dtype:
                 raise KernelInputError(f"{name}: q_norm/k_norm dtype must be the activation dtype {qkv.dtype}")
         check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin)
+        positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # flat arrays
         q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
         if T == 0:
             return q

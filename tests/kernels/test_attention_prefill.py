@@ -48,3 +48,18 @@ def test_attention_prefill_rejects_bad_cu_seqlens(device):
     kc, vc, bt, cl = paged_cache([3], 1, 16, 4, torch.float32, device, gen(1, device))
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         fn(torch.ones(3, 1, 16, device=device), kc, vc, bt, torch.tensor([0, 3], device=device), cl, 3, 1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_prefill_strided_metadata(device):
+    """Metadata handed over as strided views (slices of larger buffers) is read correctly."""
+    fn = build_op("attention_prefill", "triton", {"block_m": 16, "block_n": 16})
+    g = gen(2100, device)
+    kc, vc, bt, cl = paged_cache([12, 30], 2, 16, 4, torch.float32, device, g)
+    q = randn(9, 4, 16, dtype=torch.float32, device=device, g=g)
+    cu_big = torch.tensor([0, 99, 4, 99, 9, 99], dtype=torch.int32, device=device)
+    cl_big = torch.stack([cl, torch.full_like(cl, 77)], dim=1).reshape(-1)
+    cu, lens = cu_big[::2], cl_big[::2]
+    assert not cu.is_contiguous() and torch.equal(lens, cl)
+    assert_close(fn(q, kc, vc, bt, cu, lens, 5, 0.25),
+                 ref.attention_prefill(q, kc, vc, bt, cu.contiguous(), cl, 5, 0.25), TOL_ACC)
