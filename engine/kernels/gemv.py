@@ -228,6 +228,7 @@ def small_m_gemm(
     _check(name, x, weight, x.shape[1] // 2 if silu_mul_input else x.shape[1] if x.dim() == 2 else -1)
     N = weight.shape[0]
     residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
+    norm_w = norm_w.contiguous() if norm_w is not None else None
     if norm is not None:
         check_device(name, residual, norm_w)
         if norm_w.shape != (K,) or norm_w.dtype != x.dtype:
@@ -358,6 +359,7 @@ def lm_head_argmax(
     _check(name, x, weight, x.shape[1] if x.dim() == 2 else -1)
     M, K = x.shape
     residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
+    norm_w = norm_w.contiguous() if norm_w is not None else None
     if norm is not None:
         check_device(name, residual, norm_w)
         if norm_w.shape != (K,) or norm_w.dtype != x.dtype:

@@ -125,6 +125,8 @@ def build_qk_rope_store(num_warps: int = 4, pdl: bool = False):
         if T == 0:
             return q
         has_norm = q_norm is not None
+        if has_norm:
+            q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
         _qk_rope_store_kernel[(T,)](
             qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q,
             q_norm if has_norm else qkv, k_norm if has_norm else qkv,
