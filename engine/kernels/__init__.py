@@ -1,12 +1,25 @@
 """Triton kernel variants. Each module: reference-compatible wrapper, kernel, tunable params as data.
 
 ``register_all()`` imports the kernel modules; importing a module registers its variants with the
-op registry (``anneal.engine.ops.registry`` calls this lazily). Besides the registered variants,
-two fused entry points whose signatures are not those of a single reference op are exported for the
-plan's fusions:
+op registry (``anneal.engine.ops.registry`` calls this lazily).
+
+Registered variants (every one also takes ``pdl``: programmatic dependent launch, sm_90+):
+
+| op | impl | params |
+|---|---|---|
+| rmsnorm, add_rmsnorm | triton | num_warps |
+| silu_and_mul | triton | block, num_warps |
+| qk_rope_store | triton | num_warps |
+| attention_decode | triton_splitk | split_k (0 = auto), block_n, num_warps, num_stages, pv_precision, merge |
+| attention_prefill | triton | block_m, block_n, num_warps, num_stages, pv_precision |
+| qkv_proj, o_proj, gate_up_proj, down_proj, lm_head | triton_gemv_splitk | block_m, block_n, block_k, split_k, num_warps, num_stages, m1, reduce, max_m |
+
+Fused entry points, whose signatures are not those of a single reference op, for the plan's
+fusions (``fused_entry_points()`` lists them with their tunable params, as data):
 
 * ``lm_head_argmax(x[B, K], weight[V, K]) -> tokens[B] int64`` (``anneal.engine.kernels.lm_head_argmax``)
-  = ``reference.lm_head`` followed by greedy argmax, without writing the ``[B, V]`` logits.
+  = ``reference.lm_head`` followed by greedy argmax, without writing the ``[B, V]`` logits;
+  ``norm_lm_head_argmax(x, residual | None, norm_weight, eps, weight)`` folds the final norm in too.
 * ``silu_mul_down_proj(gate_up[T, 2*I], weight[N, I]) -> [T, N]`` (``anneal.engine.kernels.gemv``)
   = ``reference.down_proj(reference.silu_and_mul(gate_up), weight)``, the activation applied while
   the GEMV loads its input.
@@ -14,10 +27,8 @@ plan's fusions:
   ``rmsnorm_linear(x, norm_weight, eps, weight) -> y`` (``anneal.engine.kernels.gemv``) = the norm
   in front of qkv_proj / gate_up_proj done in the GEMV's prologue.
 
-``fused_entry_points()`` lists them with their tunable params, as data.
-
-Kernels run on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (set before this
-package is imported), which is how the CPU tests run them.
+Kernels run on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (set before
+triton is first imported), which is how the CPU tests run them.
 """
 
 from __future__ import annotations
