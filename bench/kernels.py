@@ -268,6 +268,7 @@ class Bench:
                 for op, (n, k) in projection_shapes(cfg).items():
                     yield self.case_linear(op, model, bs, n, k)
                 yield self.case_lm_head_argmax(model, cfg, bs)
+                yield self.case_norm_lm_head_argmax(model, cfg, bs)
                 yield self.case_silu_mul_down(model, cfg, bs)
                 yield self.case_norm_linear(model, cfg, bs)
         for model, cfg in self.models.items():
@@ -384,6 +385,31 @@ class Bench:
         build = lambda **p: (lambda x, weight: lm_head_argmax(x, weight, **p))  # noqa: E731
         agree = lambda out, ref: float((out != ref).float().mean().item())  # noqa: E731  (fraction differing)
         return Case("lm_head_argmax", model, {"M": bs, "V": V, "K": K}, nbytes, make, reference, {},
+                    ("triton_fused", build, sweep), agree, "fraction_of_tokens_differing")
+
+    def case_norm_lm_head_argmax(self, model, cfg, bs):
+        from anneal.engine.kernels.lm_head_argmax import norm_lm_head_argmax
+        from anneal.engine.ops import reference as ref
+        from anneal.engine.ops.registry import get_op
+
+        V, K = cfg["vocab"], cfg["hidden"]
+        nbytes = (V * K + 3 * bs * K + K) * self.dtype.itemsize + bs * 8
+        w = self.randn(V, K, g=self.gen(21), scale=K ** -0.5)
+        nw = self.randn(K, g=self.gen(22))
+        lm_head = get_op("lm_head").reference
+
+        def make(i):
+            return (self.randn(bs, K, g=self.gen(350 + i)), self.randn(bs, K, g=self.gen(370 + i)), nw, 1e-5, w)
+
+        def reference(x, r, w_norm, eps, weight):
+            return lm_head(ref.add_rmsnorm(x, r, w_norm, eps)[0], weight).argmax(-1)
+
+        sweep = [{}, {"block_n": 64}, {"block_n": 256, "num_warps": 8}]
+        if self.args.tiny:
+            sweep = [{}, {"block_n": 64, "block_k": 32}]
+        build = lambda **p: (lambda x, r, w_norm, eps, weight: norm_lm_head_argmax(x, r, w_norm, eps, weight, **p))  # noqa: E731
+        agree = lambda out, ref_out: float((out != ref_out).float().mean().item())  # noqa: E731
+        return Case("add_rmsnorm_lm_head_argmax", model, {"M": bs, "V": V, "K": K}, nbytes, make, reference, {},
                     ("triton_fused", build, sweep), agree, "fraction_of_tokens_differing")
 
     def case_silu_mul_down(self, model, cfg, bs):
