@@ -31,6 +31,7 @@ from anneal.operator.api import compilation_job as cj_api
 from anneal.operator.api import inference_deployment as api
 from anneal.operator.api.base import duration_seconds
 from anneal.operator.context import Context
+from anneal.operator.kube import ApiException, api_message
 from anneal.operator.rollout import ACTIVE, iso, parse_iso
 from anneal.operator.traffic_reader import Prometheus, PrometheusQueryError, TrafficObservation
 
@@ -224,7 +225,14 @@ class DriftWatch:
                 latest = next(o for o in sorted(snapshot, key=lambda o: -o.at) if o.shape is not None)
                 job = compilation_job(name, ns, spec, latest.shape, job_name(name, now))
                 kopf.adopt(job, owner=body)
-                _, created = self.ctx.kube.create_if_absent(job)
+                try:
+                    _, created = self.ctx.kube.create_if_absent(job)
+                except ApiException as exc:
+                    new["message"] = f"{decision.reason}; cannot create CompilationJob: {api_message(exc)}"[:1000]
+                    if previous.get("message") != new["message"]:
+                        kopf.warn(body, reason="CompilationNotCreated", message=new["message"])
+                    self._write(body, patch, previous, new)
+                    return
                 new.update(compilationJob=job["metadata"]["name"], lastCompilationAt=iso(now),
                            message=f"{decision.reason}; compiling: CompilationJob {job['metadata']['name']}")
                 if created:
