@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (implied by --device cpu)")
-    ap.add_argument("--budget", type=float, default=150.0, help="seconds after which sweeps stop")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds after which sweeps stop")
     ap.add_argument("--only", default="", help="comma-separated ops to run")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/kernels-<date>.json)")
     args = ap.parse_args(argv)
