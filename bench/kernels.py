@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (implied by --device cpu)")
     ap.add_argument("--budget", type=float, default=120.0, help="seconds after which sweeps stop")
+    ap.add_argument("--deadline", type=float, default=225.0, help="seconds after which cases are skipped")
     ap.add_argument("--only", default="", help="comma-separated ops to run")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/kernels-<date>.json)")
     args = ap.parse_args(argv)
@@ -225,8 +226,12 @@ class Bench:
             self.roofline = copy_bandwidth_gbps() if copy_bandwidth_gbps else _copy_bandwidth(torch)
             print(f"{env.get('gpu')}: copy roofline {self.roofline:.0f} GB/s", flush=True)
         records = []
+        skipped = []
         for c in self.cases():
             if self.only and c.op not in self.only:
+                continue
+            if self.elapsed() > self.args.deadline:
+                skipped.append({"op": c.op, "model": c.model, "shape": c.shape})
                 continue
             t = time.perf_counter()
             rec = self.run_case(c)
@@ -243,6 +248,8 @@ class Bench:
             else "wall clock under the Triton interpreter (logic check only, not a measurement)",
             "sweep_budget_s": self.args.budget,
             "sweep_truncated": self.truncated,
+            "deadline_s": self.args.deadline,
+            "cases_skipped_at_deadline": skipped,
             "elapsed_s": round(self.elapsed(), 1),
             "results": records,
         }
