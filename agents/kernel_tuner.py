@@ -24,6 +24,7 @@ class KernelTuner:
 
     def __init__(self, passes: int = 2):
         self.passes = passes
+        self.bucket_best: dict[tuple[str, int], tuple[float, OpChoice]] = {}  # (op, batch) -> best
 
     def run(self, lab: Lab, setting: SearchSetting, board: Board) -> None:
         rng = setting.rng(self.name)
@@ -40,6 +41,7 @@ class KernelTuner:
         buckets = [1] if op == "attention_prefill" else setting.buckets
         weights = _bucket_weights(buckets, setting.batch_dist)
         total = 0.0
+        per_bucket: dict[int, float] = {}
         for b in buckets:
             spec = setting.spec_for(op, b)
             plan = setting.base.with_ops(**{op: choice})
@@ -48,9 +50,13 @@ class KernelTuner:
             if exp.verdict.status != "measured" or exp.measurement is None:
                 return math.inf
             m = exp.measurement
-            total += weights[b] * (m.per_op_ms or {}).get(op, m.median_ms)
+            per_bucket[b] = (m.per_op_ms or {}).get(op, m.median_ms)
+            total += weights[b] * per_bucket[b]
             if spec == setting.decode_spec:
                 board.offer_plan(m.median_ms, plan, self.name)
+        for b, ms in per_bucket.items():
+            if ms < self.bucket_best.get((op, b), (math.inf, None))[0]:
+                self.bucket_best[(op, b)] = (ms, choice)
         return total
 
     def tune_op(self, op: str, lab: Lab, setting: SearchSetting, board: Board) -> None:
@@ -86,6 +92,10 @@ class KernelTuner:
             board.offer_op(op, best_choice, best)
             board.note(f"{op}: best {best_choice.impl} {best_choice.params} ({best:.4f} ms weighted) "
                        f"after {tried} configs of {space.size}")
+            own = {b: ch for (o, b), (_, ch) in self.bucket_best.items() if o == op and ch != best_choice}
+            if own:  # a plan holds one config per op: say what each shape would have preferred
+                board.note(f"{op}: per-bucket optima differ from the weighted choice: "
+                           + "; ".join(f"batch {b}: {ch.impl} {ch.params}" for b, ch in sorted(own.items())))
 
 
 def _bucket_weights(buckets: list[int], dist: dict[int, float]) -> dict[int, float]:

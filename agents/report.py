@@ -178,6 +178,16 @@ def write_report(
         L += ["", "## Rejected or failed experiments", ""]
         L += [f"- #{e.id} {e.kind} by {e.agent} ({e.note}): {e.verdict.status}: {e.verdict.reason[:300]}"
               for e in bad[:40]]
+    top = sorted((e for e in exps if e.tier == "fast" and e.measurement and e.spec
+                  and e.spec.key() == spec_key and e.verdict.status == "measured"),
+                 key=lambda e: e.measurement.median_ms)[:10]
+    if top:
+        L += ["", "## Best fast-tier candidates (plan-level objective: one decode step)", "",
+              "| plan | agent | what | predicted ms | measured ms | spread |", "|---|---|---|---|---|---|"]
+        for e in top:
+            pred = f"{e.prediction.ms:.3f}" if e.prediction else "-"
+            L.append(f"| `{e.plan_hash[:10]}` | {e.agent} | {e.note[:60]} | {pred} | "
+                     f"{e.measurement.median_ms:.3f} | {e.measurement.spread:.2f} |")
     L += ["", "## Cost model", ""]
     L.append(f"Median prediction error: {err:.1%} over {n_err} measurements" if err is not None
              else "No predictions to compare.")

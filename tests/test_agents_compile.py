@@ -65,7 +65,7 @@ def test_compile_writes_a_verified_plan_report_and_ledger(tmp_path, fakes, monke
     assert len(baseline_rows) >= 2  # measured with the candidates, then re-measured interleaved
     led.close()
     report = (out / "report.md").read_text()
-    for needle in ("Gain against the baseline", "tokens_per_s", "Verification", "Cost model",
+    for needle in ("Gain against the baseline", "tokens_per_s", "Verification", "Cost model", "Best fast-tier",
                    "Median prediction error", "experiments/hour", "another traffic shape"):
         assert needle in report
     for png in ("search_progress.png", "per_op.png", "throughput_latency.png"):
