@@ -52,7 +52,9 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     p.add_argument("--traffic", required=True, help="preset (chat, rag, agentic, batch) or a YAML/JSON TrafficShape")
     p.add_argument("--budget", type=float, default=120.0,
                    help="seconds of search and promotion once the engines are up (default 120)")
-    p.add_argument("--out", default="anneal-out", help="output folder (plan.json, report.md, ledger.sqlite)")
+    p.add_argument("--out", default="anneal-out",
+                   help="output folder (plan.json, report.md + PNGs, ledger.sqlite); an existing ledger "
+                        "there is resumed: experiments it holds are reused, not run again")
     p.add_argument("--engines", default=None, help="FAST_URL,SLOW_URL of running engines' admin APIs; "
                    "without it both tiers start as local `anneal serve` processes")
     p.add_argument("--report-to", default=None, metavar="NS/NAME", help="CompilationJob to report progress to")
