@@ -67,7 +67,9 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         f"on CPU engines, else the engines' max_model_len)")
     p.add_argument("--cross-traffic", default=None,
                    help="also measure baseline and winner on this other traffic shape (the loss is reported)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs per replica the cost model may split the model over")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs per replica the cost model may split the model over (default: the GPUs the "
+                        "fast-tier engine sees)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     return p
 
@@ -223,7 +225,7 @@ def _agents(names: list[str], llm_model: str | None = None):
 
 def compile_plan(
     settings: CompileSettings, *, agents: list[str] | None = None, max_len: int | None = None,
-    cross_traffic: str | None = None, gpus: int = 1, progress: bool = True,
+    cross_traffic: str | None = None, gpus: int | None = None, progress: bool = True,
     verification: dict[str, Any] | None = None, clients: dict[str, EngineClient] | None = None,
     llm_model: str | None = None,
 ) -> CompiledPlan:
@@ -316,14 +318,19 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
                     max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification),
                     deadline=t0 + settings.budget_s * 0.85, rounds=1 if quick else 2)
 
+    # The tensor-parallel degree is the cost model's recommendation (NVLink all-reduce included),
+    # reported, not written into the plan: the gains above were measured at the engines' degree,
+    # and a plan only carries what was measured.
     tp_choice = None
     winner = promo.winner
+    if gpus is None:
+        gpus = max(1, fast_state.hardware.num_gpus or 1)
     if cost is not None:
         hw = cost.hw.model_copy(update={"num_devices": max(1, gpus)})
         tp_choice = CostModel(shape=cost.shape, hw=hw).choose_tp(setting.decode_spec)
-        if gpus > 1 and tp_choice[0] != winner.parallelism.tensor_parallel:
-            winner = winner.model_copy(update={"parallelism": {"tensor_parallel": tp_choice[0]}})
-            winner = Plan.model_validate(winner.model_dump())
+        if tp_choice[0] != winner.parallelism.tensor_parallel:
+            _say(progress, f"cost model: tensor-parallel degree {tp_choice[0]} predicted best on {gpus} GPU(s) "
+                           f"({', '.join(f'tp{k}: {v:.3f} ms' for k, v in tp_choice[1].items())})")
 
     cross = _cross_measure(lab, cross_traffic, max_len, promo, wspec) if cross_traffic else None
     report = promo.verification
@@ -333,8 +340,6 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     verification_doc: dict[str, Any] = {**report.model_dump(), "tier": "slow"}
     if promo.is_baseline:
         verification_doc["note"] = "no candidate beat the baseline and passed every gate; the baseline is kept"
-    if tp_choice and gpus > 1:
-        verification_doc["parallelism_note"] = "tensor-parallel degree chosen by the cost model, not measured"
     compiled = CompiledPlan(
         plan=winner.model_copy(update={"name": f"anneal-{winner.hash[:8]}"}),
         model=fast_state.model, hardware=fast_state.gpu_name or fast_state.device,

@@ -92,6 +92,8 @@ def hardware_from_state(state: EngineState, num_devices: int = 1) -> HardwareSpe
         upd["mem_gbps"] = state.hardware.copy_gbps
     if state.hardware.matmul_tflops:
         upd["matmul_tflops"] = state.hardware.matmul_tflops
+    if state.hardware.memory_gb:
+        upd["memory_gb"] = state.hardware.memory_gb
     return hw.model_copy(update=upd)
 
 

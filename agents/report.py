@@ -193,8 +193,9 @@ def write_report(
              else "No predictions to compare.")
     if tp_choice:
         tp, table = tp_choice
-        L.append(f"\nTensor-parallel degree chosen: {tp} (predicted ms by degree: "
-                 + ", ".join(f"{k}: {v:.3f}" for k, v in table.items()) + ")")
+        L.append(f"\nTensor-parallel degree recommended: {tp} (predicted decode-step ms by degree: "
+                 + ", ".join(f"{k}: {v:.3f}" for k, v in table.items())
+                 + "); the plan keeps the degree it was measured at.")
     if calibration:
         L += ["", "| op/impl | correction | observations |", "|---|---|---|"]
         L += [f"| {k} | {v['factor']:.3f} | {v['n']} |" for k, v in calibration.items() if k.count("/") == 1]

@@ -30,8 +30,12 @@ class _Wire(BaseModel):
 
 
 class HardwareInfo(_Wire):
+    """The engine's start-up microbenchmarks and device facts."""
+
     copy_gbps: float | None = None
     matmul_tflops: float | None = None
+    num_gpus: int | None = None
+    memory_gb: float | None = None
 
 
 class EngineState(_Wire):
