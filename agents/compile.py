@@ -22,7 +22,8 @@ from anneal.engine.plan import CompiledPlan, Plan
 from anneal.agents.board import Board, SearchSetting
 from anneal.agents.cost_model import CostModel
 from anneal.agents.engine_client import EngineClient, EngineError
-from anneal.agents.graph_buckets import GraphBucketAgent, batch_size_distribution, quantile_sizes
+from anneal.agents.graph_buckets import GraphBucketAgent
+from anneal.agents.job_report import publish_result, report_progress
 from anneal.agents.kernel_tuner import KernelTuner
 from anneal.agents.lab import Lab
 from anneal.agents.ledger import Ledger
@@ -32,13 +33,12 @@ from anneal.agents.plan_search import PlanSearch
 from anneal.agents.promotion import Promotion, promote
 from anneal.agents.report import now_iso, write_artifact, write_report
 from anneal.agents.scheduler_tuner import SchedulerTuner, score
-from anneal.agents.space import CandidateSpace
+from anneal.agents.setting import CPU_MAX_LEN, gpu_requests, make_setting
 from anneal.agents.swarm import run_swarm, summary
-from anneal.agents.types import BenchSpec, Candidate, CompileSettings, EngineState
+from anneal.agents.types import BenchSpec, Candidate, CompileSettings
 
 AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner", "llm-writer")
 SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
-CPU_MAX_LEN = 128  # CPU engines: traffic lengths scaled to fit (a CPU step costs ~50 ms even when tiny)
 
 
 class CompileError(RuntimeError):
@@ -118,7 +118,7 @@ def run_compile(args: argparse.Namespace) -> int:
         )
     except (CompileError, EngineError, ValueError) as e:
         print(f"anneal compile: {e}", file=sys.stderr)
-        _report(args.report_to, phase="Done", message=f"failed: {e}"[:500])
+        report_progress(args.report_to, phase="Done", message=f"failed: {e}"[:500])
         return 1
     gain = next((g for g in compiled.gains if g.metric == "tokens_per_s"), None)
     print(f"plan {compiled.plan.hash} written to {Path(args.out) / 'plan.json'}"
@@ -140,70 +140,7 @@ def _default_device() -> str:
         return "cpu"
 
 
-# ---- progress to the CompilationJob ----------------------------------------------------------------
-
-def _publish(target: str | None, compiled: CompiledPlan) -> None:
-    """Hand the CompiledPlan to the CompilationJob's result ConfigMap (raises: the job needs it)."""
-    if not target:
-        return
-    from anneal.operator import progress  # noqa: PLC0415
-
-    ns, name = progress.parse_report_to(target)
-    progress.publish_result(ns, name, compiled)
-
-
-def _report(target: str | None, **fields: Any) -> None:
-    """Progress into the CompilationJob's status, when asked and the operator package provides it."""
-    if not target:
-        return
-    try:
-        from anneal.operator import progress  # noqa: PLC0415
-    except ImportError:
-        return
-    ns, _, name = target.partition("/")
-    fn = getattr(progress, "report", None)
-    if fn is None or not name:
-        return
-    try:
-        fn(ns, name, **fields)
-    except Exception as e:  # noqa: BLE001 - a status write must not end the compile
-        print(f"anneal compile: progress report to {target} failed: {e}", file=sys.stderr)
-
-
 # ---- the loop --------------------------------------------------------------------------------------
-
-def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
-                 workload_requests: int, quick: bool = False) -> tuple[SearchSetting, Any]:
-    """The search setting from the engine's space and the traffic shape (lengths scaled to fit).
-
-    ``quick`` (the CPU) times fewer steps per candidate: a CPU step of even a tiny model costs
-    tens of milliseconds, and the README's compile must finish in a couple of minutes.
-    """
-    if max_len and traffic.max_total_len > max_len:
-        traffic = traffic.scaled(max_len)
-    space = CandidateSpace.from_state(state)
-    base = state.plan
-    conc = traffic.concurrency or max(1.0, (traffic.arrival_rate or 1.0) * 4)
-    dist = batch_size_distribution(conc, base.scheduler.max_num_seqs)
-    typical = quantile_sizes(dist, (0.5,))[0]
-    buckets = sorted({1, typical})
-    prompt = max(1, round(traffic.prompt_len.quantile(0.5)))
-    output = max(1, round(traffic.output_len.quantile(0.5)))
-    context = prompt + output // 2
-    decode = BenchSpec(mode="decode", batch_size=typical, context_len=context, prompt_len=prompt,
-                       steps=4 if quick else 8, warmup=1 if quick else 2, repeats=3 if quick else 5,
-                       seed=seed)
-    setting = SearchSetting(space=space, base=base, decode_spec=decode, batch_dist=dist, buckets=buckets,
-                            context_len=context, prompt_len=prompt, seed=seed,
-                            workload_requests=workload_requests)
-    return setting, traffic
-
-
-def _gpu_requests(traffic, tokens_per_replay: float = 2e5) -> int:
-    """Requests per workload replay on a GPU: ~200k tokens, 8..64 requests (long prompts, fewer)."""
-    per_request = traffic.prompt_len.mean() + traffic.output_len.mean()
-    return int(max(8, min(64, tokens_per_replay / max(per_request, 1.0))))
-
 
 def _agents(names: list[str], llm_model: str | None = None):
     out = []
@@ -273,7 +210,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     engine_max = min(int((s.model_extra or {}).get("max_model_len") or 1 << 30) for s in (fast_state, slow_state))
     max_len = min(max_len or engine_max, engine_max)
     setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len,
-                                    workload_requests=4 if quick else _gpu_requests(traffic), quick=quick)
+                                    workload_requests=4 if quick else gpu_requests(traffic), quick=quick)
     traffic_json = traffic.model_dump(mode="json", exclude_none=True)
     try:
         cost = CostModel.from_state(fast_state)
@@ -285,7 +222,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
               deadline=t0 + settings.budget_s * SEARCH_SHARE, space=setting.space, on_note=board.note,
               base=setting.base)
     baseline = slow_state.plan.model_copy(update={"name": None})
-    _report(settings.report_to, phase="Searching", experiments=0,
+    report_progress(settings.report_to, phase="Searching", experiments=0,
             message=f"searching on {fast_state.model} ({fast_state.num_layers_loaded} layers)")
 
     agents = _agents(agent_names, llm_model)
@@ -302,7 +239,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
                            f"was measured: rerun with the same --out to resume")
 
     # Promotion on the slow tier.
-    _report(settings.report_to, phase="Verifying", experiments=len(ledger), message="promoting on the slow tier")
+    report_progress(settings.report_to, phase="Verifying", experiments=len(ledger), message="promoting on the slow tier")
     cands: list[Candidate] = []
     seen = {baseline.hash}
     for ms, plan, agent in board.top_plans(settings.top_k):
@@ -355,8 +292,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         tp_choice=tp_choice, cross=cross,
     )
     gain = next((g.ratio for g in promo.gains if g.metric == "tokens_per_s"), None)
-    _publish(settings.report_to, compiled)
-    _report(settings.report_to, phase="Done", experiments=len(ledger), best_speedup=gain,
+    publish_result(settings.report_to, compiled)
+    report_progress(settings.report_to, phase="Done", experiments=len(ledger), best_speedup=gain,
             best_plan_hash=compiled.plan.hash, message=f"done in {wall:.0f}s")
     return compiled
 
@@ -435,7 +372,7 @@ def _search_with_progress(agents, lab: Lab, setting: SearchSetting, board: Board
             bar.update(task, completed=min(total, total - max(0.0, lab.time_left())), description=desc)
             if time.monotonic() - last_report[0] > 10.0:
                 last_report[0] = time.monotonic()
-                _report(settings.report_to, phase="Searching", experiments=lab.run + lab.reused, message=desc)
+                report_progress(settings.report_to, phase="Searching", experiments=lab.run + lab.reused, message=desc)
 
         return run_swarm(agents, lab, setting, board, tick=tick)
 

@@ -15,7 +15,7 @@ from fake_anthropic import FakeAnthropic
 from fakes.fake_engine import FakeEngine, serve_in_thread
 from fakes.kernels import SILU_MUL_BROKEN, SILU_MUL_OK
 from anneal.agents.board import Board
-from anneal.agents.compile import make_setting
+from anneal.agents.setting import make_setting
 from anneal.agents.engine_client import EngineClient
 from anneal.agents.lab import Lab
 from anneal.agents.ledger import Ledger

@@ -8,7 +8,7 @@ from fakes.fake_engine import FakeEngine, serve_in_thread
 from anneal.engine.plan import OpChoice
 from anneal.engine.traffic import load_traffic
 from anneal.agents.board import Board
-from anneal.agents.compile import make_setting
+from anneal.agents.setting import make_setting
 from anneal.agents.cost_model import CostModel
 from anneal.agents.engine_client import EngineClient
 from anneal.agents.kernel_tuner import KernelTuner

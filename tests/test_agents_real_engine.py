@@ -120,7 +120,7 @@ def test_llm_writer_kernels_pass_the_real_checks(engines, tmp_path):
     both reasons go back to the model; only the correct one is timed."""
     from anneal.engine.traffic import load_traffic
     from anneal.agents.board import Board
-    from anneal.agents.compile import make_setting
+    from anneal.agents.setting import make_setting
     from anneal.agents.llm_writer import LLMKernelWriter
 
     _, nondet = FAULTY["nondeterministic"]

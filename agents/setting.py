@@ -1,0 +1,50 @@
+"""The search setting of one compile: what to time and how, from the engine and the traffic shape.
+
+Why here and not in the agents: every agent must measure against the same objective — the decode
+step at the traffic's typical batch and context, the traffic's batch-size distribution for
+weighting shape buckets, the workload replay sized to the device — so it is decided once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from anneal.agents.board import SearchSetting
+from anneal.agents.graph_buckets import batch_size_distribution, quantile_sizes
+from anneal.agents.space import CandidateSpace
+from anneal.agents.types import BenchSpec, EngineState
+
+CPU_MAX_LEN = 128  # CPU engines: traffic lengths scaled to fit (a CPU step costs ~50 ms even when tiny)
+
+
+def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
+                 workload_requests: int, quick: bool = False) -> tuple[SearchSetting, Any]:
+    """The search setting from the engine's space and the traffic shape (lengths scaled to fit).
+
+    ``quick`` (the CPU) times fewer steps per candidate: a CPU step of even a tiny model costs
+    tens of milliseconds, and the README's compile must finish in a couple of minutes.
+    """
+    if max_len and traffic.max_total_len > max_len:
+        traffic = traffic.scaled(max_len)
+    space = CandidateSpace.from_state(state)
+    base = state.plan
+    conc = traffic.concurrency or max(1.0, (traffic.arrival_rate or 1.0) * 4)
+    dist = batch_size_distribution(conc, base.scheduler.max_num_seqs)
+    typical = quantile_sizes(dist, (0.5,))[0]
+    buckets = sorted({1, typical})
+    prompt = max(1, round(traffic.prompt_len.quantile(0.5)))
+    output = max(1, round(traffic.output_len.quantile(0.5)))
+    context = prompt + output // 2
+    decode = BenchSpec(mode="decode", batch_size=typical, context_len=context, prompt_len=prompt,
+                       steps=4 if quick else 8, warmup=1 if quick else 2, repeats=3 if quick else 5,
+                       seed=seed)
+    setting = SearchSetting(space=space, base=base, decode_spec=decode, batch_dist=dist, buckets=buckets,
+                            context_len=context, prompt_len=prompt, seed=seed,
+                            workload_requests=workload_requests)
+    return setting, traffic
+
+
+def gpu_requests(traffic, tokens_per_replay: float = 2e5) -> int:
+    """Requests per workload replay on a GPU: ~200k tokens, 8..64 requests (long prompts, fewer)."""
+    per_request = traffic.prompt_len.mean() + traffic.output_len.mean()
+    return int(max(8, min(64, tokens_per_replay / max(per_request, 1.0))))
