@@ -563,7 +563,7 @@ class Bench:
         from anneal.engine.ops import reference as ref
 
         H, Hkv, D = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-        seqs = [(24, 40), (7, 7)] if self.args.tiny else [(2048, 2048), (512, 1536), (512, 512), (1000, 3000)]
+        seqs = [(24, 40), (7, 7)] if self.args.tiny else [(2048, 2048), (512, 1536), (512, 512), (1000, 3000), (64, 8192)]
         B = len(seqs)
         nb = max(math.ceil(c / BLOCK_SIZE) for _, c in seqs)
         g = self.gen(60)
@@ -580,9 +580,9 @@ class Bench:
             return (self.randn(sum(qlens), H, D, g=self.gen(1000 + i)), k_cache, v_cache, bt, cu, lens, max(qlens), D ** -0.5)
 
         sweep = [{}, {"block_m": 128, "num_warps": 8}, {"block_m": 128, "block_n": 32, "num_warps": 8},
-                 {"block_n": 32}, {"num_stages": 3}]
+                 {"block_n": 32}, {"num_stages": 3}, {"pack_gqa": True}, {"pack_gqa": True, "block_m": 128, "num_warps": 8}]
         if self.args.tiny:
-            sweep = [{}, {"block_m": 16, "block_n": 16}]
+            sweep = [{}, {"block_m": 16, "block_n": 16, "pack_gqa": True}]
         return Case("attention_prefill", model, {"seqs_q_ctx": seqs, "heads": H, "kv_heads": Hkv, "head_dim": D},
                     nbytes, make, ref.attention_prefill, {}, ("triton", build_attention_prefill, sweep), self._err,
                     no_graph=("reference",))

@@ -7,6 +7,10 @@ way), and streams the cached keys/values ``0 .. last position`` of its block thr
 softmax with the causal mask. Key/value tiles are gathered through ``block_tables``; entries past
 the sequence's length are never read.
 
+With ``pack_gqa`` the rows of a program are (token, query head) pairs of one kv head's G heads
+(``block_m // G`` tokens each), so each K/V tile is loaded once for all G heads: what chunked
+prefill over a long cached context (few new tokens, many keys) wants.
+
 ``max_seqlen_q`` must be at least the longest ``q_len`` (it sizes the grid without a host sync).
 """
 
@@ -30,33 +34,45 @@ def _prefill_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PV_F32: tl.constexpr,
-    PDL: tl.constexpr,
+    PACK_GQA: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     mb = tl.program_id(0)
     b = tl.program_id(1)
-    h = tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
-    if mb * BLOCK_M >= q_len:
+    # PACK_GQA: rows are (token, head) pairs over one kv head's G query heads, so every K/V tile
+    # is loaded once for all G heads; TOK tokens per program, rows past TOK * G are padding.
+    # Otherwise rows are BLOCK_M tokens of one query head.
+    TOK: tl.constexpr = BLOCK_M // G if PACK_GQA else BLOCK_M
+    if mb * TOK >= q_len:
         return
     ctx = tl.minimum(tl.load(lens_ptr + b), max_tokens)  # never past the block table
-    kvh = h // G
+    r = tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        kvh = tl.program_id(2)
+        i = mb * TOK + r // G
+        h = kvh * G + r % G
+        rows_ok = r < TOK * G
+    else:
+        h = tl.program_id(2) + r * 0
+        kvh = tl.program_id(2) // G
+        i = mb * TOK + r
+        rows_ok = r < TOK
 
-    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    im = i < q_len
+    im = (i < q_len) & rows_ok
     qpos = ctx - q_len + i
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     rows = (q_start + i).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                 mask=im[:, None] & dm[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    hi = tl.minimum(ctx, ctx - q_len + (mb + 1) * BLOCK_M)  # last position in this block + 1
+    hi = tl.minimum(ctx, ctx - q_len + (mb + 1) * TOK)  # last position in this block + 1
     for n0 in range(0, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tm = t < hi
@@ -82,13 +98,13 @@ def _prefill_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=im[:, None] & dm[None, :])
 
 
 def paged_prefill_attention(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, *,
-    block_m=64, block_n=64, num_warps=4, num_stages=2, pv_precision="bf16", pdl=False,
+    block_m=64, block_n=64, num_warps=4, num_stages=2, pv_precision="bf16", pack_gqa=False, pdl=False,
 ):
     name = "attention_prefill"
     check_device(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
@@ -119,7 +135,12 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     if T == 0 or B == 0 or max_seqlen_q <= 0:
         return out
-    grid = (triton.cdiv(int(max_seqlen_q), block_m), B, H)
+    G = H // Hkv
+    if pack_gqa:
+        block_m = max(block_m, pow2(G, 16))  # room for at least one token's G heads
+        grid = (triton.cdiv(int(max_seqlen_q), block_m // G), B, Hkv)
+    else:
+        grid = (triton.cdiv(int(max_seqlen_q), block_m), B, H)
     num_stages = fit_stages(num_stages, 2 * block_n * pow2(D, 16) * k_cache.element_size())
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
@@ -127,8 +148,8 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        G=H // Hkv, D=D, BLOCK_D=pow2(D, 16), BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PV_F32=pv_precision == "tf32",
+        G=G, D=D, BLOCK_D=pow2(D, 16), BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PV_F32=pv_precision == "tf32", PACK_GQA=bool(pack_gqa),
         PDL=pdl_enabled(pdl), num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl),
     )
@@ -143,14 +164,17 @@ def paged_prefill_attention(
         Param("num_warps", (2, 4, 8), 4),
         Param("num_stages", (1, 2, 3, 4), 2),
         Param("pv_precision", ("bf16", "tf32"), "bf16"),
+        # rows = (token, query head) pairs of one kv head: K/V read once per kv head, not per head
+        Param("pack_gqa", (False, True), False),
         Param("pdl", (False, True), False),
     ),
     devices=("cuda",),
-    description="varlen causal flash attention over the paged cache, one program per (query block, seq, head)",
+    description="varlen causal flash attention over the paged cache, one program per (query block, seq, "
+                "head), or per (query block, seq, kv head) with the GQA heads packed into the rows",
 )
 def build_attention_prefill(
     block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, pv_precision: str = "bf16",
-    pdl: bool = False,
+    pack_gqa: bool = False, pdl: bool = False,
 ):
     def attention_prefill(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -159,7 +183,7 @@ def build_attention_prefill(
         return paged_prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale,
             block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-            pv_precision=pv_precision, pdl=pdl,
+            pv_precision=pv_precision, pack_gqa=pack_gqa, pdl=pdl,
         )
 
     return attention_prefill

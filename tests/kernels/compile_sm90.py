@@ -40,9 +40,14 @@ def specs():
         "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32"}, dict(
         D=128, BLOCK_D=128, BLOCK_N=64, SPLIT_K=16), 4
     yield attention_prefill._prefill_kernel, {"bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32"}, dict(
-        G=4, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BS=16, PREC="tf32", UPCAST=False, PV_F32=False), 4
+        G=4, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BS=16, PREC="tf32", UPCAST=False, PV_F32=False,
+        PACK_GQA=False), 4
     yield attention_prefill._prefill_kernel, {"bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32"}, dict(
-        G=4, D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, BS=16, PREC="tf32", UPCAST=False, PV_F32=True), 8
+        G=4, D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, BS=16, PREC="tf32", UPCAST=False, PV_F32=True,
+        PACK_GQA=False), 8
+    yield attention_prefill._prefill_kernel, {"bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32"}, dict(
+        G=7, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BS=16, PREC="tf32", UPCAST=False, PV_F32=False,
+        PACK_GQA=True), 4
     gp = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "cnt_ptr": "*i32"}
     for bm, split, silu, norm, argmax, ticket in (
             (1, 4, False, 0, False, False), (16, 1, False, 0, False, False), (64, 2, True, 0, False, False),

@@ -19,9 +19,11 @@ CASES_GPU = [
     ([(2048, 2048), (100, 4000)], 16, 16, 64, 32),
     ([(300, 300), (17, 1500)], 28, 4, 96, 16),
 ]
-PARAMS_CPU = [{"block_m": 16, "block_n": 16}, {"block_m": 32, "block_n": 16, "pv_precision": "tf32"}]
+PARAMS_CPU = [{"block_m": 16, "block_n": 16}, {"block_m": 32, "block_n": 16, "pv_precision": "tf32"},
+              {"block_m": 16, "block_n": 16, "pack_gqa": True}]
 PARAMS_GPU = [{}, {"block_m": 128, "block_n": 64, "num_warps": 8}, {"block_m": 16, "block_n": 128, "num_stages": 3},
-              {"pdl": True}, {"pv_precision": "tf32"}]
+              {"pdl": True}, {"pv_precision": "tf32"}, {"pack_gqa": True},
+              {"pack_gqa": True, "block_m": 128, "num_warps": 8}]
 
 
 @pytest.mark.parametrize("device", DEVICES)
