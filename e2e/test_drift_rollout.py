@@ -224,6 +224,8 @@ def inference_deployment() -> dict:
         "spec": {
             "model": "random:tiny", "replicas": 2, "gpus": 0,
             "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}},
+            # replicas are processes on one host here: each binds its own pod IP, not 0.0.0.0
+            "serving": {"extraArgs": ["--host", "$(POD_IP)"]},
             "compilation": {
                 "mode": "auto",
                 "prometheus": {"window": "20s"},
