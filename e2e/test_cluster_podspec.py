@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster.podspec import ConfigError, PodContext, expand, field_value  # noqa: E402
 from cluster.probes import ProbeState  # noqa: E402
-from cluster.runner import IpPool  # noqa: E402
+from cluster.runner import IpPool, claim_block  # noqa: E402
 
 POD = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1", "labels": {"app": "web"}},
        "spec": {"nodeName": "anneal-local", "serviceAccountName": "sa", "containers": [{"name": "c"}]}}
@@ -77,12 +77,24 @@ def test_volumes_and_env_from_api_objects(tmp_path):
 
 
 def test_ip_pool_hands_out_distinct_loopback_ips_and_reuses():
-    pool = IpPool()
+    pool = IpPool(7)
     ips = [pool.take() for _ in range(300)]
     assert len(set(ips)) == 300
-    assert all(ip.startswith("127.1.") and not ip.endswith((".0", ".255")) for ip in ips)
+    assert all(ip.startswith("127.7.") and not ip.endswith((".0", ".255")) for ip in ips)
+    with pytest.raises(ValueError):
+        IpPool(0)
     pool.release(ips[0])
     assert ips[0] not in [pool.take() for _ in range(10)]  # handed out in order, not immediately reused
+
+
+def test_parallel_clusters_claim_different_loopback_blocks(tmp_path):
+    a, lock_a = claim_block(tmp_path)
+    b, lock_b = claim_block(tmp_path)
+    assert (a, b) == (1, 2)  # the first block is held, so the second cluster gets the next one
+    lock_a.close()  # that runner is gone: its block is free again
+    c, lock_c = claim_block(tmp_path)
+    assert c == 1
+    lock_b.close(), lock_c.close()
 
 
 def test_probe_thresholds():

@@ -3,7 +3,7 @@
 Why: the e2e suite needs pods that really run (the operator, engines, coordinator jobs) without a
 container runtime. The runner registers node `anneal-local` (label `anneal.dev/local-exec=true`),
 keeps its lease fresh, and for each pod bound to it:
-- gives it its own loopback IP (127.1.x.y; 127.0.0.1 with hostNetwork) as pod IP: programs must bind to $(POD_IP) or 0.0.0.0
+- gives it its own loopback IP (127.N.x.y, N claimed per cluster; 127.0.0.1 with hostNetwork) as pod IP: programs must bind to $(POD_IP) or 0.0.0.0
   (binding 0.0.0.0 takes the port on every pod IP, so two such pods cannot share a port);
 - runs each container's command + args (the image is ignored) in its own process group, with the
   pod's env (downward API, ConfigMap/Secret refs) and its volumes as local directories (podspec.py);
@@ -23,6 +23,7 @@ Logs: `<state dir>/pods/<namespace>_<name>/<container>.log`, also served to `kub
 from __future__ import annotations
 
 import argparse
+import fcntl
 import datetime as dt
 import json
 import logging
@@ -54,10 +55,36 @@ def micro_now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-class IpPool:
-    """Loopback pod IPs 127.1.0.2 … 127.1.255.254, handed out in order and reused after release."""
+BLOCK_DIR = Path(os.environ.get("ANNEAL_IP_BLOCK_DIR", "/tmp/anneal-e2e-ip-blocks"))
 
-    def __init__(self) -> None:
+
+def claim_block(block_dir: Path = BLOCK_DIR) -> tuple[int, object]:
+    """A /16 of loopback (127.N, N in 1…254) that no other live cluster on this machine uses.
+
+    Several clusters may run at once (parallel test sessions, a test that starts its own); each
+    runner holds an flock on `127.N.lock` for its whole life, and the kernel drops it when the
+    runner dies. Returns N and the open lock file (keep it referenced)."""
+    block_dir.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 255):
+        f = open(block_dir / f"127.{n}.lock", "w")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            continue
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        return n, f
+    raise RuntimeError(f"all 254 loopback blocks in {block_dir} are held by running clusters")
+
+
+class IpPool:
+    """Loopback pod IPs 127.N.0.2 … 127.N.255.254, handed out in order and reused after release."""
+
+    def __init__(self, block: int = 1) -> None:
+        if not 1 <= block <= 254:
+            raise ValueError(f"loopback block {block} is not in 1…254 (127.0 holds the control plane)")
+        self.block = block
         self._lock = threading.Lock()
         self._used: set[str] = set()
         self._next = 2
@@ -66,7 +93,7 @@ class IpPool:
         with self._lock:
             for _ in range(65534):
                 n, self._next = self._next, self._next + 1 if self._next < 65534 else 2
-                ip = f"127.1.{n // 256}.{n % 256}"
+                ip = f"127.{self.block}.{n // 256}.{n % 256}"
                 if n % 256 not in (0, 255) and ip not in self._used:
                     self._used.add(ip)
                     return ip
@@ -389,7 +416,8 @@ class Runner:
         self.rest, self.node, self.state_dir, self.venv, self.server = rest, node, state_dir, venv, server
         self.logs = logs
         self.cluster_id = os.environ.get(procs.MARKER, "")
-        self.ips = IpPool()
+        self.block, self._block_lock = claim_block()
+        self.ips = IpPool(self.block)
         self.workers: dict[str, PodWorker] = {}
         self._lock = threading.Lock()
         self.stopping = False
@@ -588,7 +616,7 @@ class Runner:
             self.logs.start()
         self.register_node()
         threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True).start()
-        log.info("node %s registered; running pods", self.node)
+        log.info("node %s registered; pod IPs from 127.%d.0.0/16", self.node, self.block)
         while not self.stopping:
             try:
                 self.sync()
