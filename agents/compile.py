@@ -28,7 +28,7 @@ from anneal.agents.kernel_tuner import KernelTuner
 from anneal.agents.lab import Lab
 from anneal.agents.ledger import Ledger
 from anneal.agents.llm_writer import maybe_writer
-from anneal.agents.local_engines import LocalEngines
+from anneal.agents.local_engines import LocalEngines, exit_on_sigterm
 from anneal.agents.plan_search import PlanSearch
 from anneal.agents.promotion import Promotion, promote
 from anneal.agents.report import now_iso, write_artifact, write_report
@@ -172,6 +172,13 @@ def compile_plan(
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     traffic = load_traffic(settings.traffic)
+    with exit_on_sigterm():
+        return _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffic, gpus, progress,
+                             verification, llm_model)
+
+
+def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffic, gpus, progress,
+                  verification, llm_model) -> CompiledPlan:
     local: LocalEngines | None = None
     if clients is None:
         if settings.engines:

@@ -7,6 +7,7 @@ admin APIs answer, and stop them (and only them) at the end, even when the compi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -14,12 +15,31 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from anneal.agents.engine_client import EngineClient, EngineError
 
 _LAUNCH = "import sys; from anneal.cli import main; sys.exit(main())"
+
+
+@contextlib.contextmanager
+def exit_on_sigterm():
+    """SIGTERM raises SystemExit in the main thread, so ``finally`` blocks stop the engines we
+    started (they run in their own sessions and would not see the signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def free_port() -> int:

@@ -46,10 +46,14 @@ def run_swarm(
 
     with ThreadPoolExecutor(max_workers=max(1, len(agents)), thread_name_prefix="agent") as pool:
         futures = [pool.submit(one, a) for a in agents]
-        while not all(f.done() for f in futures):
-            if tick:
-                tick()
-            time.sleep(tick_s)
+        try:
+            while not all(f.done() for f in futures):
+                if tick:
+                    tick()
+                time.sleep(tick_s)
+        except BaseException:
+            lab.deadline = float("-inf")  # interrupted: every agent stops at its next measurement
+            raise
     if tick:
         tick()
     return results

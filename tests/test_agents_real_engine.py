@@ -175,3 +175,33 @@ def test_anneal_compile_on_tiny_cpu_as_the_readme_runs_it(tmp_path):
     for info in started.values():
         with pytest.raises(ProcessLookupError):
             os.kill(info["pid"], 0)
+
+
+def test_sigterm_stops_the_engines_the_compile_started(tmp_path):
+    """A compile stopped with SIGTERM (Ctrl-C'd job, evicted pod) takes its engines down with it."""
+    import signal
+
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("ANTHROPIC_API_KEY", "ANNEAL_ADMIN_TOKEN")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "anneal.agents.compile", "--model", "random:tiny", "--traffic", "chat",
+         "--budget", "600", "--out", str(out), "--device", "cpu", "--quiet"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            if (out / "ledger.sqlite").exists() and len(Ledger(out / "ledger.sqlite")) >= 3:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+        started = json.loads((out / "engines.json").read_text())
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 128 + signal.SIGTERM
+    for info in started.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(info["pid"], 0)
+    assert not (out / "plan.json").exists()
