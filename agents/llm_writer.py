@@ -98,6 +98,7 @@ class LLMKernelWriter:
         self.max_ops = max_ops
         self.max_tokens = max_tokens
         self.verify_first = verify_first
+        self.target = ""  # device, dtype and shapes, filled in from the engine at run time
         self.attempts: list[Attempt] = []
 
     def pick_ops(self, lab: Lab, setting: SearchSetting) -> list[str]:
@@ -110,10 +111,11 @@ class LLMKernelWriter:
         ranked = sorted(pred.per_op_ms, key=pred.per_op_ms.get, reverse=True)
         return [op for op in ranked if op in setting.space.ops][: self.max_ops]
 
-    def prompt(self, op: str, history: list[Attempt], timing: str) -> str:
+    def prompt(self, op: str, history: list[Attempt], timing: str, target: str = "") -> str:
         signature, source = reference_source(op)
         parts = [
             f"Op `{op}`; signature: {signature}",
+            *([f"Target: {target}"] if target else []),
             f"Reference implementation (plain PyTorch; yours must compute the same):\n```python\n{source}```",
             f"Timing: {timing}",
         ]
@@ -132,6 +134,17 @@ class LLMKernelWriter:
         return "".join(getattr(b, "text", "") for b in msg.content)
 
     def run(self, lab: Lab, setting: SearchSetting, board: Board) -> None:
+        if not self.target:
+            try:
+                st = lab.engines["fast"].state()
+                cfg = st.config or {}
+                self.target = (f"{st.gpu_name or st.device}, dtype {st.dtype}, model {st.model} (hidden "
+                               f"{cfg.get('hidden_size')}, heads {cfg.get('num_attention_heads')}/"
+                               f"{cfg.get('num_key_value_heads')} q/kv, head_dim {cfg.get('head_dim')}); "
+                               f"decode batch ~{setting.decode_spec.batch_size}, context "
+                               f"~{setting.decode_spec.context_len}")
+            except Exception:  # noqa: BLE001 - the prompt is still useful without it
+                self.target = ""
         try:
             for op in self.pick_ops(lab, setting):
                 self.write_for(op, lab, setting, board)
@@ -147,7 +160,7 @@ class LLMKernelWriter:
             lab.check_budget()
             impl = f"llm_{op}_{i}"
             try:
-                reply = self.ask(self.prompt(op, history, timing))
+                reply = self.ask(self.prompt(op, history, timing, self.target))
             except Exception as e:  # network/API errors end this agent, not the compile
                 board.note(f"llm-writer: API call failed for {op}: {e}")
                 return

@@ -68,6 +68,7 @@ def test_writer_feeds_failures_back_and_only_passing_kernels_become_candidates(t
         assert len(fake.requests) == 3
         first = fake.requests[0]["messages"][0]["content"]
         assert "def silu_and_mul" in first and "F.silu(gate) * up" in first
+        assert "Target: cpu, dtype float32, model random:tiny" in first
         # The broken kernel's check failure reaches the second prompt; the no-code reply the third.
         second = fake.requests[1]["messages"][0]["content"]
         assert "REJECTED at check" in second and "max_rel_err" in second
