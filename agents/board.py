@@ -32,17 +32,28 @@ class SearchSetting:
     objective: LatencyObjective = field(default_factory=LatencyObjective)
     seed: int = 0
     workload_requests: int = 8
+    long_context_len: int | None = None  # the traffic's p90 context: attention is also tuned there
 
     def rng(self, agent: str) -> random.Random:
         """A reproducible random stream per agent (a resumed run proposes the same candidates)."""
         return random.Random(f"{self.seed}/{agent}")
 
-    def spec_for(self, op: str, batch_size: int) -> BenchSpec:
+    def spec_for(self, op: str, batch_size: int, context_len: int | None = None) -> BenchSpec:
         """How to time ``op``: prefill ops in a prefill step, the rest in a decode step."""
         if op == "attention_prefill":
             return BenchSpec(mode="prefill", batch_size=1, prompt_len=self.prompt_len,
                              context_len=self.prompt_len, steps=2, warmup=1, repeats=3)
-        return self.decode_spec.model_copy(update={"batch_size": batch_size})
+        return self.decode_spec.model_copy(
+            update={"batch_size": batch_size, "context_len": context_len or self.decode_spec.context_len})
+
+    def shape_buckets(self, op: str) -> list[tuple[int, int | None]]:
+        """(batch, context) shapes an op is tuned at: decode attention also at the long context."""
+        if op == "attention_prefill":
+            return [(1, None)]
+        out: list[tuple[int, int | None]] = [(b, None) for b in self.buckets]
+        if op == "attention_decode" and self.long_context_len and self.long_context_len > self.context_len:
+            out += [(b, self.long_context_len) for b in self.buckets]
+        return out
 
     def workload_spec(self) -> BenchSpec:
         # One uncounted replay first: the first requests after a plan change pay its warm-up.

@@ -24,7 +24,8 @@ class KernelTuner:
 
     def __init__(self, passes: int = 2):
         self.passes = passes
-        self.bucket_best: dict[tuple[str, int], tuple[float, OpChoice]] = {}  # (op, batch) -> best
+        # (op, (batch, context)) -> the best config at that shape alone
+        self.bucket_best: dict[tuple[str, tuple[int, int | None]], tuple[float, OpChoice]] = {}
 
     def run(self, lab: Lab, setting: SearchSetting, board: Board) -> None:
         rng = setting.rng(self.name)
@@ -38,20 +39,22 @@ class KernelTuner:
 
     def score(self, op: str, choice: OpChoice, lab: Lab, setting: SearchSetting, board: Board) -> float:
         """Traffic-weighted ms of ``op`` with ``choice``; inf when any bucket fails."""
-        buckets = [1] if op == "attention_prefill" else setting.buckets
-        weights = _bucket_weights(buckets, setting.batch_dist)
+        shapes = setting.shape_buckets(op)
+        weights = _bucket_weights(sorted({b for b, _ in shapes}), setting.batch_dist)
+        n_ctx = len({c for _, c in shapes})
         total = 0.0
-        per_bucket: dict[int, float] = {}
-        for b in buckets:
-            spec = setting.spec_for(op, b)
+        per_bucket: dict[tuple[int, int | None], float] = {}
+        for b, ctx in shapes:
+            spec = setting.spec_for(op, b, ctx)
             plan = setting.base.with_ops(**{op: choice})
+            where = f"b={b}" + (f" ctx={ctx}" if ctx else "")
             exp = lab.measure(Candidate(plan=plan, agent=self.name,
-                                        note=f"{op}={choice.impl}{choice.params} b={b}"), spec)
+                                        note=f"{op}={choice.impl}{choice.params} {where}"), spec)
             if exp.verdict.status != "measured" or exp.measurement is None:
                 return math.inf
             m = exp.measurement
-            per_bucket[b] = (m.per_op_ms or {}).get(op, m.median_ms)
-            total += weights[b] * per_bucket[b]
+            per_bucket[(b, ctx)] = (m.per_op_ms or {}).get(op, m.median_ms)
+            total += weights[b] / n_ctx * per_bucket[(b, ctx)]
             if spec == setting.decode_spec:
                 board.offer_plan(m.median_ms, plan, self.name)
         for b, ms in per_bucket.items():
@@ -95,7 +98,8 @@ class KernelTuner:
             own = {b: ch for (o, b), (_, ch) in self.bucket_best.items() if o == op and ch != best_choice}
             if own:  # a plan holds one config per op: say what each shape would have preferred
                 board.note(f"{op}: per-bucket optima differ from the weighted choice: "
-                           + "; ".join(f"batch {b}: {ch.impl} {ch.params}" for b, ch in sorted(own.items())))
+                           + "; ".join(f"batch {b}{f' ctx {c}' if c else ''}: {ch.impl} {ch.params}"
+                                       for (b, c), ch in sorted(own.items(), key=lambda t: (t[0][0], t[0][1] or 0))))
 
 
 def _bucket_weights(buckets: list[int], dist: dict[int, float]) -> dict[int, float]:

@@ -35,12 +35,15 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     prompt = max(1, round(traffic.prompt_len.quantile(0.5)))
     output = max(1, round(traffic.output_len.quantile(0.5)))
     context = prompt + output // 2
+    long_context = round(traffic.prompt_len.quantile(0.9) + traffic.output_len.quantile(0.9) / 2)
+    if max_len:
+        long_context = min(long_context, max_len - 1)
     decode = BenchSpec(mode="decode", batch_size=typical, context_len=context, prompt_len=prompt,
                        steps=4 if quick else 8, warmup=1 if quick else 2, repeats=3 if quick else 5,
                        seed=seed)
     setting = SearchSetting(space=space, base=base, decode_spec=decode, batch_dist=dist, buckets=buckets,
                             context_len=context, prompt_len=prompt, seed=seed,
-                            workload_requests=workload_requests)
+                            workload_requests=workload_requests, long_context_len=long_context)
     return setting, traffic
 
 

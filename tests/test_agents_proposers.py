@@ -44,6 +44,11 @@ def test_kernel_tuner_finds_each_ops_best_declared_config(env):
     # Every config was timed at every shape bucket.
     buckets = {r.spec.batch_size for r in lab.ledger.experiments()}
     assert buckets == set(setting.buckets) and len(buckets) == 2
+    # Decode attention is also tuned at the traffic's long (p90) context; other ops at the typical one.
+    ctx = {(r.note.split("=")[0], r.spec.context_len) for r in lab.ledger.experiments()}
+    assert setting.long_context_len > setting.context_len
+    assert ("attention_decode", setting.long_context_len) in ctx
+    assert ("rmsnorm", setting.long_context_len) not in ctx
 
 
 def test_plan_search_improves_without_enumerating(env):
