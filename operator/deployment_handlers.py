@@ -113,8 +113,9 @@ def _write_children(ctx: Context, body: kopf.Body, spec: api.InferenceDeployment
         plan_hash = found[1].get(naming.ANNOTATION_PLAN_HASH) if found else None
     if plan_hash is not None and not obs.missing:
         # issue 8: a plan promoted in place keeps the pod template's hash (no restart of the replicas)
+        ro = (body.get("status") or {}).get("rollout") or {}
         current = kube.get("apps/v1", "Deployment", naming.deployment(name), namespace) if (
-            (body.get("status") or {}).get("rollout") or {}).get("inPlace") else None
+            ro.get("inPlace") or ro.get("promotedInPlace")) else None
         template_hash = rollout.template_plan_hash(body.get("status"), plan_hash, rollout.deployment_template_hash(current))
         obs.template_plan_hash = template_hash
         dep = objects.deployment(name, namespace, spec, template_hash, ctx.settings)

@@ -208,7 +208,7 @@ def _settled(st: RolloutStatus, policy: CompilationPolicy, view: View) -> Step:
 
 def _keep(st: RolloutStatus) -> dict[str, Any]:
     """What survives from one rollout to the next."""
-    return {"rejected_plans": list(st.rejected_plans)}
+    return {"rejected_plans": list(st.rejected_plans), "promoted_in_place": st.promoted_in_place}
 
 
 def _follow_job(st: RolloutStatus, view: View) -> Step:
@@ -334,6 +334,7 @@ def _promoting(st: RolloutStatus, view: View) -> Step:
     serving = [p for p in ready if p.plan_hash == to]
     if ready and len(serving) == len(ready) and view.configured_hash == to and len(view.pods) == len(ready):
         new = _finish(st, "Succeeded", now, f"all {len(ready)} replicas serve plan {to}")
+        new = new.model_copy(update={"promoted_in_place": to if st.in_place else None})
         return Step(new, [Event("RolloutSucceeded", new.message)])
     msg = f"promoting plan {to}: {len(serving)}/{len(ready)} ready replicas serve it" + (
         "" if view.configured_hash == to else "; accepting it as the configured plan")
@@ -368,14 +369,13 @@ def _rolling_back(st: RolloutStatus, view: View) -> Step:
 def template_plan_hash(status: dict[str, Any] | None, configured_hash: str, current_template_hash: str | None) -> str:
     """The plan hash to put into the Deployment's pod template (a change restarts the pods).
 
-    A plan promoted in place is already served by every replica: its acceptance must not restart
-    them, so the template keeps the hash it had. Every other plan change restarts (rolls) pods."""
+    A plan promoted in place is already served by every replica: neither its acceptance nor any
+    later rollout that leaves it configured (a canary, a rollback) may restart them, so the template
+    keeps the hash it had. Every other change of the configured plan restarts (rolls) the pods."""
     ro = (status or {}).get("rollout") or {}
-    if (
-        current_template_hash
-        and ro.get("inPlace")
-        and ro.get("toPlanHash") == configured_hash
-        and ro.get("state") in ("Promoting", "Succeeded")
+    if current_template_hash and (
+        ro.get("promotedInPlace") == configured_hash
+        or (ro.get("inPlace") and ro.get("toPlanHash") == configured_hash and ro.get("state") == "Promoting")
     ):
         return current_template_hash
     return configured_hash

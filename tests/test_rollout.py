@@ -227,12 +227,34 @@ def test_the_drift_job_is_followed_through_its_phases():
 
 
 def test_template_hash_kept_only_for_in_place_promotions():
-    st = {"rollout": {"state": "Succeeded", "inPlace": True, "toPlanHash": NEW}}
-    assert ro.template_plan_hash(st, NEW, OLD) == OLD  # promoted in place: no restart
+    st = {"rollout": {"state": "Promoting", "inPlace": True, "toPlanHash": NEW}}
+    assert ro.template_plan_hash(st, NEW, OLD) == OLD  # being promoted in place: no restart
     assert ro.template_plan_hash(st, "c" * 16, OLD) == "c" * 16  # another plan change restarts
     st["rollout"]["inPlace"] = False
     assert ro.template_plan_hash(st, NEW, OLD) == NEW
     assert ro.template_plan_hash(None, NEW, None) == NEW
+
+
+def test_an_in_place_promotion_keeps_the_template_through_later_rollouts():
+    """Seen in the e2e: the next canary (a new RolloutStatus) must not restart every replica."""
+    w, pol = World(), policy(rollout={"canary": {"initialDelay": "1s", "interval": "1s", "iterations": 1}})
+    st = start_canary(w, pol)
+    w.now += 2
+    st = w.run(st, pol, analysis=PASS).status
+    for _ in range(2):
+        w.now += 1
+        st = w.run(st, pol).status
+    assert st.state == "Succeeded" and st.promoted_in_place == NEW
+    status = {"rollout": st.wire()}
+    assert ro.template_plan_hash(status, NEW, OLD) == OLD
+    # a later rollout of another plan: canary, then rolled back; the template never moves
+    later = RolloutStatus(**{**ro._keep(st), "state": "Canary", "in_place": True, "to_plan_hash": "c" * 16,
+                             "from_plan_hash": NEW})
+    assert ro.template_plan_hash({"rollout": later.wire()}, NEW, OLD) == OLD
+    rolled = ro._finish(later, "RolledBack", w.now, "bad")
+    assert ro.template_plan_hash({"rollout": rolled.wire()}, NEW, OLD) == OLD
+    # a restart-based rollout that accepts a new plan does restart
+    assert ro.template_plan_hash({"rollout": rolled.wire()}, "c" * 16, OLD) == "c" * 16
 
 
 def test_conditions_from_drift_and_rollout_status():

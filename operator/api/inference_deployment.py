@@ -314,6 +314,10 @@ class RolloutStatus(KubeModel):
     canary_since: str | None = Field(None, description="when the canary was seen serving the new plan")
     last_analysis_at: str | None = Field(None, description="time of the last canary analysis")
     gates: list[GateStatus] = Field(default_factory=list, description="gates of the last analysis")
+    promoted_in_place: str | None = Field(
+        None, description="the configured plan reached the replicas in place; the pod template keeps an older hash "
+        "(no restart) until a plan is rolled out by restart"
+    )
     rejected_plans: list[str] = Field(
         default_factory=list, max_length=32, description="plan hashes rolled back or failed: never retried automatically"
     )
