@@ -137,7 +137,7 @@ def test_killed_compile_resumes_without_remeasuring(tmp_path):
         led = Ledger(out / "ledger.sqlite")
         rows = led.experiments()
         run1_id = rows[0].run_id
-        recorded1 = {f"{r.plan_hash}|{r.spec.mode}|b{r.spec.batch_size}|s{r.spec.seed}"
+        recorded1 = {f"{r.plan_hash}|{r.spec.mode}|b{r.spec.batch_size}|c{r.spec.context_len}|s{r.spec.seed}"
                      for r in rows if r.run_id == run1_id and r.kind == "benchmark" and r.spec}
         # Every experiment finished before the kill was reused, not measured again; only the one
         # in flight when the process died (measured by the engine, never recorded) may run twice.

@@ -77,7 +77,8 @@ class FakeEngine:
         for op, ch in plan.ops.items():
             if ch.impl not in self.state()["variants"].get(op, {"reference": {}}):
                 raise ValueError(f"op {op} has no variant {ch.impl}")
-        key = f"{plan.hash}|{body.get('mode')}|b{body.get('batch_size')}|s{body.get('seed')}"
+        key = (f"{plan.hash}|{body.get('mode')}|b{body.get('batch_size')}|c{body.get('context_len')}"
+               f"|s{body.get('seed')}")
         with self.lock:
             self.calls[key] = self.calls.get(key, 0) + 1
         if self.delay_s:
