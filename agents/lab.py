@@ -56,6 +56,7 @@ class Lab:
     _state_lock: threading.Lock = field(default_factory=threading.Lock)
     _inflight: dict[str, threading.Event] = field(default_factory=dict)
     _unreachable: dict[str, int] = field(default_factory=dict)
+    _registered: set[tuple[str, str, str, str]] = field(default_factory=set)  # (tier, op, impl, source)
     reused: int = 0
     run: int = 0
 
@@ -132,6 +133,10 @@ class Lab:
                 reason=f"predicted {pred.ms:.3f} ms ({pred.model}) > best {best_ms:.3f} ms "
                        f"x {1 + self.prune_margin:.2f}",
             )})
+            return self._record(exp)
+        missing = self.ensure_kernels(cand, tier)
+        if missing:
+            exp = exp.model_copy(update={"verdict": Verdict(status="failed", reason=missing)})
             return self._record(exp)
         try:
             with self._locks[tier]:
@@ -225,6 +230,18 @@ class Lab:
 
     # ---- kernels and verification ---------------------------------------------------------------
 
+    def ensure_kernels(self, cand: Candidate, tier: str) -> str | None:
+        """The plan's agent-written kernels registered on ``tier`` first (a restarted engine, a
+        resumed run or the other tier has not seen them); the first failure's reason, if any."""
+        for k in cand.plan.kernels:
+            if (tier, k.op, k.impl, _short_hash(k.source)) in self._registered:
+                continue
+            res, _ = self.register_kernel(cand.agent, k.op, k.impl, k.source, dict(k.params), tier,
+                                          note=f"carried by plan {cand.hash[:10]}")
+            if not res.ok:
+                return f"kernel {k.op}/{k.impl} could not be registered on the {tier} tier: {res.error}"
+        return None
+
     def register_kernel(
         self, agent: str, op: str, impl: str, source: str, params: dict[str, list[Any]],
         tier: Tier = "fast", note: str = "",
@@ -237,6 +254,9 @@ class Lab:
         except EngineError as e:
             res = KernelResult(ok=False, stage="engine", error=str(e))
         plan = Plan()
+        if res.ok:
+            with self._state_lock:
+                self._registered.add((tier, op, impl, _short_hash(source)))
         status = "registered" if res.ok else "rejected"
         reason = "" if res.ok else f"kernel {op}/{impl} failed at {res.stage}: {res.error or ''}".strip()
         exp = Experiment(
@@ -263,7 +283,10 @@ class Lab:
             if not any(c.name == "engine" for c in rep.failures()):
                 return rep, old
         started = time.time()
+        missing = self.ensure_kernels(cand, tier)
         try:
+            if missing:
+                raise EngineError(missing)
             with self._locks[tier]:
                 rep = self.engines[tier].verify(cand.plan, checks, **kw)
         except EngineError as e:

@@ -47,16 +47,6 @@ def _spread(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 and statistics.median(xs) else 0.0
 
 
-def ensure_kernels(lab: Lab, plan: Plan, tier: str = "slow") -> str | None:
-    """Register the plan's agent-written kernels on ``tier``; the first failure's reason, if any."""
-    for k in plan.kernels:
-        res, _ = lab.register_kernel("promotion", k.op, k.impl, k.source, dict(k.params), tier=tier,
-                                     note="carry kernel to the slow tier")
-        if not res.ok and "already" not in (res.error or ""):
-            return f"kernel {k.op}/{k.impl} failed on the {tier} tier at {res.stage}: {res.error}"
-    return None
-
-
 def promote(
     lab: Lab, candidates: list[Candidate], baseline: Plan, spec: BenchSpec, *,
     objective: LatencyObjective | None = None, latency_slack: float = 1.05, max_spread: float = 0.5,
@@ -86,7 +76,7 @@ def promote(
         if ranked and time.monotonic() > deadline:
             rejected.append((cand.hash, "not measured on the slow tier: out of budget"))
             continue
-        why = ensure_kernels(lab, cand.plan)
+        why = lab.ensure_kernels(cand, "slow")
         if why:
             rejected.append((cand.hash, why))
             continue

@@ -156,3 +156,22 @@ def test_the_coordinator_side_imports_without_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_plan_carries_its_kernels_to_an_engine_that_never_saw_them(tmp_path, fakes):
+    """Resumed runs, restarted engines and the slow tier get agent-written kernels from the plan."""
+    from anneal.engine.plan import KernelSource, OpChoice, Plan
+    from fakes.kernels import SILU_MUL_OK
+
+    _, url = fakes()
+    plan = Plan().with_ops(silu_and_mul=OpChoice(impl="llm_x")).model_copy(
+        update={"kernels": [KernelSource(op="silu_and_mul", impl="llm_x", source=SILU_MUL_OK)]})
+    led = Ledger(tmp_path / "l.sqlite")
+    with EngineClient(url, "tok") as c:
+        lab = Lab(ledger=led, engines={"fast": c})
+        first = lab.measure(Candidate(plan=plan, agent="t"), BenchSpec(batch_size=2))
+        second = lab.measure(Candidate(plan=plan, agent="t"), BenchSpec(batch_size=4))
+    assert first.verdict.status == "measured" and second.verdict.status == "measured"
+    kern = led.experiments(kind="kernel")
+    assert len(kern) == 1 and kern[0].verdict.status == "registered"  # once per engine, not per run
+    led.close()
