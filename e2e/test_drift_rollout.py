@@ -79,7 +79,8 @@ def _free_port() -> int:
 
 
 def engine_pods(c) -> list[dict]:
-    out = c.kubectl("get", "pods", "-n", NS, "-l", f"anneal.dev/inference-deployment={NAME}", "-o", "json")
+    out = c.kubectl("get", "pods", "-n", NS, "-l", f"app.kubernetes.io/name=anneal-engine,anneal.dev/inference-deployment={NAME}",
+                    "-o", "json")
     if out.returncode != 0:
         return []
     return [p for p in json.loads(out.stdout)["items"] if not p["metadata"].get("deletionTimestamp")]
@@ -223,6 +224,8 @@ def inference_deployment() -> dict:
         "apiVersion": "anneal.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": NAME},
         "spec": {
             "model": "random:tiny", "replicas": 2, "gpus": 0,
+            # the plan it serves was tuned for light chat traffic: two sequences at a time
+            "plan": {"inline": {"scheduler": {"max_num_seqs": 2}}},
             "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}},
             # replicas are processes on one host here: each binds its own pod IP, not 0.0.0.0
             "serving": {"extraArgs": ["--host", "$(POD_IP)"]},

@@ -36,6 +36,7 @@ from anneal.operator.rollout import ACTIVE, iso, parse_iso
 from anneal.operator.traffic_reader import Prometheus, PrometheusQueryError, TrafficObservation
 
 LABEL_TRIGGER = "anneal.dev/trigger"
+LABEL_DRIFT_OF = "anneal.dev/drift-of"  # not the deployment's own label: job children must never match its selectors
 HISTORY = 64  # observations kept per deployment
 _UNMEASURABLE_WEIGHT = 1e-12
 
@@ -104,7 +105,7 @@ def compilation_job(name: str, namespace: str, spec: api.InferenceDeploymentSpec
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": cj_api.KIND,
         "metadata": {"name": job, "namespace": namespace,
-                     "labels": {naming.LABEL_DEPLOYMENT: name, LABEL_TRIGGER: "drift"}},
+                     "labels": {LABEL_DRIFT_OF: name, LABEL_TRIGGER: "drift"}},
         "spec": body,
     }
 
