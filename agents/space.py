@@ -81,6 +81,7 @@ class CandidateSpace:
     max_num_seqs: tuple[int, ...] = MAX_NUM_SEQS
     max_batched_tokens: tuple[int, ...] = MAX_BATCHED_TOKENS
     uses_graphs: bool = False  # CUDA graphs exist only on the GPU
+    max_model_len: int | None = None  # without chunked prefill, a step must fit the longest prompt
 
     @classmethod
     def from_state(cls, state: EngineState) -> "CandidateSpace":
@@ -100,7 +101,8 @@ class CandidateSpace:
             from anneal.engine import plan as plan_mod
 
             fusions = sorted(getattr(plan_mod, "FUSIONS", {}))
-        return cls(ops=ops, fusions=fusions, uses_graphs=gpu)
+        mml = (state.model_extra or {}).get("max_model_len")
+        return cls(ops=ops, fusions=fusions, uses_graphs=gpu, max_model_len=int(mml) if mml else None)
 
     def forget(self, op: str, impl: str) -> bool:
         """Drop an impl the engine cannot run (the reference stays); True when it was there."""
@@ -167,12 +169,23 @@ class CandidateSpace:
             return plan.model_copy(update={"cuda_graph_batch_sizes": list(rng.choice(self.graph_sets))})
         return plan.model_copy(update={"scheduler": self.mutate_scheduler(plan.scheduler, rng)})
 
+    def token_budgets(self, chunked: bool) -> tuple[int, ...]:
+        """Step token budgets: without chunked prefill a step must hold a whole max-length prompt."""
+        if chunked or not self.max_model_len:
+            return self.max_batched_tokens
+        big = tuple(t for t in self.max_batched_tokens if t >= self.max_model_len)
+        return big or (self.max_model_len,)
+
     def mutate_scheduler(self, s: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:
         knob = rng.choice(["max_num_seqs", "max_num_batched_tokens", "chunked_prefill"])
         if knob == "chunked_prefill":
-            return s.model_copy(update={"chunked_prefill": not s.chunked_prefill})
-        values = self.max_num_seqs if knob == "max_num_seqs" else self.max_batched_tokens
-        return s.model_copy(update={knob: rng.choice(values)})
+            chunked = not s.chunked_prefill
+            budgets = self.token_budgets(chunked)
+            tok = s.max_num_batched_tokens if s.max_num_batched_tokens in budgets else rng.choice(budgets)
+            return s.model_copy(update={"chunked_prefill": chunked, "max_num_batched_tokens": tok})
+        if knob == "max_num_seqs":
+            return s.model_copy(update={"max_num_seqs": rng.choice(self.max_num_seqs)})
+        return s.model_copy(update={"max_num_batched_tokens": rng.choice(self.token_budgets(s.chunked_prefill))})
 
     def crossover(self, a: Plan, b: Plan, rng: random.Random) -> Plan:
         """Each op, fusion and knob group taken from one parent at random.
@@ -196,8 +209,8 @@ class CandidateSpace:
         for seqs in self.max_num_seqs:
             if limit_seqs and seqs > limit_seqs * 2:
                 continue
-            for tok in self.max_batched_tokens:
-                for chunked in (True, False):
+            for chunked in (True, False):
+                for tok in self.token_budgets(chunked):
                     if tok < seqs:
                         continue
                     out.append(SchedulerKnobs(max_num_seqs=seqs, max_num_batched_tokens=tok,

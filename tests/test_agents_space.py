@@ -73,3 +73,15 @@ def test_gpu_space_has_fusions_and_graphs_and_equal_plans_hash_equal():
         # What the search hands the engine is exactly what the engine would validate it to.
         assert p == Plan.model_validate(p.model_dump(mode="json"))
         assert all(p.fusions.values())
+
+
+def test_without_chunked_prefill_a_step_holds_a_whole_prompt():
+    space = CandidateSpace.from_state(STATE.model_copy(update={"max_model_len": 4096}))
+    grid = space.scheduler_grid()
+    assert all(k.max_num_batched_tokens >= 4096 for k in grid if not k.chunked_prefill)
+    assert any(k.max_num_batched_tokens < 4096 for k in grid if k.chunked_prefill)
+    rng = random.Random(0)
+    knobs = Plan().scheduler
+    for _ in range(200):
+        knobs = space.mutate_scheduler(knobs, rng)
+        assert knobs.chunked_prefill or knobs.max_num_batched_tokens >= 4096
