@@ -66,7 +66,7 @@ class LocalCluster:
         self.server = ""
         self.pgids: dict[str, int] = {}
         self._procs: dict[str, subprocess.Popen] = {}
-        self._api_client = None
+        self.startup_seconds = 0.0
 
     # ---------------------------------------------------------------- lifecycle
 
