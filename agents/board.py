@@ -68,6 +68,7 @@ class Board:
     best_ops: dict[str, tuple[OpChoice, float]] = field(default_factory=dict)  # op -> (choice, ms)
     kernels: dict[str, KernelSource] = field(default_factory=dict)  # "op/impl" -> agent-written source
     scheduler: SchedulerKnobs | None = None
+    scheduler_runners_up: list[SchedulerKnobs] = field(default_factory=list)
     graph_batch_sizes: list[int] | None = None
     plans: list[tuple[float, Plan, str]] = field(default_factory=list)  # (ms, plan, agent) decode-spec
     notes: list[str] = field(default_factory=list)

@@ -34,6 +34,7 @@ from anneal.agents.promotion import Promotion, promote
 from anneal.agents.report import now_iso, write_artifact, write_report
 from anneal.agents.scheduler_tuner import SchedulerTuner, score
 from anneal.agents.setting import CPU_MAX_LEN, gpu_requests, make_setting
+from anneal.agents.space import normalized
 from anneal.agents.swarm import run_swarm, summary
 from anneal.agents.types import BenchSpec, Candidate, CompileSettings
 
@@ -255,7 +256,13 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
             cands.append(Candidate(plan=plan, agent=agent, note=f"fast-tier {ms:.3f} ms"))
     comp = board.composite(baseline).model_copy(update={"name": None})
     if comp.hash not in seen:
+        seen.add(comp.hash)
         cands.append(Candidate(plan=comp, agent="composite", note="tuned ops + graphs + scheduler"))
+    for knobs in board.scheduler_runners_up:
+        alt = normalized(comp.model_copy(update={"scheduler": knobs}))
+        if alt.hash not in seen:
+            seen.add(alt.hash)
+            cands.append(Candidate(plan=alt, agent="composite", note="tuned ops + runner-up scheduler"))
     wspec = setting.workload_spec().model_copy(update={"seed": settings.seed})
     _say(progress, f"promoting {len(cands)} candidates on the slow tier (baseline measured in the same run) ...")
     promo = promote(lab, cands, baseline, wspec, objective=setting.objective,
