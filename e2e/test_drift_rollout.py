@@ -337,6 +337,7 @@ def test_drift_compiles_canaries_promotes_then_rolls_back_a_bad_plan(stack):
         st = wait_for(lambda: (s := status(c)).get("rollout", {}).get("state") in ("Succeeded", "RolledBack", "Failed")
                       and s, 400, "the rollout finished", every=2)
         note("rollout finished")
+        print("good rollout:", st["rollout"]["message"], [(g["name"], g["outcome"], g.get("message")) for g in st["rollout"]["gates"]])
         assert st["rollout"]["state"] == "Succeeded", st["rollout"]
         assert st["rollout"]["analysesPassed"] == 3 and st["planHash"] == new_hash
         assert set(served_hashes(discovery).values()) == {new_hash}
@@ -369,6 +370,7 @@ def test_drift_compiles_canaries_promotes_then_rolls_back_a_bad_plan(stack):
                       and s, 400, "the bad rollout finished", every=2)
         note("bad rollout finished")
         ro = st["rollout"]
+        print("bad rollout:", ro["message"], [(g["name"], g["outcome"], g.get("message")) for g in ro["gates"]])
         assert ro["state"] == "RolledBack", ro
         assert bad.hash in ro["rejectedPlans"] and ro["analysesFailed"] >= 1
         assert any(g["outcome"] == "fail" for g in ro["gates"]), ro["gates"]
