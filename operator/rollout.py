@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from anneal.operator.api.base import duration_seconds
-from anneal.operator.api.inference_deployment import CompilationPolicy, RolloutStatus
+from anneal.operator.api.inference_deployment import CompilationPolicy, GateStatus, RolloutStatus
 from anneal.operator.canary_gates import Analysis
 
 SETTLED = ("Idle", "Succeeded", "RolledBack", "Failed", "Proposed")
@@ -139,7 +139,8 @@ def analysis_due(st: RolloutStatus, policy: CompilationPolicy, now: float) -> bo
 
 
 def _ready(view: View) -> list[Pod]:
-    return sorted((p for p in view.pods if p.ready), key=lambda p: p.name)
+    """Ready replicas whose engine answered this tick."""
+    return sorted((p for p in view.pods if p.ready and p.plan_hash is not None), key=lambda p: p.name)
 
 
 def _finish(st: RolloutStatus, state: str, now: float, message: str, reject: bool = False) -> RolloutStatus:
@@ -268,6 +269,8 @@ def _canary(st: RolloutStatus, policy: CompilationPolicy, view: View) -> Step:
         new = _finish(st, "Failed", now, f"canary {st.canary_pod} refused plan {to}: "
                       f"{view.apply_errors[st.canary_pod]} (the previous plan keeps serving)", reject=True)
         return Step(new, [Event("CanaryApplyFailed", new.message, warning=True)])
+    if pod.plan_hash is None:  # Ready, but its engine did not answer this tick: no evidence either way
+        return Step(st)
     if pod.plan_hash != to:
         if st.canary_since:  # it served the new plan and lost it (engine restarted): re-apply
             return Step(st.model_copy(update={"canary_since": None, "message": f"canary {pod.name} restarted; re-applying plan {to}"}),
@@ -283,7 +286,7 @@ def _canary(st: RolloutStatus, policy: CompilationPolicy, view: View) -> Step:
         return Step(st)
     cfg = policy.rollout.canary
     update: dict[str, Any] = {"last_analysis_at": iso(now),
-                              "gates": [r.wire() for r in a.results]}
+                              "gates": [GateStatus.model_validate(r.wire()) for r in a.results]}
     verdict = a.verdict
     if verdict == "passed":
         update["analyses_passed"] = st.analyses_passed + 1

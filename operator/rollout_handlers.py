@@ -63,7 +63,7 @@ class RolloutDriver:
             served = engine_admin.served_plan_hash(ip) if ready and ip else None
             if ip:
                 ips[pname] = ip
-            out.append(rollout.Pod(pname, ready and served is not None, served, _has_admin_port(pod)))
+            out.append(rollout.Pod(pname, ready, served, _has_admin_port(pod)))
         return tuple(sorted(out, key=lambda p: p.name)), ips
 
     def proposal(self, ns: str, status: dict[str, Any], spec: api.InferenceDeploymentSpec) -> rollout.Proposal | None:

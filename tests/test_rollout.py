@@ -95,7 +95,7 @@ def test_canary_waits_initial_delay_then_promotes_after_iterations_and_accepts()
     w.now += 15
     assert ro.analysis_due(st, pol, w.now)
     st = w.run(st, pol, analysis=PASS).status
-    assert st.state == "Canary" and st.analyses_passed == 1 and st.gates[0]["name"] == "throughput"
+    assert st.state == "Canary" and st.analyses_passed == 1 and st.gates[0].name == "throughput"
     w.now += 5
     assert not ro.analysis_due(st, pol, w.now)  # interval 10 s
     w.now += 5
@@ -279,3 +279,16 @@ def test_a_finished_drift_job_does_not_overwrite_a_later_rollout():
     # a new drift job that is running is followed
     s = ro.step(st, pol, w.view(proposal=False, job_phase="Searching"))
     assert s.status.state == "Compiling" and s.status.rejected_plans == [NEW]
+
+
+def test_a_canary_whose_engine_does_not_answer_is_held_not_lost_or_reapplied():
+    w, pol = World(), policy()
+    st = start_canary(w, pol)
+    pods = tuple(ro.Pod(n, True, None if n == "llama-x-0" else h) for n, h in sorted(w.pods.items()))
+    view = ro.View(now=w.now + 40, configured_hash=OLD, pods=pods, proposal=w.view().proposal, job="llama-drift-1")
+    s = ro.step(st, pol, view)
+    assert s.status == st and s.actions == []
+    # not Ready in Kubernetes after serving the plan: lost
+    pods = tuple(ro.Pod(n, n != "llama-x-0", h) for n, h in sorted(w.pods.items()))
+    s = ro.step(st, pol, ro.View(now=w.now + 40, configured_hash=OLD, pods=pods, job="llama-drift-1"))
+    assert s.status.state == "RolledBack"
