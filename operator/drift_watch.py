@@ -110,6 +110,24 @@ def compilation_job(name: str, namespace: str, spec: api.InferenceDeploymentSpec
     }
 
 
+def blocker(name: str, cp: api.CompilationPolicy, status: dict[str, Any], jobs: list[dict[str, Any]]) -> str | None:
+    """Why a triggered drift must not compile now (None: compile). `jobs`: the namespace's
+    CompilationJobs; any unfinished one targeting this deployment blocks (never two at once)."""
+    if cp.paused:
+        return "paused"
+    if cp.pinned_plan is not None:
+        return "pinnedPlan is set"
+    rollout = (status.get("rollout") or {}).get("state")
+    if rollout in ACTIVE:
+        return f"a rollout is in progress ({rollout})"
+    for job in jobs:
+        target = ((job.get("spec") or {}).get("target") or {}).get("inferenceDeployment")
+        phase = (job.get("status") or {}).get("phase") or "Pending"
+        if target == name and phase not in cj_api.TERMINAL_PHASES and not job["metadata"].get("deletionTimestamp"):
+            return f"CompilationJob {job['metadata']['name']} is {phase}"
+    return None
+
+
 class DriftWatch:
     """Per-deployment memory (observation history, last read) and the timer's body."""
 
@@ -244,19 +262,10 @@ class DriftWatch:
         self._write(body, patch, previous, new)
 
     def _blocker(self, name: str, ns: str, cp: api.CompilationPolicy, status: dict[str, Any]) -> str | None:
-        if cp.paused:
-            return "paused"
-        if cp.pinned_plan is not None:
-            return "pinnedPlan is set"
-        rollout = (status.get("rollout") or {}).get("state")
-        if rollout in ACTIVE:
-            return f"a rollout is in progress ({rollout})"
-        for job in self.ctx.kube.list(f"{GROUP}/{VERSION}", cj_api.KIND, ns):
-            target = ((job.get("spec") or {}).get("target") or {}).get("inferenceDeployment")
-            phase = (job.get("status") or {}).get("phase") or "Pending"
-            if target == name and phase not in cj_api.TERMINAL_PHASES and not job["metadata"].get("deletionTimestamp"):
-                return f"CompilationJob {job['metadata']['name']} is {phase}"
-        return None
+        quick = blocker(name, cp, status, [])
+        if quick:
+            return quick
+        return blocker(name, cp, status, self.ctx.kube.list(f"{GROUP}/{VERSION}", cj_api.KIND, ns))
 
     @staticmethod
     def _write(body: kopf.Body, patch: kopf.Patch, previous: dict[str, Any], new: dict[str, Any]) -> None:

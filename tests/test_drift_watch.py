@@ -68,3 +68,23 @@ def test_the_compilation_job_targets_the_deployment_with_the_observed_shape():
     # the policy's preset wins over the observed shape
     job = compilation_job("llama", "ml", spec(traffic="rag"), shape, "llama-drift-2")
     assert job["spec"]["traffic"] == {"preset": "rag"}
+
+
+def test_never_two_compilations_and_manual_overrides_block_a_trigger():
+    from anneal.operator.drift_watch import blocker
+
+    cp = spec().compilation
+
+    def job(name, target, phase=None, deleting=False):
+        meta = {"name": name, **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
+        return {"metadata": meta, "spec": {"target": {"inferenceDeployment": target}},
+                "status": {"phase": phase} if phase else {}}
+
+    assert blocker("llama", cp, {}, []) is None
+    assert blocker("llama", cp, {}, [job("j1", "llama")]) == "CompilationJob j1 is Pending"
+    assert blocker("llama", cp, {}, [job("j1", "llama", "Searching")]) == "CompilationJob j1 is Searching"
+    assert blocker("llama", cp, {}, [job("j1", "llama", "Succeeded"), job("j2", "other", "Searching"),
+                                    job("j3", "llama", "Verifying", deleting=True)]) is None
+    assert blocker("llama", cp, {"rollout": {"state": "Canary"}}, []) == "a rollout is in progress (Canary)"
+    assert blocker("llama", spec(paused=True).compilation, {}, []) == "paused"
+    assert blocker("llama", spec(pinnedPlan={"inline": {}}).compilation, {}, []) == "pinnedPlan is set"
