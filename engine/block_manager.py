@@ -66,6 +66,12 @@ class BlockManager:
                 del self._by_hash[b.hash]
             b.hash, b.token_ids, b.parent = None, (), None
 
+    def reuse_first(self, block_ids: list[int]) -> None:
+        """Hand these free blocks out next (verification recycles the very blocks it just used)."""
+        for bid in reversed(block_ids):
+            if bid in self._free:
+                self._free.move_to_end(bid, last=False)
+
     def free_block_ids(self) -> list[int]:
         return list(self._free)
 

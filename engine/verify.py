@@ -65,6 +65,7 @@ class _Forcer:
 
     def __init__(self, engine):
         self.e = engine
+        self.last_blocks: list[int] = []  # physical blocks the last run used, in table order
 
     def run(self, prompts: list[list[int]], forced: list[list[int]], fresh: bool = True) -> list[torch.Tensor]:
         """``fresh``: forget cached prefixes first, so every token is computed by this plan."""
@@ -96,6 +97,7 @@ class _Forcer:
                     e.blocks.mark_computed(s)
             return [torch.stack(o) for o in out]
         finally:
+            self.last_blocks = [b for s in seqs for b in s.block_table]
             for s in seqs:
                 if s.block_table:
                     e.blocks.free(s)
@@ -162,11 +164,18 @@ def verify(engine, req: VerifyRequest) -> VerifyReport:
         if "quality" in checks:
             results.append(_compare("quality", clean, ref_logits, tol, bit_exact, agree))
         if "kv_contamination" in checks:
+            used = forcer.last_blocks
             n = _poison_free_blocks(engine)
+            engine.blocks.reuse_first(used)  # the same physical blocks, now full of NaN
             poisoned = forcer.run(prompts, forced)
-            other = [[rng.randrange(V) for _ in range(rng.randint(req.min_prompt_len, hi))]
-                     for _ in range(req.num_prompts)]
-            engine.generate(other, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            # Recycling: other requests decode over exactly these blocks (same lengths, other
+            # tokens), then ours get them back. A kernel that trusts a block's old contents (or
+            # caches them by block id) now reads the other requests' KV.
+            other = [[rng.randrange(V) for _ in p] for p in prompts]
+            other_forced = [[rng.randrange(V) for _ in f] for f in forced]
+            engine.blocks.reuse_first(used)
+            forcer.run(other, other_forced)
+            engine.blocks.reuse_first(used)
             recycled = forcer.run(prompts, forced)
             a = _compare("kv_contamination", poisoned, clean, tol, False, agree)
             b = _compare("kv_contamination", recycled, clean, tol, False, agree)

@@ -34,15 +34,8 @@ CAUGHT_BY = {
     "side_stream": ("quality", "non-finite"),
     "nondeterministic": ("determinism", "nondeterministic"),
 }
-# Known gap in the engine's verification (reported to the lead, issue 4): its recycled-blocks run
-# does not decode over the other requests' full blocks before recycling them, so a decode kernel
-# that caches K/V per physical block is never shown a recycled block it has cached. Generating two
-# batches through a 16-block cache in-process does hit stale blocks (max |dK| ~ 1.0). Strict: the
-# marker must go when the engine catches it.
-_STALE_GAP = pytest.mark.xfail(strict=True, reason="engine verify: recycled blocks never decoded by "
-                               "their previous owner, so per-block K/V caching goes unseen")
 CASES = [
-    pytest.param(f, kind, marks=_STALE_GAP if f == "stale_kv_block" else ())
+    pytest.param(f, kind)
     for kind, faults in (("plain", FAULTY), ("evasive", EVASIVE)) for f in sorted(faults)
 ]
 
