@@ -39,9 +39,11 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
-def _variants() -> dict[str, dict[str, dict[str, list]]]:
+def _variants(device_type: str) -> dict[str, dict[str, dict[str, list]]]:
+    """The search space this engine can run: variants for its device, with their params."""
     return {
-        op: {impl: {p.name: list(p.choices) for p in v.params} for impl, v in d.variants.items()}
+        op: {impl: {p.name: list(p.choices) for p in v.params}
+             for impl, v in d.variants.items() if device_type in v.devices}
         for op, d in all_ops().items()
     }
 
@@ -94,6 +96,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
     async def state() -> dict[str, Any]:
         e = async_engine.engine
         hw = await async_engine.run_in_engine(_hardware)
+        variants = _variants(e.device.type)
         return {
             "model": e.config.name,
             "device": str(e.device),
@@ -107,8 +110,8 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
             "plan_hash": e.plan.hash,
             "kv": {"num_blocks": e.blocks.num_blocks, "free_blocks": e.blocks.num_free_blocks,
                    "block_size": e.blocks.block_size},
-            "ops": {op: sorted(v) for op, v in _variants().items()},
-            "variants": _variants(),
+            "ops": {op: sorted(v) for op, v in variants.items()},
+            "variants": variants,
             "hardware": hw,
             "startup": e.startup,
         }
