@@ -25,18 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth_gbps, environment, matmul_tflops, summarize, write_result  # noqa: E402
 
 from anneal.engine.llm import Engine, EngineArgs  # noqa: E402
-from anneal.engine.plan import OpChoice, Plan, SchedulerKnobs  # noqa: E402
+from anneal.engine.plan import OpChoice, Plan, SchedulerKnobs, load_plan  # noqa: E402
 from anneal.engine.sampling_params import SamplingParams  # noqa: E402
 from anneal.engine.sequence import Sequence  # noqa: E402
 
-TRITON_OPS = {
-    "rmsnorm": OpChoice(impl="triton"),
-    "add_rmsnorm": OpChoice(impl="triton"),
-    "qk_rope_store": OpChoice(impl="triton"),
-    "attention_decode": OpChoice(impl="triton_splitk"),
-    "attention_prefill": OpChoice(impl="triton"),
-    "silu_and_mul": OpChoice(impl="triton"),
-}
+# The hand-set Triton plan (one file, shared with the GPU tests and the serving benchmark).
+HAND_SET = Path(__file__).resolve().parent / "plans" / "triton.json"
+TRITON_OPS = load_plan(HAND_SET.read_text()).ops
 GEMV_OPS = {op: OpChoice(impl="triton_gemv_splitk")
             for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
 

@@ -3,23 +3,19 @@ reference plan (greedy tokens, logits within bf16 tolerance). Run with `pytest -
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from anneal.engine.llm import Engine, EngineArgs
-from anneal.engine.plan import OpChoice, Plan
+from anneal.engine.plan import Plan, load_plan
 from anneal.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-TRITON = {
-    "rmsnorm": OpChoice(impl="triton"),
-    "add_rmsnorm": OpChoice(impl="triton"),
-    "qk_rope_store": OpChoice(impl="triton"),
-    "attention_decode": OpChoice(impl="triton_splitk"),
-    "attention_prefill": OpChoice(impl="triton"),
-    "silu_and_mul": OpChoice(impl="triton"),
-}
+# The hand-set Triton plan of the benchmarks.
+TRITON = load_plan((Path(__file__).resolve().parents[1] / "bench/plans/triton.json").read_text()).ops
 
 
 @pytest.fixture(scope="module")
