@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ImportError as e:  # e.g. `anneal serve` in the torch-free operator image
+        print(f"anneal {args.command} is unavailable in this installation: {e} "
+              "(install the engine extra: pip install 'anneal[engine]')", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
