@@ -33,6 +33,7 @@ class BenchmarkRequest(BaseModel):
     traffic: Any = Field(None, description="TrafficShape (object or preset name) for mode=workload")
     num_requests: int = Field(16, ge=1, le=10000)
     seed: int = 0
+    per_op: bool = Field(False, description="also time each op in eager steps (decode/prefill)")
 
 
 class BenchmarkResult(BaseModel):
@@ -43,6 +44,8 @@ class BenchmarkResult(BaseModel):
     p90_ms: float
     tokens_per_s: float
     samples_ms: list[float]
+    per_op_ms: dict[str, float] | None = Field(
+        None, description="ms per step spent in each op (eager, events around each call)")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -92,6 +95,52 @@ def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkR
     return samples
 
 
+def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps: int = 3) -> dict:
+    """Time every op call of a few eager steps (graphs off): device events on the GPU, the host
+    clock on the CPU. The sum is a little above the graph-replayed step (no launch overlap)."""
+    ops = engine.runner.ops
+    cuda = engine.device.type == "cuda"
+    calls: list[tuple[str, Any, Any]] = []
+    originals = {name: getattr(ops, name) for name in ops.choices}
+    fused = [n for n in ("lm_head_argmax", "silu_mul_down") if getattr(ops, n, None) is not None]
+    originals.update({n: getattr(ops, n) for n in fused})
+
+    def wrap(name, fn):
+        def timed(*a, **k):
+            if cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                out = fn(*a, **k)
+                e.record()
+                calls.append((name, s, e))
+            else:
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                calls.append((name, t0, time.perf_counter()))
+            return out
+        return timed
+
+    graphs = dict(engine.runner.graphs)
+    engine.runner.graphs.clear()
+    try:
+        for name, fn in originals.items():
+            setattr(ops, name, wrap(name, fn))
+        engine.runner.run(items, decode_only)  # warm-up, not counted
+        calls.clear()
+        for _ in range(steps):
+            engine.runner.run(items, decode_only)
+        _sync(engine)
+    finally:
+        for name, fn in originals.items():
+            setattr(ops, name, fn)
+        engine.runner.graphs.update(graphs)
+    totals: dict[str, float] = {}
+    for name, s, e in calls:
+        ms = s.elapsed_time(e) if cuda else (e - s) * 1e3
+        totals[name] = totals.get(name, 0.0) + ms / steps
+    return totals
+
+
 def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
     """Runs on the engine thread with the engine idle."""
     if engine.has_unfinished_requests():
@@ -114,6 +163,7 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
         tokens_per_step = req.batch_size * req.prompt_len
     try:
         samples = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")
+        per_op = _per_op(engine, sets[0], req.mode == "decode") if req.per_op else None
     finally:
         for items in sets:
             for s, _ in items:
@@ -123,6 +173,7 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
         plan_hash=engine.plan.hash, mode=req.mode, median_ms=med * 1e3,
         p10_ms=_quantile(samples, 0.1) * 1e3, p90_ms=_quantile(samples, 0.9) * 1e3,
         tokens_per_s=tokens_per_step / med, samples_ms=[x * 1e3 for x in samples],
+        per_op_ms=per_op,
         extra={"batch_size": req.batch_size, "context_len": req.context_len,
                "graph": req.mode == "decode" and bool(engine.runner.graphs)},
     )

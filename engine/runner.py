@@ -114,8 +114,8 @@ class ModelRunner:
         want_lp = [s.params.logprobs is not None for s in seqs]
         if isinstance(logits, _LazyLogits) and (not all_greedy or any(want_lp)):
             logits = logits.compute()
-        if all_greedy and greedy is not None:
-            tokens = greedy
+        if all_greedy:  # the graph's argmax, or one argmax kernel (no sort over the vocabulary)
+            tokens = greedy if greedy is not None else logits.argmax(dim=-1)
         else:
             tokens = self.ops.sample(logits, **self._sampling_tensors(seqs))
         if any(want_lp):

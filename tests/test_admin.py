@@ -101,6 +101,11 @@ def test_benchmark_and_verify(server):
     assert b.status_code == 200, b.text
     res = b.json()
     assert res["p10_ms"] <= res["median_ms"] <= res["p90_ms"] and len(res["samples_ms"]) == 5
+    prof = admin(server, "POST", "/admin/benchmark",
+                 {"mode": "decode", "batch_size": 2, "context_len": 64, "steps": 2, "per_op": True})
+    per_op = prof.json()["per_op_ms"]
+    assert {"attention_decode", "qkv_proj", "lm_head"} <= set(per_op), per_op
+    assert all(v > 0 for v in per_op.values())
     bad = admin(server, "POST", "/admin/benchmark", {"mode": "decode", "context_len": 10**6})
     assert bad.status_code in (400, 422)
     v = admin(server, "POST", "/admin/verify",
