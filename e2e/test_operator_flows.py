@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from anneal.engine.plan import Plan
+from cluster import operator_chart as chart
+from cluster.operator_chart import OPERATOR_NS, OPERATOR_SELECTOR, module_namespace
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parent.parent
-OPERATOR_NS = "anneal-system"
-OPERATOR_SELECTOR = "app.kubernetes.io/name=anneal-operator"
+MODULE = "operator-flows"
 
 
 def wait_for(fn, timeout: float = 90, what: str = "condition", every: float = 0.5):
@@ -71,29 +70,29 @@ def events(cluster, ns, name):
 
 
 def namespace(cluster, ns):
-    cluster.kubectl("create", "namespace", ns)
-    return ns
+    """A namespace of this module's: the fixture's teardown deletes it (with what the test left)."""
+    return module_namespace(cluster, ns, MODULE)
 
 
 def operator_pods(cluster):
-    return [p for p in listing(cluster, "pods", OPERATOR_NS, OPERATOR_SELECTOR) if not p["metadata"].get("deletionTimestamp")]
+    return chart.operator_pods(cluster, OPERATOR_NS)
 
 
 @pytest.fixture(scope="module")
 def anneal(cluster):
-    """The chart installed by helm; the operator runs on the local runner node."""
-    out = cluster.helm(
-        "upgrade", "--install", "anneal", str(REPO / "charts" / "anneal"), "-n", OPERATOR_NS, "--create-namespace",
-        "--set-string", "operator.nodeSelector.anneal\\.dev/local-exec=true",
-        "--set", "operator.reconcileInterval=2", "--set", "operator.logLevel=DEBUG",
-        "--wait", "--timeout", "180s",
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    wait_for(lambda: any(p["status"].get("phase") == "Running" for p in operator_pods(cluster)), 120, "operator pod")
-    yield cluster
-    pods = operator_pods(cluster)
-    if pods:
-        print(cluster.pod_log(OPERATOR_NS, pods[0]["metadata"]["name"])[-20000:])
+    """The chart installed by helm; the operator runs on the local runner node. Teardown deletes
+    this module's namespaces while the operator still runs (it releases its finalizers), then
+    uninstalls the chart and waits for the operator's pod to be gone: later modules share the
+    cluster and must not find a controller rewriting what they create."""
+    chart.install_operator(cluster, "--set", "operator.reconcileInterval=2", "--set", "operator.logLevel=DEBUG")
+    try:
+        wait_for(lambda: any(p["status"].get("phase") == "Running" for p in operator_pods(cluster)), 120, "operator pod")
+        yield cluster
+    finally:
+        pods = operator_pods(cluster)
+        if pods:
+            print(cluster.pod_log(OPERATOR_NS, pods[0]["metadata"]["name"])[-20000:])
+        chart.uninstall_operator(cluster, module=MODULE)
 
 
 def idep(name, **spec):

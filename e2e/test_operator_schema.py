@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cluster import operator_chart as chart
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,13 +32,21 @@ CORPUS = _corpus()
 
 @pytest.fixture(scope="module")
 def crds(cluster):
-    out = cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    """The CRDs of crds/ applied by kubectl, on a cluster where no operator runs: these tests write
+    a CompilationJob's status by hand (phase Searching, printer-column values) and a running
+    operator would rewrite it under them. A module that installed the chart uninstalls it in its
+    teardown; this waits for its pod to be gone and fails, naming it, if one is left."""
+    chart.wait_until_no_operator(cluster)
+    # --force-conflicts: the chart (helm, an earlier module) may have created these CRDs; the
+    # schema under test is crds/ as it is now
+    out = cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     assert out.returncode == 0, out.stderr
     for name in ("inferencedeployments.anneal.dev", "compilationjobs.anneal.dev"):
         done = cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
         assert done.returncode == 0, done.stderr
-    cluster.kubectl("create", "namespace", NS)
-    return cluster
+    chart.module_namespace(cluster, NS, "operator-schema")
+    yield cluster
+    cluster.kubectl("delete", "namespace", NS, "--wait=false")
 
 
 def _create(cluster, obj, *extra):
