@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from anneal.engine.plan import CompiledPlan, Plan, load_plan
+from cluster import operator_chart as chart
 
 pytestmark = pytest.mark.e2e
 
@@ -217,6 +218,9 @@ def stack(cluster, tmp_path_factory):
             prom.kill()
             prom.wait()
         log.close()
+        # later modules share the cluster: wait for the namespace to go (the operator releases its
+        # finalizers), then uninstall the operator so no controller rewrites what they create
+        chart.uninstall_operator(cluster, namespaces=(NS,))
 
 
 def inference_deployment() -> dict:
