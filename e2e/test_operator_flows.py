@@ -430,3 +430,31 @@ def test_an_engine_lost_mid_search_is_recreated_with_backoff(anneal):
     assert after["serviceaccount/r1-coordinator"] == before["serviceaccount/r1-coordinator"]
     assert status(c, "cjob", "r1", ns)["engineRestarts"] == 1
     assert c.kubectl("delete", "cjob", "r1", "-n", ns, "--timeout=90s").returncode == 0
+
+
+def test_serving_pods_answer_the_openai_client(anneal):
+    """An InferenceDeployment of random:tiny on the local node: its pods serve the OpenAI API,
+    reached through the Service, with the real `openai` client (completions, chat, streaming)."""
+    import httpx
+    from openai import OpenAI
+
+    c, ns = anneal, namespace(anneal, "anneal-openai")
+    apply(c, ns, idep("tiny", model="random:tiny", replicas=1, gpus=0,
+                      resources={"requests": {"cpu": "100m", "memory": "512Mi"}},
+                      serving={"extraArgs": ["--host", "$(POD_IP)"]}))
+    st = wait_for(lambda: (s := status(c, "infdep", "tiny", ns)).get("phase") == "Ready" and s, 180, "tiny Ready")
+    client = OpenAI(base_url=c.service_url("tiny", ns, 8000) + "/v1", api_key="unused", timeout=60)
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 6 and done.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, seed=3, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 4 and chat.choices[0].message.role == "assistant"
+    chunks = list(client.completions.create(model=model, prompt="stream", max_tokens=5, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text is not None) >= 1
+    assert chunks[-1].choices[0].finish_reason == "length"
+    health = httpx.get(c.service_url("tiny", ns, 8000) + "/health", timeout=30).json()
+    assert health["plan_hash"] == st["servingPlanHash"]
+    assert c.kubectl("delete", "infdep", "tiny", "-n", ns).returncode == 0
