@@ -14,13 +14,10 @@ continuously by a background thread while Prometheus scrapes every second:
 from __future__ import annotations
 
 import random
-import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client import Counter, CollectorRegistry, Histogram
 
@@ -34,9 +31,9 @@ from anneal.operator.canary_gates import (
 )
 from anneal.operator.traffic_reader import Prometheus
 
-from test_traffic_reader import Exporter as _TrafficExporter, _free_port, _wait
+from prometheus_server import PROMETHEUS, free_port, running_prometheus
+from test_traffic_reader import Exporter as _TrafficExporter, _wait
 
-PROMETHEUS = shutil.which("prometheus")
 WINDOW = "30s"
 
 # namespace -> {pod: (tokens per tick, ttft seconds, itl seconds, error fraction)}
@@ -90,43 +87,23 @@ def prom(tmp_path_factory):
     # reuse the traffic reader test's classic-text-format HTTP handler
     shim = _TrafficExporter.__new__(_TrafficExporter)
     shim.registry = exporter.registry
-    exp_port = _free_port()
+    exp_port = free_port()
     server = shim.serve(exp_port)
     feeder = threading.Thread(target=exporter.run, daemon=True)
     feeder.start()
-    prom_port = _free_port()
-    (tmp / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
-        "scrape_configs:\n"
-        "  - job_name: engines\n"
-        "    honor_labels: true\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{exp_port}']}}]\n"
-    )
-    log = open(tmp / "prometheus.log", "w")
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    client = Prometheus(f"http://127.0.0.1:{prom_port}", timeout=5)
-    try:
-        _wait(lambda: httpx.get(f"{client.url}/-/ready", timeout=1).status_code == 200, 60, "prometheus ready")
-        # enough scrapes for rate() over the window
-        _wait(lambda: (client.query_scalar(f"min(count_over_time({mn.GENERATION_TOKENS_TOTAL}_total[1m]))") or 0) >= 8,
-              90, "eight scrapes")
-        yield client
-    finally:
-        exporter.stop.set()
-        client.close()
-        proc.terminate()
+    with running_prometheus(tmp, [f"127.0.0.1:{exp_port}"], honor_labels=True) as url:
+        client = Prometheus(url, timeout=5)
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        server.shutdown()
-        server.server_close()
+            # enough scrapes for rate() over the window
+            _wait(lambda: (client.query_scalar(
+                f"min(count_over_time({mn.GENERATION_TOKENS_TOTAL}_total[1m]))") or 0) >= 8,
+                90, "eight scrapes")
+            yield client
+        finally:
+            exporter.stop.set()
+            client.close()
+            server.shutdown()
+            server.server_close()
 
 
 def target(ns: str) -> GateTarget:
@@ -177,7 +154,7 @@ def test_missing_canary_series_hold_instead_of_judging(prom):
 
 
 def test_an_unreachable_prometheus_holds(prom):
-    down = Prometheus(f"http://127.0.0.1:{_free_port()}", timeout=1)
+    down = Prometheus(f"http://127.0.0.1:{free_port()}", timeout=1)
     a = evaluate(down.query_scalar, target("good"), CFG, WINDOW)
     assert a.verdict == "inconclusive" and {g.outcome for g in a.results} == {"missing"}
 

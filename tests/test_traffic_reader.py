@@ -7,9 +7,6 @@ Prometheus scrapes it every second; the reader must give back the shapes that we
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from anneal.engine import metric_names as mn
 from anneal.engine.traffic import LengthHistogram, preset
 from anneal.engine.workload import make_workload
+from prometheus_server import PROMETHEUS, free_port, running_prometheus
+
 from anneal.operator.traffic_reader import (
     FLAVORS,
     Prometheus,
@@ -31,14 +30,7 @@ from anneal.operator.traffic_reader import (
     read_traffic,
 )
 
-PROMETHEUS = shutil.which("prometheus")
 SGLANG_BUCKETS = [100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 8000, 10000, 15000, 20000, 40000]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate, timeout: float, what: str):
@@ -142,7 +134,7 @@ def stack(tmp_path_factory):
         pytest.skip("the `prometheus` binary is not installed (Debian: apt-get install -y prometheus)")
     tmp: Path = tmp_path_factory.mktemp("prom")
     exporter = Exporter()
-    exp_port = _free_port()
+    exp_port = free_port()
     exporter.add_underscored_vllm()
     server = exporter.serve(exp_port)
     # constant gauges, set before the first scrape so the window average is exact
@@ -150,53 +142,38 @@ def stack(tmp_path_factory):
     exporter.set_running(exporter.anneal, {"pod": "b"}, 5)
     exporter.set_running(exporter.vllm, {"engine": "0"}, 7)
     exporter.set_running(exporter.sglang, {"model_name": "m"}, 64)
-    prom_port = _free_port()
-    (tmp / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
-        "scrape_configs:\n"
-        "  - job_name: engines\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{exp_port}']}}]\n"
-    )
-    log = open(tmp / "prometheus.log", "w")
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    prom = Prometheus(f"http://127.0.0.1:{prom_port}", timeout=5)
-    try:
-        _wait(lambda: httpx.get(f"{prom.url}/-/ready", timeout=1).status_code == 200, 60, "prometheus ready")
-        # scrapes at zero, so increase() starts from the true zero (and an idle window exists)
-        zero_scrapes = f'min(count_over_time({mn.PROMPT_TOKENS}_count[1m]))'
-        _wait(lambda: (prom.query_scalar(zero_scrapes) or 0) >= 4, 60, "four scrapes at zero")
-        t_idle = time.time()
-        fed = {
-            "a": make_workload(preset("chat"), 300, seed=1),
-            "b": make_workload(preset("rag"), 200, seed=2),
-            "vllm": make_workload(preset("agentic"), 120, seed=3),
-            "sglang": make_workload(preset("batch"), 150, seed=4),
-        }
-        exporter.feed(exporter.anneal, {"pod": "a"}, fed["a"])
-        exporter.feed(exporter.anneal, {"pod": "b"}, fed["b"])
-        exporter.feed(exporter.vllm, {"engine": "0"}, fed["vllm"])
-        exporter.feed(exporter.sglang, {"model_name": "m"}, fed["sglang"])
-        exporter.feed(exporter.vllm_us, {"engine": "1"}, fed["vllm"])
-        _wait(lambda: prom.query_scalar(f"sum({mn.PROMPT_TOKENS}_count)") == 500, 30, "the fed samples scraped")
-        time.sleep(2.5)
-        # evaluate at the last scrape, so increase() needs no extrapolation at the window's end
-        at = prom.query_scalar(f"max(timestamp({mn.PROMPT_TOKENS}_count))")
-        yield prom, exporter, fed, at, t_idle
-    finally:
-        prom.close()
-        proc.terminate()
+    with running_prometheus(tmp, [f"127.0.0.1:{exp_port}"]) as url:
+        prom = Prometheus(url, timeout=5)
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        server.shutdown()
-        server.server_close()
+            yield from _fed_stack(prom, exporter)
+        finally:
+            prom.close()
+            server.shutdown()
+            server.server_close()
+
+
+def _fed_stack(prom, exporter):
+    """Feed the workloads once Prometheus has scraped the zeros; yield what the tests read."""
+    # scrapes at zero, so increase() starts from the true zero (and an idle window exists)
+    zero_scrapes = f'min(count_over_time({mn.PROMPT_TOKENS}_count[1m]))'
+    _wait(lambda: (prom.query_scalar(zero_scrapes) or 0) >= 4, 60, "four scrapes at zero")
+    t_idle = time.time()
+    fed = {
+        "a": make_workload(preset("chat"), 300, seed=1),
+        "b": make_workload(preset("rag"), 200, seed=2),
+        "vllm": make_workload(preset("agentic"), 120, seed=3),
+        "sglang": make_workload(preset("batch"), 150, seed=4),
+    }
+    exporter.feed(exporter.anneal, {"pod": "a"}, fed["a"])
+    exporter.feed(exporter.anneal, {"pod": "b"}, fed["b"])
+    exporter.feed(exporter.vllm, {"engine": "0"}, fed["vllm"])
+    exporter.feed(exporter.sglang, {"model_name": "m"}, fed["sglang"])
+    exporter.feed(exporter.vllm_us, {"engine": "1"}, fed["vllm"])
+    _wait(lambda: prom.query_scalar(f"sum({mn.PROMPT_TOKENS}_count)") == 500, 30, "the fed samples scraped")
+    time.sleep(2.5)
+    # evaluate at the last scrape, so increase() needs no extrapolation at the window's end
+    at = prom.query_scalar(f"max(timestamp({mn.PROMPT_TOKENS}_count))")
+    yield prom, exporter, fed, at, t_idle
 
 
 def _expected(lens, les) -> LengthHistogram:
@@ -267,7 +244,7 @@ def test_missing_metrics_are_no_data_not_evidence(stack):
     # series exist but nothing happened in the window: zero requests, still no shape
     before = prom.read_traffic({"pod": "a"}, window_seconds=3, at=t_idle)
     assert before.shape is None and "no requests finished" in before.reason
-    closed = Prometheus(f"http://127.0.0.1:{_free_port()}", timeout=1)
+    closed = Prometheus(f"http://127.0.0.1:{free_port()}", timeout=1)
     down = closed.read_traffic({"pod": "a"}, window_seconds=60)
     assert down.shape is None and down.reason.startswith("prometheus unavailable")
     assert closed.query_scalar("vector(1)") is None
