@@ -156,9 +156,16 @@ def _at_most(name: str, canary: float | None, baseline: float | None, limit_of: 
                       f"canary {canary:.4g}{unit} {'<=' if ok else '>'} {limit:.4g}{unit} (stable {baseline:.4g}{unit})")
 
 
-def analysis_window(cfg: CanaryAnalysis, interval_seconds: float) -> str:
-    """The rate() window of one analysis: the analysis interval, at least 30 s (a few scrapes)."""
-    return f"{int(max(30.0, interval_seconds))}s"
+def analysis_window(cfg: CanaryAnalysis, interval_seconds: float, serving_seconds: float | None = None) -> str:
+    """The rate() window of one analysis: the analysis interval, at least 30 s (a few scrapes), but
+    never reaching back before the canary served the plan (``serving_seconds`` ago): the canary
+    pod's samples from before are the old plan's, and would dilute a regression (with an
+    ``initialDelay`` under 30 s, a third or more of the first window). Too short a window for
+    rate() gives no value: the analysis holds until it is long enough."""
+    window = max(30.0, interval_seconds)
+    if serving_seconds is not None:
+        window = min(window, serving_seconds)
+    return f"{max(1, int(window))}s"
 
 
 def evaluate(query: Query, target: GateTarget, cfg: CanaryAnalysis, window: str,

@@ -121,7 +121,9 @@ class RolloutDriver:
             stable_pods=tuple(p.name for p in pods if p.ready and p.name != st.canary_pod),
             extra_selector=cp.prometheus.selector,
         )
-        window = canary_gates.analysis_window(cfg, duration_seconds(cfg.interval))
+        since = rollout.parse_iso(st.canary_since)
+        window = canary_gates.analysis_window(cfg, duration_seconds(cfg.interval),
+                                              None if since is None else now - since)
         with Prometheus(url) as prom:
             return canary_gates.evaluate(lambda q: prom.query_scalar(q, at=now), target, cfg, window)
 

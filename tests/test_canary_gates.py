@@ -25,6 +25,7 @@ from anneal.engine import metric_names as mn
 from anneal.operator.api.inference_deployment import CanaryAnalysis
 from anneal.operator.canary_gates import (
     GateTarget,
+    analysis_window,
     error_rate_query,
     evaluate,
     selector,
@@ -182,3 +183,13 @@ def test_selectors_escape_pod_names_and_keep_extra_matchers():
     assert selector(t, ["c.d", "e"]) == '{namespace="n\\"s",pod=~"c\\\\.d|e",cluster="eu"}'
     q = error_rate_query(t, ["a.b"], "1m")
     assert 'status="error"' in q and "or vector(0)" in q
+
+
+def test_the_analysis_window_never_reaches_back_before_the_canary_served_the_plan():
+    cfg = CanaryAnalysis()
+    assert analysis_window(cfg, 10) == "30s" and analysis_window(cfg, 60) == "60s"  # a few scrapes at least
+    # the first analysis after a 20 s initial delay: 20 s of the new plan, not 10 s of the old one too
+    assert analysis_window(cfg, 10, serving_seconds=20.7) == "20s"
+    assert analysis_window(cfg, 60, serving_seconds=45) == "45s"
+    assert analysis_window(cfg, 10, serving_seconds=300) == "30s"
+    assert analysis_window(cfg, 10, serving_seconds=0.2) == "1s"  # no value from rate(): the analysis holds

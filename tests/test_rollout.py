@@ -292,3 +292,43 @@ def test_a_canary_whose_engine_does_not_answer_is_held_not_lost_or_reapplied():
     pods = tuple(ro.Pod(n, n != "llama-x-0", h) for n, h in sorted(w.pods.items()))
     s = ro.step(st, pol, ro.View(now=w.now + 40, configured_hash=OLD, pods=pods, job="llama-drift-1"))
     assert s.status.state == "RolledBack"
+
+
+def test_the_handler_measures_the_canary_only_since_it_served_the_plan(monkeypatch):
+    """The gates' rate() window starts when the canary began serving the new plan (initialDelay 20 s
+    < the 30 s minimum window: the first analysis would otherwise average in the old plan)."""
+    from anneal.operator import rollout_handlers
+    from anneal.operator.api.inference_deployment import InferenceDeploymentSpec
+    from anneal.operator.context import Context
+    from anneal.operator.settings import OperatorSettings
+
+    queries: list[str] = []
+
+    class FakePrometheus:
+        def __init__(self, url):
+            assert url == "http://prom:9090"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def query_scalar(self, q, at=None):
+            queries.append(q)
+            return 1.0
+
+    monkeypatch.setattr(rollout_handlers, "Prometheus", FakePrometheus)
+    driver = rollout_handlers.RolloutDriver(Context(OperatorSettings(prometheus_url="http://prom:9090")))
+    spec = InferenceDeploymentSpec.model_validate({"model": "random:tiny", "compilation": {"mode": "auto", "rollout": {
+        "canary": {"initialDelay": "20s", "interval": "10s"}}}})
+    since = 1_000_000.0
+    st = RolloutStatus(state="Canary", canary_pod="p0", canary_since=ro.iso(since), to_plan_hash=NEW)
+    pods = (ro.Pod("p0", True, NEW), ro.Pod("p1", True, OLD))
+    a = driver.analyze(spec, "ns", st, pods, since + 20.4)
+    assert a.verdict == "passed" and queries
+    windows = {q.split("[")[1].split("]")[0] for q in queries if "[" in q}
+    assert windows == {"20s"}, queries
+    queries.clear()
+    driver.analyze(spec, "ns", st, pods, since + 95)  # long since: the usual window
+    assert {q.split("[")[1].split("]")[0] for q in queries if "[" in q} == {"30s"}, queries
