@@ -1,5 +1,6 @@
 """A real Prometheus server for tests (Debian package `prometheus`): its own loopback port, its own
-storage, scraping the given targets every second; stopped (and killed if need be) on exit."""
+storage, scraping the given targets (or a file_sd target list the caller keeps up to date) every
+second; stopped (and killed if need be) on exit."""
 
 from __future__ import annotations
 
@@ -24,17 +25,25 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_prometheus(workdir: Path, targets: list[str], *, honor_labels: bool = False,
+                       file_sd: Path | None = None, job_name: str = "engines",
                        ready_timeout: float = 60) -> Iterator[str]:
-    """Yields the server's base URL once it answers /-/ready."""
+    """Yields the server's base URL once it answers /-/ready.
+
+    ``file_sd``: a JSON file_sd target list (re-read every 2 s) instead of the static ``targets``,
+    for targets that come and go (what Kubernetes service discovery does in a cluster)."""
     assert PROMETHEUS, "the prometheus binary is not installed (apt-get install -y prometheus)"
     port = free_port()
-    quoted = ", ".join(f"'{t}'" for t in targets)
+    if file_sd is not None:
+        sd = f"    file_sd_configs: [{{files: ['{file_sd}'], refresh_interval: 2s}}]\n"
+    else:
+        quoted = ", ".join(f"'{t}'" for t in targets)
+        sd = f"    static_configs: [{{targets: [{quoted}]}}]\n"
     (workdir / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
-        "  - job_name: engines\n"
+        f"  - job_name: {job_name}\n"
         + ("    honor_labels: true\n" if honor_labels else "")
-        + f"    static_configs: [{{targets: [{quoted}]}}]\n"
+        + sd
     )
     log = open(workdir / "prometheus.log", "w")
     proc = subprocess.Popen(
