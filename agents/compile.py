@@ -59,6 +59,9 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     p.add_argument("--engines", default=None, help="FAST_URL,SLOW_URL of running engines' admin APIs; "
                    "without it both tiers start as local `anneal serve` processes")
     p.add_argument("--report-to", default=None, metavar="NS/NAME", help="CompilationJob to report progress to")
+    p.add_argument("--baseline-plan", default=None, metavar="FILE",
+                   help="Plan or CompiledPlan both engines apply first: the baseline the search must beat "
+                        "(default: what the engines serve, the reference plan for local engines)")
     p.add_argument("--fast-layers", type=int, default=None, help="layers of the fast-tier engine (default 1)")
     p.add_argument("--device", default=None, help="device of locally started engines (default: cuda if available, else cpu)")
     p.add_argument("--agents", default=None, help=f"comma-separated subset of {','.join(AGENT_NAMES)}")
@@ -110,7 +113,7 @@ def run_compile(args: argparse.Namespace) -> int:
         settings = CompileSettings(
             model=args.model, traffic=args.traffic, budget_s=args.budget, out=args.out, engines=engines,
             report_to=args.report_to, fast_layers=args.fast_layers or int(opts.get("fastLayers") or 1),
-            seed=args.seed, device=device,
+            seed=args.seed, device=device, baseline_plan=args.baseline_plan,
         )
         compiled = compile_plan(
             settings, agents=agents, max_len=args.max_len, cross_traffic=args.cross_traffic,
@@ -173,6 +176,8 @@ def compile_plan(
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     traffic = load_traffic(settings.traffic)
+    if settings.baseline_plan:
+        _apply_baseline(None, settings.baseline_plan, progress=False)  # a bad file fails before engines start
     with exit_on_sigterm():
         return _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffic, gpus, progress,
                              verification, llm_model)
@@ -205,6 +210,8 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
 def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_len, cross_traffic, gpus,
              progress, verification, llm_model) -> CompiledPlan:
     out = Path(settings.out)
+    if settings.baseline_plan:
+        _apply_baseline(clients, settings.baseline_plan, progress)
     fast_state, slow_state = clients["fast"].state(), clients["slow"].state()
     if fast_state.model != slow_state.model:
         raise CompileError(f"the tiers serve different models: fast {fast_state.model}, slow {slow_state.model}")
@@ -310,6 +317,23 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     report_progress(settings.report_to, phase="Done", experiments=len(ledger), best_speedup=gain,
             best_plan_hash=compiled.plan.hash, message=f"done in {wall:.0f}s")
     return compiled
+
+
+def _apply_baseline(clients: dict[str, EngineClient] | None, path: str, progress: bool) -> Plan:
+    """Both tiers serve the given plan before anything is measured: it is the baseline to beat.
+    Without clients it only reads and validates the file (before any engine starts)."""
+    from anneal.engine.plan import load_plan
+
+    try:
+        plan = load_plan(Path(path).read_text())
+    except OSError as e:
+        raise CompileError(f"--baseline-plan {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise CompileError(f"--baseline-plan {path} is not a valid plan: {e}") from None
+    for tier, c in (clients or {}).items():
+        _say(progress, f"{tier} tier: applying the baseline plan {plan.hash} from {path}")
+        c.put_plan(plan)
+    return plan
 
 
 VERIFY_CHECKS = ("quality", "kv_contamination", "batch_invariance", "prefix_cache", "determinism")

@@ -22,6 +22,7 @@ from pathlib import Path
 from anneal.agents.engine_client import EngineClient, EngineError
 
 _LAUNCH = "import sys; from anneal.cli import main; sys.exit(main())"
+FAST_TIER_GPU_SHARE = 0.2  # of the GPU's memory for the fast tier; the slow tier sizes from what is left
 
 
 @contextlib.contextmanager
@@ -78,40 +79,58 @@ class LocalEngines:
     extra_args: list[str] = field(default_factory=list)
 
     def start(self, timeout_s: float = 600.0) -> dict[str, EngineClient]:
+        """Start both tiers and wait until their admin APIs answer.
+
+        On a GPU the tiers start one after the other: each sizes its KV cache from the memory that
+        is free when it starts, so the fast tier (a few layers) takes a small share first and the
+        slow tier the rest — started together, whichever sized first would take it all.
+        """
         self.out.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "ANNEAL_ADMIN_TOKEN": self.token}
-        for tier, layers in (("fast", self.fast_layers), ("slow", None)):
-            port, admin = free_port(), free_port()
-            cmd = [sys.executable, "-c", _LAUNCH, "serve", "--model", self.model, "--host", "127.0.0.1",
-                   "--port", str(port), "--admin-port", str(admin), "--device", self.device,
-                   *self.extra_args]
-            if layers is not None:
-                cmd += ["--layers", str(layers)]
-            log = self.out / f"engine-{tier}.log"
-            fh = open(log, "wb")
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-            fh.close()
-            self.engines[tier] = LocalEngine(tier, proc, f"http://127.0.0.1:{admin}", log)
-        (self.out / "engines.json").write_text(json.dumps(
-            {t: {"pid": e.proc.pid, "admin_url": e.admin_url, "log": str(e.log)} for t, e in self.engines.items()},
-            indent=2))
-        clients = {}
+        gpu = self.device.startswith("cuda")
+        clients: dict[str, EngineClient] = {}
         try:
-            for tier, eng in self.engines.items():
-                c = EngineClient(eng.admin_url, self.token, name=f"{tier}-tier engine")
-                try:
-                    c.wait_ready(timeout_s, proc_alive=eng.alive)
-                except EngineError as e:
-                    c.close()
-                    raise EngineError(f"{e}\n--- {eng.log} (last lines) ---\n{eng.log_tail()}") from None
-                clients[tier] = c
+            for tier, layers in (("fast", self.fast_layers), ("slow", None)):
+                self._launch(tier, layers, FAST_TIER_GPU_SHARE if gpu and layers else None)
+                if gpu:
+                    clients[tier] = self._wait(tier, timeout_s)
+            for tier in self.engines:
+                if tier not in clients:
+                    clients[tier] = self._wait(tier, timeout_s)
         except BaseException:
             for c in clients.values():
                 c.close()
             self.stop()
             raise
         return clients
+
+    def _launch(self, tier: str, layers: int | None, memory_share: float | None) -> None:
+        env = {**os.environ, "ANNEAL_ADMIN_TOKEN": self.token}
+        port, admin = free_port(), free_port()
+        cmd = [sys.executable, "-c", _LAUNCH, "serve", "--model", self.model, "--host", "127.0.0.1",
+               "--port", str(port), "--admin-port", str(admin), "--device", self.device,
+               *self.extra_args]
+        if layers is not None:
+            cmd += ["--layers", str(layers)]
+        if memory_share is not None:
+            cmd += ["--gpu-memory-utilization", str(memory_share)]
+        log = self.out / f"engine-{tier}.log"
+        fh = open(log, "wb")
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        fh.close()
+        self.engines[tier] = LocalEngine(tier, proc, f"http://127.0.0.1:{admin}", log)
+        (self.out / "engines.json").write_text(json.dumps(
+            {t: {"pid": e.proc.pid, "admin_url": e.admin_url, "log": str(e.log)} for t, e in self.engines.items()},
+            indent=2))
+
+    def _wait(self, tier: str, timeout_s: float) -> EngineClient:
+        eng = self.engines[tier]
+        c = EngineClient(eng.admin_url, self.token, name=f"{tier}-tier engine")
+        try:
+            c.wait_ready(timeout_s, proc_alive=eng.alive)
+        except EngineError as e:
+            c.close()
+            raise EngineError(f"{e}\n--- {eng.log} (last lines) ---\n{eng.log_tail()}") from None
+        return c
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop the engines this object started (their own process groups), politely first."""

@@ -47,7 +47,7 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     return setting, traffic
 
 
-def gpu_requests(traffic, tokens_per_replay: float = 2e5) -> int:
-    """Requests per workload replay on a GPU: ~200k tokens, 8..64 requests (long prompts, fewer)."""
+def gpu_requests(traffic, tokens_per_replay: float = 1e5) -> int:
+    """Requests per workload replay on a GPU: ~100k tokens, 8..64 requests (long prompts, fewer)."""
     per_request = traffic.prompt_len.mean() + traffic.output_len.mean()
     return int(max(8, min(64, tokens_per_replay / max(per_request, 1.0))))

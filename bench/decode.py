@@ -204,8 +204,13 @@ def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw
             tokens[name] = engine.generate(
                 [prompt], SamplingParams(max_tokens=greedy_check, temperature=0, ignore_eos=True))[0]
     if "reference" in tokens:
-        out["greedy_identical_to_reference"] = {
-            n: t == tokens["reference"] for n, t in tokens.items() if n != "reference"}
+        ref = tokens["reference"]
+        out["greedy_identical_to_reference"] = {n: t == ref for n, t in tokens.items() if n != "reference"}
+        # where a plan's greedy stream first leaves the reference's (random weights give
+        # near-uniform logits, so a last-bit difference can flip an argmax)
+        out["greedy_first_divergence"] = {
+            n: next((i for i, (a, b) in enumerate(zip(t, ref)) if a != b), None)
+            for n, t in tokens.items() if n != "reference"}
         out["greedy_steps"] = greedy_check
     del engine
     gc.collect()
@@ -236,6 +241,7 @@ def main() -> int:
     ap.add_argument("--plans", default="reference,triton,triton+gemv,triton+fused,triton+fused+pdl")
     ap.add_argument("--greedy-check", type=int, default=256)
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    ap.add_argument("--name", default="decode", help="result file stem")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode.py needs a CUDA GPU", file=sys.stderr)
@@ -248,7 +254,7 @@ def main() -> int:
         result["shapes"].append(bench_shape(shape, bs, args.context, args.steps, result["copy_gbps"],
                                             not args.no_hf, args.greedy_check,
                                             args.plans.split(",")))
-    path = write_result("decode", result, Path(args.out) if args.out else None)
+    path = write_result(args.name, result, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0
 

@@ -235,6 +235,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     parser.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized by the engine)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.85,
+        help="share of the GPU's memory this engine may fill, weights + KV (default 0.85); engines that "
+             "share a GPU take their share of what is free when they size the KV cache",
+    )
     parser.add_argument("--max-num-seqs", type=int, help="sequences per step (overrides the plan)")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, help="token budget per step (overrides the plan)"
@@ -289,6 +294,7 @@ def build_engine(args: argparse.Namespace) -> Any:
             max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             seed=args.seed,
         )
     )

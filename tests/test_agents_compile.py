@@ -13,7 +13,7 @@ import json
 import pytest
 
 from fakes.fake_engine import FakeEngine, serve_in_thread
-from anneal.engine.plan import CompiledPlan
+from anneal.engine.plan import CompiledPlan, Plan
 from anneal.agents.compile import add_compile_args, run_compile
 from anneal.agents.engine_client import EngineClient
 from anneal.agents.lab import Lab
@@ -174,4 +174,28 @@ def test_a_plan_carries_its_kernels_to_an_engine_that_never_saw_them(tmp_path, f
     assert first.verdict.status == "measured" and second.verdict.status == "measured"
     kern = led.experiments(kind="kernel")
     assert len(kern) == 1 and kern[0].verdict.status == "registered"  # once per engine, not per run
+    led.close()
+
+
+def test_a_baseline_plan_is_applied_to_both_tiers_and_bad_ones_fail_before_engines(tmp_path, fakes, monkeypatch,
+                                                                                   capsys):
+    monkeypatch.setenv("ANNEAL_ADMIN_TOKEN", "tok")
+    fast_srv, fast = fakes(layers=1)
+    slow_srv, slow = fakes(layers=4)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"ops": {"no_such_op": {"impl": "x"}}}')
+    for path, needle in ((bad, "not a valid plan"), (tmp_path / "missing.json", "No such file")):
+        rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--budget", "5", "--out", str(tmp_path / "o"),
+                       "--engines", f"{fast},{slow}", "--quiet", "--baseline-plan", str(path)])
+        assert rc == 1 and needle in capsys.readouterr().err
+    assert not (tmp_path / "o" / "ledger.sqlite").exists()  # failed before anything was measured
+
+    base = Plan(scheduler={"max_num_seqs": 8})
+    (tmp_path / "base.json").write_text(base.model_dump_json())
+    out = tmp_path / "out"
+    rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--budget", "6", "--out", str(out),
+                   "--engines", f"{fast},{slow}", "--quiet", "--baseline-plan", str(tmp_path / "base.json")])
+    assert rc == 0
+    led = Ledger(out / "ledger.sqlite")
+    assert {r.plan_hash for r in led.experiments() if r.agent == "baseline"} == {base.hash}
     led.close()

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU work, by stage: `bench/h200.sh STAGE...` from the repo root of a
+# committed snapshot on the H200 (see bench/NOTES.md, "How to run on the device"). Every stage has
+# its own time limit, writes under $OUT and goes on to the next stage when it fails, so one broken
+# stage never costs the others their device time.
+#   compile-chat, compile-agentic   issue 5: `anneal compile` for the 8B shape (budget $BUDGET s)
+#   plans                           issue 5: reference vs hand-set vs compiled plans, both shapes
+#   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
+#   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
+#   gpu-tests                       pytest -m gpu
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"
+BUDGET="${BUDGET:-240}"
+mkdir -p "$OUT"
+py=python3
+
+stage() {  # stage NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) $(date +%T)"
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s"
+  tail -n 25 "$OUT/$name.log"
+}
+
+for s in "$@"; do
+  case $s in
+    compile-chat|compile-agentic)
+      traffic=${s#compile-}; other=$([ "$traffic" = chat ] && echo agentic || echo chat)
+      stage "$s" $((BUDGET + 150)) $py -m anneal.cli compile --model random:llama-3.1-8b --traffic "$traffic" \
+        --cross-traffic "$other" --budget "$BUDGET" --fast-layers 2 --baseline-plan bench/plans/triton.json \
+        --out "$OUT/$s" --quiet
+      ;;
+    plans)
+      # The reference plan's decode attention gathers max_model_len-wide block tables (it exists
+      # for verification), so a replay of it at 8192 context takes minutes: opt in with REFERENCE=1.
+      plans=$([ "${REFERENCE:-0}" = 1 ] && echo reference,)bench/plans/triton.json
+      for d in "$OUT" "${PLANS_DIR:-/nonexistent}"; do
+        for c in compile-chat compile-agentic; do [ -f "$d/$c/plan.json" ] && plans="$plans,$d/$c/plan.json"; done
+      done
+      stage plans 420 $py bench/plans.py --model random:llama-3.1-8b --plans "$plans" --traffic chat,agentic \
+        --rounds 2 --out "$OUT"
+      ;;
+    serving)
+      stage serving 480 $py bench/serving.py --serve "$py -m anneal.cli serve --model random:llama-3.1-8b \
+--plan bench/plans/triton.json --port 8000 --max-num-seqs 64" --model random:llama-3.1-8b --vocab-size 128256 \
+        --pairs 1024/1024,8192/1024 --concurrency 1,4,16,64 --requests-per-concurrency 1 --min-requests 2 \
+        --hf-baseline --hf-model random:llama-3.1-8b --hf-osl 256 --name serving-llama-3.1-8b --out "$OUT"
+      ;;
+    decode)
+      stage decode 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1,8,32,128 \
+        --context 1024 --plans reference,triton,triton+gemv --no-hf --steps 30 --greedy-check 256 --out "$OUT"
+      ;;
+    decode-8k)
+      stage decode-8k-1b 300 $py bench/decode.py --shapes llama-3.2-1b --batch-sizes 32,128 --context 8192 \
+        --plans reference,triton --no-hf --steps 10 --greedy-check 0 --name decode-8k-1b --out "$OUT"
+      stage decode-8k-8b 300 $py bench/decode.py --shapes llama-3.1-8b --batch-sizes 32 --context 8192 \
+        --plans reference,triton --no-hf --steps 10 --greedy-check 0 --name decode-8k-8b --out "$OUT"
+      ;;
+    spread)
+      stage spread 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 --plan bench/plans/triton.json \
+        --runs 20 --out "$OUT"
+      ;;
+    gpu-tests)
+      stage gpu-tests-engine 240 $py -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py
+      stage gpu-tests-kernels "${KERNEL_TEST_LIMIT:-420}" $py -m pytest -m gpu -q -p no:cacheprovider -x \
+        --durations=15 tests/kernels
+      ;;
+    *) echo "unknown stage $s" >&2 ;;
+  esac
+done

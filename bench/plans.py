@@ -1,0 +1,121 @@
+"""Plans side by side on traffic replays: reference vs hand-set vs compiled, on every shape, one run.
+
+Why: a compiled plan's gain means something only against the alternatives measured in the same
+process on the same GPU — the reference plan, the best hand-set plan, and plans compiled for other
+traffic shapes (what a plan loses off its own shape). One engine with all layers (the slow tier)
+hot-swaps each plan and replays each shape's synthetic workload exactly as `anneal compile`'s
+promotion does (closed loop at the shape's concurrency, lengths scaled to the engine's context),
+interleaved over rounds so drift in clocks or temperature hits every plan alike.
+
+    python bench/plans.py --model random:llama-3.1-8b --traffic chat,agentic \
+        --plans reference,bench/plans/triton.json,out-chat/plan.json,out-agentic/plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, write_result  # noqa: E402
+
+
+def load_plans(specs: list[str]):
+    """(label, Plan) for 'reference' or a Plan/CompiledPlan file; the label is the file's folder."""
+    from anneal.engine.plan import Plan, load_plan
+
+    out = []
+    for s in specs:
+        if s == "reference":
+            out.append(("reference", Plan()))
+            continue
+        p = Path(s)
+        if not p.is_file():
+            raise SystemExit(f"plan file {s} does not exist")
+        label = p.stem if p.stem != "plan" else p.parent.name
+        out.append((label, load_plan(p.read_text())))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:llama-3.1-8b")
+    ap.add_argument("--plans", default="reference,bench/plans/triton.json")
+    ap.add_argument("--traffic", default="chat,agentic")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved measurements of every (plan, shape)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--name", default=None, help="result file stem (default plans-<model>)")
+    ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    args = ap.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    from anneal.agents.setting import gpu_requests
+    from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
+    from anneal.engine.llm import Engine, EngineArgs
+    from anneal.engine.traffic import load_traffic
+
+    plans = load_plans(args.plans.split(","))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    eng = Engine(EngineArgs(model=args.model, device=device))
+    start_s = time.perf_counter() - t0
+    shapes = []
+    for name in args.traffic.split(","):
+        t = load_traffic(name)
+        if t.max_total_len > eng.max_model_len:
+            t = t.scaled(eng.max_model_len)
+        shapes.append((name, t, gpu_requests(t) if device == "cuda" else 4))
+
+    runs: dict[tuple[str, str], list[dict]] = {}
+    jobs = [(r, label, plan, s) for r in range(args.rounds) for label, plan in plans for s in shapes]
+    for r, label, plan, (sname, shape, n) in tqdm(jobs, desc="plan x shape x round", file=sys.stderr):
+        rep = eng.apply_plan(plan)
+        res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                                  num_requests=n, steps=1, warmup=1, seed=r))
+        row = {"round": r, "tokens_per_s": res.tokens_per_s, "wall_ms": res.median_ms,
+               "apply_s": getattr(rep, "total_s", None), **res.extra}
+        runs.setdefault((label, sname), []).append(row)
+        print(f"round {r} {label:>24} on {sname:<8} {res.tokens_per_s:9.1f} tok/s  itl p90 "
+              f"{res.extra['itl_p90_ms']:7.2f} ms  ttft p90 {res.extra['ttft_p90_ms']:8.1f} ms",
+              file=sys.stderr, flush=True)
+
+    table = {}
+    for (label, sname), rows in runs.items():
+        med = lambda k: statistics.median(x[k] for x in rows)  # noqa: E731
+        table.setdefault(sname, {})[label] = {
+            "plan_hash": dict(plans)[label].hash, "tokens_per_s": med("tokens_per_s"),
+            "itl_p90_ms": med("itl_p90_ms"), "ttft_p90_ms": med("ttft_p90_ms"),
+            "itl_p50_ms": med("itl_p50_ms"), "rounds": rows,
+        }
+    for sname, per in table.items():
+        first_other = next((label for label, _ in plans if label != "reference"), None)
+        for ref in {"reference", first_other} - {None}:
+            base = per.get(ref)
+            for label, m in per.items():
+                if base and label != ref:
+                    m[f"x_vs_{ref}"] = round(m["tokens_per_s"] / base["tokens_per_s"], 3)
+                    m[f"itl_p90_vs_{ref}"] = round(m["itl_p90_ms"] / base["itl_p90_ms"], 3)
+    print("\nshape     plan                      tok/s   itl p90 ms  ttft p90 ms  ratios", file=sys.stderr)
+    for sname, per in table.items():
+        for label, m in per.items():
+            ratios = ", ".join(f"{k}={v}" for k, v in m.items() if k.startswith("x_vs_"))
+            print(f"{sname:<9} {label:<24} {m['tokens_per_s']:8.1f} {m['itl_p90_ms']:11.2f} "
+                  f"{m['ttft_p90_ms']:12.1f}  {ratios}", file=sys.stderr)
+    path = write_result(args.name or f"plans-{args.model.removeprefix('random:')}", {
+        "benchmark": "plans side by side (workload replay, closed loop at the shape's concurrency)",
+        "environment": environment(), "model": args.model, "device": device, "engine_start_s": start_s,
+        "plans": {label: plan.model_dump(mode="json") for label, plan in plans},
+        "shapes": {s: {"traffic": t.model_dump(mode="json"), "num_requests": n} for s, t, n in shapes},
+        "results": table,
+    }, Path(args.out) if args.out else None)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""The workload replay of POST /admin/benchmark paces requests like the traffic it replays."""
+
+from __future__ import annotations
+
+import pytest
+
+from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
+from anneal.engine.llm import Engine, EngineArgs
+from anneal.engine.traffic import load_traffic
+
+
+@pytest.fixture(scope="module")
+def eng() -> Engine:
+    return Engine(EngineArgs(model="random:tiny", device="cpu", max_model_len=128, num_kv_blocks=256))
+
+
+def _replay(eng: Engine, shape, n: int) -> tuple[list[int], dict]:
+    """Running-batch sizes seen at every step of a replay of ``n`` requests, and the result."""
+    seen: list[int] = []
+    step = eng.step
+
+    def counting_step():
+        seen.append(len(eng.scheduler.running) + len(eng.scheduler.waiting))
+        return step()
+
+    eng.step = counting_step
+    try:
+        res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                                  num_requests=n, steps=1, warmup=0))
+    finally:
+        del eng.step
+    return seen, res.extra
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_closed_loop_keeps_the_traffic_concurrency_in_flight(eng, concurrency):
+    shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": float(concurrency)})
+    seen, extra = _replay(eng, shape, 8)
+    assert max(seen) == concurrency  # never more in flight, and the level is reached
+    assert extra["pacing"] == f"closed loop, {concurrency} in flight"
+    assert extra["num_requests"] == 8 and extra["output_tokens"] > 0
+    assert not eng.has_unfinished_requests()
+
+
+def test_poisson_arrivals_are_released_over_time(eng):
+    shape = load_traffic("chat").scaled(60).model_copy(update={"concurrency": None, "arrival_rate": 40.0})
+    seen, extra = _replay(eng, shape, 6)
+    assert extra["pacing"] == "poisson arrivals"
+    assert seen[0] < 6  # not all at once: later requests wait for their arrival times
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
