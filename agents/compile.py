@@ -191,7 +191,8 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
             clients = {"fast": EngineClient(settings.engines[0], name="fast-tier engine"),
                        "slow": EngineClient(settings.engines[1], name="slow-tier engine")}
         else:
-            local = LocalEngines(settings.model, out, fast_layers=settings.fast_layers, device=settings.device)
+            local = LocalEngines(settings.model, out, fast_layers=settings.fast_layers, device=settings.device,
+                                 plan=settings.baseline_plan)
             _say(progress, f"starting the fast-tier ({settings.fast_layers} layers) and slow-tier engines ...")
             clients = local.start()
     ledger = Ledger(out / "ledger.sqlite")

@@ -77,6 +77,7 @@ class LocalEngines:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     engines: dict[str, LocalEngine] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    plan: str | None = None  # a plan file both tiers start with (their first capture uses it)
 
     def start(self, timeout_s: float = 600.0) -> dict[str, EngineClient]:
         """Start both tiers and wait until their admin APIs answer.
@@ -111,6 +112,8 @@ class LocalEngines:
                *self.extra_args]
         if layers is not None:
             cmd += ["--layers", str(layers)]
+        if self.plan:
+            cmd += ["--plan", self.plan]
         if memory_share is not None:
             cmd += ["--gpu-memory-utilization", str(memory_share)]
         log = self.out / f"engine-{tier}.log"

@@ -75,9 +75,13 @@ def _sequences(engine, n: int, length: int, computed: int, rng: random.Random) -
 
 
 def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkRequest,
-                 decode_only: bool) -> list[float]:
+                 decode_only: bool) -> tuple[list[float], list[float]]:
+    """Wall time of each step (host prep + device, synced device-wide: the number that ranks
+    plans, since work on other streams counts) and, for graph replays on a GPU, the device time of
+    the replay alone (its spread shows what of the wall spread is the host's)."""
     samples = []
     graphs = engine.runner.graphs
+    events = engine.runner.replay_events = [] if engine.device.type == "cuda" else None
     for i in range(req.warmup + req.steps):
         items = sets[i % len(sets)]
         with torch.inference_mode():  # graph outputs are inference tensors
@@ -92,7 +96,11 @@ def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkR
         dt = time.perf_counter() - t0
         if i >= req.warmup:
             samples.append(dt)
-    return samples
+        elif events:
+            events.clear()
+    engine.runner.replay_events = None
+    device = [a.elapsed_time(b) / 1e3 for a, b in events or []]
+    return samples, device
 
 
 def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps: int = 3) -> dict:
@@ -162,7 +170,7 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
                 for _ in range(req.rotate)]
         tokens_per_step = req.batch_size * req.prompt_len
     try:
-        samples = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")
+        samples, device = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")
         per_op = _per_op(engine, sets[0], req.mode == "decode") if req.per_op else None
     finally:
         for items in sets:
@@ -175,7 +183,10 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
         tokens_per_s=tokens_per_step / med, samples_ms=[x * 1e3 for x in samples],
         per_op_ms=per_op,
         extra={"batch_size": req.batch_size, "context_len": req.context_len,
-               "graph": req.mode == "decode" and bool(engine.runner.graphs)},
+               "graph": req.mode == "decode" and bool(engine.runner.graphs),
+               **({"replay_median_ms": statistics.median(device) * 1e3,
+                   "replay_p10_ms": _quantile(device, 0.1) * 1e3,
+                   "replay_p90_ms": _quantile(device, 0.9) * 1e3} if device else {})},
     )
 
 

@@ -63,6 +63,15 @@ class ApplyReport:
     total_s: float
 
 
+def graph_sizes(plan: Plan) -> list[int]:
+    """The plan's CUDA-graph buckets that a step can use: none above the first bucket that holds
+    ``max_num_seqs`` (a larger one is never replayed, and its capture holds memory the KV cache
+    could use — with the reference attention, many GB)."""
+    sizes = sorted(plan.cuda_graph_batch_sizes)
+    cap = next((b for b in sizes if b >= plan.scheduler.max_num_seqs), None)
+    return [b for b in sizes if cap is None or b <= cap]
+
+
 def register_plan_kernels(plan: Plan) -> None:
     """Agent-written kernels a plan carries become registry variants before its ops are built."""
     if plan.kernels:
@@ -127,7 +136,9 @@ class Engine:
         )
         self.scheduler = Scheduler(self.plan.scheduler, self.blocks, self.max_model_len)
         kv_s = time.perf_counter() - t0
-        self.capture_timings = self.runner.capture(self.plan.cuda_graph_batch_sizes)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # weight-init temporaries go back before graphs take their pool
+        self.capture_timings = self.runner.capture(graph_sizes(self.plan))
         self.startup = {"config_s": t0 - t_init - self.load_s, "weights_s": self.load_s,
                         "kv_cache_s": kv_s, **self.capture_timings}
         self._rng = random.Random(args.seed)
@@ -253,10 +264,10 @@ class Engine:
         t1 = time.perf_counter()
         try:
             self.runner.model.ops = ops
-            timings = self.runner.capture(plan.cuda_graph_batch_sizes)
+            timings = self.runner.capture(graph_sizes(plan))
         except Exception:
             self.runner.model.ops = old_ops
-            self.runner.capture(old_plan.cuda_graph_batch_sizes)
+            self.runner.capture(graph_sizes(old_plan))
             raise
         self.plan = plan
         self.blocks.reset_prefix_cache()

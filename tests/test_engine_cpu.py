@@ -251,3 +251,13 @@ def test_bfloat16_on_the_cpu_runs(eng):
     with pytest.raises(ValueError, match="unknown dtype"):
         Engine(EngineArgs(model="random:tiny", device="cpu", dtype="float8", num_kv_blocks=16,
                           max_model_len=64))
+
+
+def test_graph_buckets_above_max_num_seqs_are_not_captured():
+    from anneal.engine.llm import graph_sizes
+    from anneal.engine.plan import Plan
+
+    plan = Plan(cuda_graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128], scheduler={"max_num_seqs": 20})
+    assert graph_sizes(plan) == [1, 2, 4, 8, 16, 32]  # 32 holds 20 sequences; 64 and 128 never replay
+    assert graph_sizes(plan.model_copy(update={"scheduler": plan.scheduler.model_copy(
+        update={"max_num_seqs": 500})})) == [1, 2, 4, 8, 16, 32, 64, 128]

@@ -142,14 +142,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     seen = mask.any(dim=1)[:, :, None, None]  # [B, Tk, 1, 1]: a key some query may read
     k = torch.where(seen, k, torch.zeros((), dtype=k.dtype, device=k.device))
     v = torch.where(seen, v, torch.zeros((), dtype=v.dtype, device=v.device))
-    k = k.repeat_interleave(rep, dim=2)
-    v = v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    # Query head h reads kv head h // rep: group the queries instead of copying k/v rep times.
+    B, Tq, _, D = q.shape
+    qg = q.reshape(B, Tq, Hkv, rep, D).float()
+    scores = torch.einsum("bqgrd,bkgd->bgrqk", qg, k.float()) * scale
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # fully masked rows (padding) give zeros, not NaN
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float())
-    return out.to(q.dtype)
+    out = torch.einsum("bgrqk,bkgd->bqgrd", probs, v.float())
+    return out.reshape(B, Tq, Hkv * rep, D).to(q.dtype)
 
 
 @define_op(
