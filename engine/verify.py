@@ -115,17 +115,30 @@ def _poison_free_blocks(engine) -> int:
 def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor], tol: float,
              exact: bool, min_agree: float = 1.0) -> CheckResult:
     worst = max(_rel(g, w) for g, w in zip(got, want))
-    agree = sum((g.argmax(-1) == w.argmax(-1)).sum().item() for g, w in zip(got, want))
-    total = sum(w.shape[0] for w in want)
+    # Greedy agreement counts the decisive positions: where the expected top-2 margin exceeds
+    # what rounding at this tolerance can move (2 x tol x the row's RMS). A near-tie (random
+    # weights give near-uniform logits) flips under any change of summation order; it says
+    # nothing about the plan, and the relative error above still bounds it.
+    agree = total = 0
+    for g, w in zip(got, want):
+        w = w.float()
+        top2 = w.topk(2, dim=-1).values
+        rms = w.norm(dim=-1) / w.shape[-1] ** 0.5
+        decisive = (top2[:, 0] - top2[:, 1]) > 2 * tol * rms
+        agree += ((g.argmax(-1) == w.argmax(-1)) & decisive).sum().item()
+        total += decisive.sum().item()
+    total = max(total, 1)
     nonfinite = any(not torch.isfinite(g).all() for g in got)
     identical = all(torch.equal(g, w) for g, w in zip(got, want))
     ok = (identical if exact else worst <= tol and agree >= min_agree * total) and not nonfinite
     detail = "" if ok else (
         "non-finite logits" if nonfinite else
         "outputs differ (bit-exactness required)" if exact else
-        f"max relative error {worst:.3g} (tolerance {tol:g}), argmax agreement {agree}/{total}")
+        f"max relative error {worst:.3g} (tolerance {tol:.3g}), argmax agreement {agree}/{total} "
+        f"decisive positions")
     return CheckResult(name=name, passed=ok, detail=detail,
-                       metrics={"max_rel_err": worst, "argmax_agreement": agree / total,
+                       metrics={"max_rel_err": worst, "argmax_agreement": agree / total, "decisive_positions": total,
+                         "tolerance": tol,
                                 "bit_identical": identical})
 
 
@@ -145,7 +158,9 @@ def verify(engine, req: VerifyRequest) -> VerifyReport:
         raise ValueError("max_model_len is too small for these prompt lengths and steps")
     prompts = [[rng.randrange(V) for _ in range(rng.randint(req.min_prompt_len, hi))]
                for _ in range(req.num_prompts)]
-    tol = req.rel_tol or DTYPE_TOL.get(engine.dtype, 1e-3)
+    # Rounding differences add up layer by layer (roughly in quadrature): the per-dtype tolerances
+    # hold for up to 16 layers and widen with the square root of the depth beyond that.
+    tol = req.rel_tol or DTYPE_TOL.get(engine.dtype, 1e-3) * max(1.0, engine.num_layers / 16) ** 0.5
     original = engine.plan
     # The reference runs eager: its decode attention gathers max_model_len-wide block tables,
     # and a captured graph of that would hold many GB the KV cache already owns.
