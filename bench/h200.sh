@@ -44,7 +44,8 @@ for s in "$@"; do
       ;;
     serving)
       stage serving 480 $py bench/serving.py --serve "$py -m anneal.cli serve --model random:llama-3.1-8b \
---plan bench/plans/triton.json --port 8000 --max-num-seqs 64" --model random:llama-3.1-8b --vocab-size 128256 \
+--plan bench/plans/triton.json --port 8000 --max-num-seqs 64 --max-model-len 9280" --model random:llama-3.1-8b \
+        --vocab-size 128256 \
         --pairs 1024/1024,8192/1024 --concurrency 1,4,16,64 --requests-per-concurrency 1 --min-requests 2 \
         --hf-baseline --hf-model random:llama-3.1-8b --hf-osl 256 --name serving-llama-3.1-8b --out "$OUT"
       ;;
