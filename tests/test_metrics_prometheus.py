@@ -5,16 +5,14 @@ Needs the `prometheus` binary (Debian package `prometheus`); skipped when it is 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from live_server import LiveServer, free_port
+from live_server import LiveServer
+from prometheus_server import PROMETHEUS, running_prometheus
 
-PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs the prometheus binary (apt-get install prometheus)")
 
 # Prompt lengths sent (token-id prompts, so lengths are exact) and the buckets they fall in.
@@ -38,38 +36,9 @@ def no_leaks(request):
 
 @pytest.fixture(scope="module")
 def prometheus(server, tmp_path_factory):
-    d = tmp_path_factory.mktemp("prometheus")
-    config = d / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        "scrape_configs:\n"
-        "  - job_name: anneal\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{server.port}']}}]\n"
-    )
-    port = free_port()
-    log = open(d / "prometheus.log", "w")
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={d / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (d / "prometheus.log").read_text()[-2000:]
-            try:
-                if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.2)
+    with running_prometheus(tmp_path_factory.mktemp("prometheus"), [f"127.0.0.1:{server.port}"],
+                            job_name="anneal") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 def query(prom: str, promql: str) -> list[dict]:
