@@ -65,8 +65,10 @@ for s in "$@"; do
       ;;
     gpu-tests)
       stage gpu-tests-engine 240 $py -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py
-      stage gpu-tests-kernels "${KERNEL_TEST_LIMIT:-420}" $py -m pytest -m gpu -q -p no:cacheprovider -x \
-        --durations=15 tests/kernels
+      # Triton's JIT of every variant config dominates (one process got through 5 tests in 110 s):
+      # spread the tests over the machine's cores (pytest-xdist is in the device image).
+      stage gpu-tests-kernels "${KERNEL_TEST_LIMIT:-420}" $py -m pytest -m gpu -q -p no:cacheprovider -rfE \
+        -n "${TEST_WORKERS:-12}" --durations=15 tests/kernels
       ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
