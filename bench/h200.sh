@@ -73,3 +73,9 @@ for s in "$@"; do
     *) echo "unknown stage $s" >&2 ;;
   esac
 done
+
+# A device call brings back only a few files from $OUT (more are dropped as "(count)"): pack them.
+if [ "${PACK:-1}" = 1 ] && [ -n "$(ls -A "$OUT")" ]; then
+  tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"
+  echo "packed into $OUT/results.tgz"
+fi
