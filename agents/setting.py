@@ -29,7 +29,9 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     space = CandidateSpace.from_state(state)
     base = state.plan
     conc = traffic.concurrency or max(1.0, (traffic.arrival_rate or 1.0) * 4)
-    dist = batch_size_distribution(conc, base.scheduler.max_num_seqs)
+    # The batches the traffic would form, bounded by the largest cap a candidate may choose — not
+    # by the serving plan's cap: when concurrency drifts above it, raising it is the point.
+    dist = batch_size_distribution(conc, max(base.scheduler.max_num_seqs, *space.max_num_seqs))
     typical = quantile_sizes(dist, (0.5,))[0]
     buckets = sorted({1, typical})
     prompt = max(1, round(traffic.prompt_len.quantile(0.5)))

@@ -85,3 +85,17 @@ def test_without_chunked_prefill_a_step_holds_a_whole_prompt():
     for _ in range(200):
         knobs = space.mutate_scheduler(knobs, rng)
         assert knobs.chunked_prefill or knobs.max_num_batched_tokens >= 4096
+
+
+def test_the_scheduler_grid_reaches_past_a_serving_cap_below_the_traffic_concurrency():
+    """Concurrency drifted above the serving plan's max_num_seqs: the search must be able to raise it."""
+    from anneal.agents.setting import make_setting
+    from anneal.engine.plan import Plan
+    from anneal.engine.traffic import load_traffic
+
+    state = STATE.model_copy(update={"plan": Plan(scheduler={"max_num_seqs": 2})})
+    traffic = load_traffic("chat")  # 16 requests in flight
+    setting, _ = make_setting(state, traffic, seed=0, max_len=256, workload_requests=4)
+    assert max(setting.batch_dist) >= 16
+    grid = setting.space.scheduler_grid(limit_seqs=max(setting.batch_dist))
+    assert max(k.max_num_seqs for k in grid) >= 16
