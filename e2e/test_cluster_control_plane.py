@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from cluster.services import ServiceNotReady
+from cluster.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-def wait_for(fn, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
 
 
 def get_json(cluster, *args) -> dict:

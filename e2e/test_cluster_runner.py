@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,19 +15,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster import LocalCluster, procs  # noqa: E402
+from cluster.waiting import wait_for as _wait_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 
-def wait_for(fn, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
+wait_for = functools.partial(_wait_for, every=0.3)  # local processes: poll a little faster
 
 
 def get_json(cluster, *args) -> dict | None:

@@ -21,6 +21,7 @@ throughput were no worse, since one sequence per step is not slower on the CPU).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -35,6 +36,7 @@ import yaml
 
 from anneal.engine.plan import Plan, SchedulerKnobs, load_plan
 from cluster import operator_chart as chart
+from cluster.waiting import wait_for as _wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the shared test helpers (not a package)
@@ -46,15 +48,7 @@ NS = "anneal-drift"
 NAME = "tiny"
 
 
-def wait_for(fn, timeout: float, what: str, every: float = 1.0):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
+wait_for = functools.partial(_wait_for, every=1.0)  # Prometheus windows: no need to poll faster
 
 
 def get(c, kind, name, ns=NS):

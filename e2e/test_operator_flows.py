@@ -21,21 +21,11 @@ import yaml
 from anneal.engine.plan import Plan
 from cluster import operator_chart as chart
 from cluster.operator_chart import OPERATOR_NS, OPERATOR_SELECTOR, module_namespace
+from cluster.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
 MODULE = "operator-flows"
-
-
-def wait_for(fn, timeout: float = 90, what: str = "condition", every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
 
 
 def get(cluster, kind, name, ns):
