@@ -176,8 +176,6 @@ def compile_plan(
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     traffic = load_traffic(settings.traffic)
-    if settings.baseline_plan:
-        _apply_baseline(None, settings.baseline_plan, progress=False)  # a bad file fails before engines start
     with exit_on_sigterm():
         return _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffic, gpus, progress,
                              verification, llm_model)
@@ -185,6 +183,8 @@ def compile_plan(
 
 def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffic, gpus, progress,
                   verification, llm_model) -> CompiledPlan:
+    # read before any engine starts: a bad file fails the compile without starting or measuring
+    baseline = _read_baseline(settings.baseline_plan) if settings.baseline_plan else None
     local: LocalEngines | None = None
     if clients is None:
         if settings.engines:
@@ -198,6 +198,8 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
     ledger = Ledger(out / "ledger.sqlite")
     t0_wall, t0 = time.time(), time.monotonic()  # the budget starts once the engines answer
     try:
+        if baseline is not None and local is None:  # local tiers were started on it already
+            _apply_baseline(clients, baseline, settings.baseline_plan, progress)
         return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
                         max_len, cross_traffic, gpus, progress, verification or {}, llm_model)
     finally:
@@ -211,8 +213,6 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
 def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_len, cross_traffic, gpus,
              progress, verification, llm_model) -> CompiledPlan:
     out = Path(settings.out)
-    if settings.baseline_plan:
-        _apply_baseline(clients, settings.baseline_plan, progress)
     fast_state, slow_state = clients["fast"].state(), clients["slow"].state()
     if fast_state.model != slow_state.model:
         raise CompileError(f"the tiers serve different models: fast {fast_state.model}, slow {slow_state.model}")
@@ -320,21 +320,23 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     return compiled
 
 
-def _apply_baseline(clients: dict[str, EngineClient] | None, path: str, progress: bool) -> Plan:
-    """Both tiers serve the given plan before anything is measured: it is the baseline to beat.
-    Without clients it only reads and validates the file (before any engine starts)."""
+def _read_baseline(path: str) -> Plan:
+    """The ``--baseline-plan`` file as a Plan, or a CompileError saying what is wrong with it."""
     from anneal.engine.plan import load_plan
 
     try:
-        plan = load_plan(Path(path).read_text())
+        return load_plan(Path(path).read_text())
     except OSError as e:
         raise CompileError(f"--baseline-plan {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise CompileError(f"--baseline-plan {path} is not a valid plan: {e}") from None
-    for tier, c in (clients or {}).items():
+
+
+def _apply_baseline(clients: dict[str, EngineClient], plan: Plan, path: str, progress: bool) -> None:
+    """Both tiers serve the baseline before anything is measured: it is the plan to beat."""
+    for tier, c in clients.items():
         _say(progress, f"{tier} tier: applying the baseline plan {plan.hash} from {path}")
         c.put_plan(plan)
-    return plan
 
 
 VERIFY_CHECKS = ("quality", "kv_contamination", "batch_invariance", "prefix_cache", "determinism")

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
                                                   num_requests=n, steps=1, warmup=1, seed=r))
         row = {"round": r, "tokens_per_s": res.tokens_per_s, "wall_ms": res.median_ms,
-               "apply_s": getattr(rep, "total_s", None), **res.extra}
+               "apply_s": rep.total_s, **res.extra}
         runs.setdefault((label, sname), []).append(row)
         print(f"round {r} {label:>24} on {sname:<8} {res.tokens_per_s:9.1f} tok/s  itl p90 "
               f"{res.extra['itl_p90_ms']:7.2f} ms  ttft p90 {res.extra['ttft_p90_ms']:8.1f} ms",

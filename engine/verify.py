@@ -137,9 +137,8 @@ def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor], tol: 
         f"max relative error {worst:.3g} (tolerance {tol:.3g}), argmax agreement {agree}/{total} "
         f"decisive positions")
     return CheckResult(name=name, passed=ok, detail=detail,
-                       metrics={"max_rel_err": worst, "argmax_agreement": agree / total, "decisive_positions": total,
-                         "tolerance": tol,
-                                "bit_identical": identical})
+                       metrics={"max_rel_err": worst, "argmax_agreement": agree / total,
+                                "decisive_positions": total, "tolerance": tol, "bit_identical": identical})
 
 
 def verify(engine, req: VerifyRequest) -> VerifyReport:
