@@ -7,6 +7,7 @@
 #   plans                           issue 5: reference vs hand-set vs compiled plans, both shapes
 #   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
+#   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
 #   gpu-tests                       pytest -m gpu
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -58,6 +59,12 @@ for s in "$@"; do
         --plans reference,triton --no-hf --steps 10 --greedy-check 0 --name decode-8k-1b --out "$OUT"
       stage decode-8k-8b 300 $py bench/decode.py --shapes llama-3.1-8b --batch-sizes 32 --context 8192 \
         --plans reference,triton --no-hf --steps 10 --greedy-check 0 --name decode-8k-8b --out "$OUT"
+      ;;
+    profile)
+      stage profile-1b 240 $py bench/profile_step.py --shape llama-3.2-1b --batch-size 1 --context 1024 \
+        --plans "${PROFILE_PLANS:-triton,triton+gemv}" --name profile-step-1b --out "$OUT"
+      stage profile-8b 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 1 --context 1024 \
+        --plans triton --name profile-step-8b --out "$OUT"
       ;;
     spread)
       stage spread 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 --plan bench/plans/triton.json \

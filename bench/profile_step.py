@@ -1,0 +1,121 @@
+"""Where a captured decode step spends its time: every kernel of one graph replay, with the gaps.
+
+Profiles CUDA-graph replays of one decode step under ``torch.profiler`` (CUPTI traces the kernels
+inside a graph) and reports, per plan: kernels per step, the sum of kernel durations, the span from
+the first kernel's start to the last one's end (span - sum = idle gaps between kernels), and a table
+of kernels by name (calls per step, mean and total µs). That is the split between "kernels too
+slow" and "too many kernels / gaps", which decides what to fuse.
+
+    python bench/profile_step.py --shape llama-3.2-1b --batch-size 1 --context 1024 --plans triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth_gbps, environment, write_result  # noqa: E402
+from decode import bench_plans, decode_items  # noqa: E402
+
+from anneal.engine.llm import Engine, EngineArgs  # noqa: E402
+
+
+def kernel_events(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, duration µs) of every GPU kernel in the trace, in start order."""
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            out.append((e.name, float(e.time_range.start), float(e.time_range.elapsed_us())))
+    return sorted(out, key=lambda k: k[1])
+
+
+def split_replays(kernels, per_step: int):
+    return [kernels[i:i + per_step] for i in range(0, len(kernels) - per_step + 1, per_step)]
+
+
+def profile_plan(engine: Engine, bs: int, context: int, replays: int) -> dict:
+    items = decode_items(engine, bs, context, seed=bs)
+    engine.runner.run(items, decode_only=True)  # fills the graph's inputs for this batch
+    g = engine.runner.graphs[bs][0]
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    # kernels per replay, counted from one profiled replay
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p1:
+        g.replay()
+        torch.cuda.synchronize()
+    per_step = len(kernel_events(p1))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    steps = split_replays(kernel_events(prof), per_step)
+    spans = [s[-1][1] + s[-1][2] - s[0][1] for s in steps]
+    busy = [sum(k[2] for k in s) for s in steps]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for s in steps:
+        for name, _, dur in s:
+            by_name[name].append(dur)
+    table = sorted(
+        ({"kernel": n[:120], "calls_per_step": len(d) / len(steps), "mean_us": statistics.mean(d),
+          "total_us_per_step": sum(d) / len(steps)} for n, d in by_name.items()),
+        key=lambda r: -r["total_us_per_step"])
+    gaps = [s[i + 1][1] - (s[i][1] + s[i][2]) for s in steps for i in range(len(s) - 1)]
+    for s, _ in items:
+        engine.blocks.free(s)
+    return {"kernels_per_step": per_step, "replays": len(steps),
+            "span_us_median": statistics.median(spans), "kernel_sum_us_median": statistics.median(busy),
+            "gap_us_median": statistics.median(gaps) if gaps else 0.0,
+            "gap_us_sum_median": statistics.median(sp - b for sp, b in zip(spans, busy)),
+            "kernels": table}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--plans", default="triton")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="profile-step")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/profile_step.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    bs, ctx = args.batch_size, args.context
+    plans = bench_plans([bs])
+    engine = Engine(EngineArgs(model=f"random:{args.shape}", device="cuda", dtype="bfloat16",
+                               max_model_len=ctx + 64, num_kv_blocks=bs * (-(-(ctx + 64) // 16)) + 32,
+                               plan=plans["reference"]))
+    bw = copy_bandwidth_gbps()
+    roof_us = engine.weights.nbytes() / (bw * 1e9) * 1e6
+    result = {"env": environment(), "copy_gbps": bw, "shape": args.shape, "batch_size": bs, "context": ctx,
+              "roofline_weights_us": roof_us, "plans": {}}
+    for name in args.plans.split(","):
+        try:
+            engine.apply_plan(plans[name])
+            r = profile_plan(engine, bs, ctx, args.replays)
+        except Exception as e:  # a plan that fails is a result
+            result["plans"][name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{name}: {e}", flush=True)
+            continue
+        result["plans"][name] = r
+        print(f"== {args.shape} {name} bs={bs} ctx={ctx}: {r['kernels_per_step']} kernels, span "
+              f"{r['span_us_median']:.1f} µs, kernels {r['kernel_sum_us_median']:.1f} µs, gaps "
+              f"{r['gap_us_sum_median']:.1f} µs (median gap {r['gap_us_median']:.2f}); roofline {roof_us:.1f} µs")
+        for k in r["kernels"][:25]:
+            print(f"  {k['total_us_per_step']:8.1f} µs  {k['calls_per_step']:5.1f} x {k['mean_us']:7.2f}  {k['kernel']}")
+    print(json.dumps({"wrote": str(write_result(args.name, result, Path(args.out) if args.out else None))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
