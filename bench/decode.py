@@ -42,6 +42,8 @@ def bench_plans(buckets: list[int]) -> dict[str, Plan]:
     return {
         "reference": Plan(**base, name="reference"),
         "triton": Plan(**base, ops=TRITON_OPS, name="triton"),
+        "triton-torch-argmax": Plan(**base, ops={k: v for k, v in TRITON_OPS.items() if k != "argmax"},
+                                    name="triton with torch.argmax (the session-2 hand-set plan)"),
         "triton+gemv": Plan(**base, ops={**TRITON_OPS, **GEMV_OPS}, name="triton+gemv"),
         "triton+fused": Plan(**base, ops=TRITON_OPS, fusions=FUSED, name="triton+fused"),
         "triton+fused+pdl": Plan(**base, ops=with_pdl(TRITON_OPS), fusions=FUSED,
@@ -154,6 +156,12 @@ def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw
     max_len = context + max(greedy_check, 16) + 16
     blocks_per_seq = -(-max_len // 16)
     plans = {k: v for k, v in bench_plans(batch_sizes).items() if k in wanted or k == "reference"}
+    for w in wanted:  # plan files, with the benchmark's graph buckets and scheduler
+        if w.endswith(".json"):
+            p = load_plan(Path(w).read_text())
+            plans[Path(w).stem] = p.model_copy(update={
+                "cuda_graph_batch_sizes": batch_sizes,
+                "scheduler": SchedulerKnobs(enable_prefix_caching=False, max_num_seqs=max(batch_sizes))})
     engine = Engine(EngineArgs(
         model=f"random:{shape}", device="cuda", dtype="bfloat16", max_model_len=max_len,
         num_kv_blocks=max(batch_sizes) * blocks_per_seq + 32, plan=plans["reference"],
@@ -238,7 +246,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--plans", default="reference,triton,triton+gemv,triton+fused,triton+fused+pdl")
+    ap.add_argument("--plans", default="reference,triton,triton+gemv,triton+fused,triton+fused+pdl",
+                    help="named plans and/or plan JSON files (named by their file stem)")
     ap.add_argument("--greedy-check", type=int, default=256)
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     ap.add_argument("--name", default="decode", help="result file stem")

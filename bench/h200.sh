@@ -60,6 +60,19 @@ for s in "$@"; do
       stage decode-8k-8b 300 $py bench/decode.py --shapes llama-3.1-8b --batch-sizes 32 --context 8192 \
         --plans reference,triton --no-hf --steps 10 --greedy-check 0 --name decode-8k-8b --out "$OUT"
       ;;
+    kernels-1b)
+      stage kernels-1b 240 $py bench/kernels.py --models llama-3.2-1b --batches 1 --budget 170 --deadline 200 \
+        --only qkv_proj,o_proj,gate_up_proj,down_proj,silu_mul_down_proj,add_rmsnorm_qkv_proj --out "$OUT/kernels-1b.json"
+      ;;
+    decode-bs1)
+      stage decode-bs1 300 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
+        --plans "${DECODE_PLANS:-triton-torch-argmax,triton,bench/plans/triton-pdl.json,bench/plans/fused.json,bench/plans/fused-pdl.json,bench/plans/fused-pdl-dot.json}" \
+        --no-hf --steps 50 --greedy-check 0 --name decode-bs1 --out "$OUT"
+      ;;
+    gpu-tests-new)
+      stage gpu-tests-new 240 $py -m pytest -m gpu -q -p no:cacheprovider -rfE -n 4 tests/kernels/test_argmax.py \
+        tests/kernels/test_pdl_graph.py tests/kernels/test_fused_plan.py tests/kernels/test_gemv.py tests/test_engine_gpu.py
+      ;;
     profile)
       stage profile-1b 240 $py bench/profile_step.py --shape llama-3.2-1b --batch-size 1 --context 1024 \
         --plans "${PROFILE_PLANS:-triton,triton+gemv}" --name profile-step-1b --out "$OUT"

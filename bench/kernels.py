@@ -42,6 +42,12 @@ TINY_BATCHES, TINY_CONTEXTS = (1, 3), (40,)
 BLOCK_SIZE = 16
 ROTATE_BYTES = 256 * 2**20  # rotating input sets cover at least this much (H200 L2: 50 MB)
 MAX_ROTATIONS = 32
+# M = 1 GEMV configs: register FMA path (first weight tile requested before the PDL wait, the next
+# one a step ahead), last-arrival split-K sum; PDL lets consecutive calls overlap in the graph.
+_FMA = {"m1": "fma", "reduce": "ticket"}
+M1_SWEEP = [_FMA, {**_FMA, "pdl": True}, {**_FMA, "pdl": True, "block_k": 256}, {**_FMA, "pdl": True, "block_n": 32},
+            {**_FMA, "pdl": True, "block_n": 128, "block_k": 64}, {**_FMA, "pdl": True, "num_warps": 8},
+            {**_FMA, "pdl": True, "split_k": 1}, {"reduce": "ticket", "pdl": True}]
 
 
 @dataclass
@@ -66,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=120.0, help="seconds after which sweeps stop")
     ap.add_argument("--deadline", type=float, default=225.0, help="seconds after which cases are skipped")
     ap.add_argument("--only", default="", help="comma-separated ops to run")
+    ap.add_argument("--models", default="", help="comma-separated model shapes (default: all)")
+    ap.add_argument("--batches", default="", help="comma-separated batch sizes (default: 1,8,32,128)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/kernels-<date>.json)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -94,6 +102,10 @@ class Bench:
         self.batches = TINY_BATCHES if args.tiny else BATCHES
         self.contexts = TINY_CONTEXTS if args.tiny else CONTEXTS
         self.only = {s.strip() for s in args.only.split(",") if s.strip()}
+        if args.models:
+            self.models = {m: self.models[m] for m in args.models.split(",")}
+        if args.batches:
+            self.batches = tuple(int(b) for b in args.batches.split(","))
 
     # ---- timing ------------------------------------------------------------------------------
 
@@ -361,7 +373,7 @@ class Bench:
         sweep = [{}, {"reduce": "ticket"}, {"split_k": 1}, {"block_n": 128, "block_k": 64},
                  {"block_n": 32, "block_k": 256}, {"block_k": 256, "num_warps": 8}, {"num_stages": 4}]
         if bs == 1:
-            sweep += [{"m1": "fma"}, {"m1": "fma", "block_k": 512, "reduce": "ticket"}]
+            sweep += [{"m1": "fma"}, {"m1": "fma", "block_k": 512, "reduce": "ticket"}, *M1_SWEEP]
         if bs > 64:
             sweep += [{"max_m": 0}, {"max_m": 0, "block_n": 128, "num_warps": 8}]
         if self.args.tiny:
@@ -439,6 +451,8 @@ class Bench:
                  {"block_k": 256, "num_warps": 8}]
         if self.args.tiny:
             sweep = [{}, {"block_k": 64, "split_k": 2, "reduce": "ticket"}]
+        if bs == 1 and not self.args.tiny:
+            sweep += M1_SWEEP
         build = lambda **p: (lambda gu, w: silu_mul_down_proj(gu, w, **p))  # noqa: E731
         return Case("silu_mul_down_proj", model, {"M": bs, "N": N, "I": I}, nbytes, make,
                     lambda gu, w: down(ref.silu_and_mul(gu), w),
@@ -475,6 +489,8 @@ class Bench:
                  {"block_k": 256, "num_warps": 8}]
         if self.args.tiny:
             sweep = [{}, {"block_k": 64, "split_k": 2, "reduce": "ticket"}]
+        if bs == 1 and not self.args.tiny:
+            sweep += M1_SWEEP
         build = lambda **p: (lambda x, r, w_norm, eps, w: add_rmsnorm_linear(x, r, w_norm, eps, w, **p))  # noqa: E731
         err = lambda out, r: max(self._err(out[0], r[0]), self._err(out[1], r[1]))  # noqa: E731
         return Case("add_rmsnorm_qkv_proj", model, {"M": bs, "N": N, "K": K}, nbytes, make, reference,

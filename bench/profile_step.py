@@ -25,6 +25,7 @@ from common import copy_bandwidth_gbps, environment, write_result  # noqa: E402
 from decode import bench_plans, decode_items  # noqa: E402
 
 from anneal.engine.llm import Engine, EngineArgs  # noqa: E402
+from anneal.engine.plan import SchedulerKnobs, load_plan  # noqa: E402
 
 
 def kernel_events(prof) -> list[tuple[str, float, float]]:
@@ -92,6 +93,10 @@ def main() -> int:
         return 2
     bs, ctx = args.batch_size, args.context
     plans = bench_plans([bs])
+    for w in args.plans.split(","):  # plan files, with this benchmark's graph bucket
+        if w.endswith(".json"):
+            plans[w] = load_plan(Path(w).read_text()).model_copy(update={
+                "cuda_graph_batch_sizes": [bs], "scheduler": SchedulerKnobs(enable_prefix_caching=False, max_num_seqs=bs)})
     engine = Engine(EngineArgs(model=f"random:{args.shape}", device="cuda", dtype="bfloat16",
                                max_model_len=ctx + 64, num_kv_blocks=bs * (-(-(ctx + 64) // 16)) + 32,
                                plan=plans["reference"]))

@@ -110,7 +110,7 @@ def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps:
     cuda = engine.device.type == "cuda"
     calls: list[tuple[str, Any, Any]] = []
     originals = {name: getattr(ops, name) for name in ops.choices}
-    fused = [n for n in ("lm_head_argmax", "silu_mul_down") if getattr(ops, n, None) is not None]
+    fused = [n for n in ops.FUSED if getattr(ops, n, None) is not None]
     originals.update({n: getattr(ops, n) for n in fused})
 
     def wrap(name, fn):

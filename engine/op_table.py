@@ -12,17 +12,73 @@ from anneal.engine.ops.registry import OpError, all_ops, build_op, get_variant
 from anneal.engine.plan import Plan
 
 
-def _fused(name: str) -> Callable:
-    """The kernel behind a plan fusion (GPU only)."""
+def _interpreting() -> bool:
+    """Triton's interpreter runs the "cuda" variants on CPU tensors (tests only)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _gemv_params(choice: tuple[str, dict]) -> tuple[dict, int]:
+    """The GEMV kernel params of a projection's choice (when it is the Triton GEMV), for the fused
+    kernel that replaces it, and the row count above which the unfused ops run instead (prefill)."""
+    impl, params = choice
+    if impl != "triton_gemv_splitk":
+        return {}, 64
+    p = dict(params)
+    return p, p.pop("max_m", 64) or 1 << 30
+
+
+def _fusions(names: list[str], fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]) -> dict[str, Callable]:
+    """The callables behind a plan's fusions. Each fused GEMV takes the params of the projection it
+    replaces (when that is the Triton GEMV), and above that variant's ``max_m`` rows (prefill) runs
+    the unfused ops, which is what large M wants."""
     from anneal.engine.kernels import gemv
 
-    return {"lm_head_argmax": gemv.lm_head_argmax, "silu_mul_down": gemv.silu_mul_down_proj}[name]
+    out: dict[str, Callable] = {}
+    for name in names:
+        if name == "lm_head_argmax":
+            out[name] = gemv.lm_head_argmax
+        elif name == "silu_mul_down":
+            params, max_m = _gemv_params(choices["down_proj"])
+            silu, down = fns["silu_and_mul"], fns["down_proj"]
+
+            def silu_mul_down(gu, w, params=params, max_m=max_m, silu=silu, down=down):
+                if gu.shape[0] > max_m:
+                    return down(silu(gu), w)
+                return gemv.silu_mul_down_proj(gu, w, **params)
+
+            out[name] = silu_mul_down
+        elif name == "norm_linear":
+            for proj in ("qkv_proj", "gate_up_proj"):
+                out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *_gemv_params(choices[proj]))
+    return out
+
+
+def _norm_linear(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m: int) -> Callable:
+    """``(proj(rmsnorm(x [+ residual])), x [+ residual])``: the norm in the GEMV's prologue."""
+    norm, add_norm, linear = fns["rmsnorm"], fns["add_rmsnorm"], fns[proj]
+
+    def norm_proj(x, residual, norm_w, eps, w):
+        if x.shape[0] > max_m:
+            if residual is None:
+                return linear(norm(x, norm_w, eps), w), x
+            h, summed = add_norm(x, residual, norm_w, eps)
+            return linear(h, w), summed
+        if residual is None:
+            return gemv.rmsnorm_linear(x, norm_w, eps, w, **params), x
+        return gemv.add_rmsnorm_linear(x, residual, norm_w, eps, w, **params)
+
+    return norm_proj
 
 
 class OpTable:
+    FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj")
     # Fused entry points, None unless the plan enables them.
     lm_head_argmax: Callable | None = None
     silu_mul_down: Callable | None = None
+    norm_qkv_proj: Callable | None = None  # (x, residual | None, norm_w, eps, w) -> (qkv, residual)
+    norm_gate_up_proj: Callable | None = None
 
     def __init__(self, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
                  fusions: dict[str, Callable] | None = None):
@@ -40,17 +96,14 @@ class OpTable:
         for name in all_ops():
             c = plan.choice(name)
             v = get_variant(name, c.impl)
-            if device not in v.devices:
+            if device not in v.devices and not (device == "cpu" and _interpreting()):
                 raise OpError(f"{name}/{c.impl} does not run on {device} (runs on {v.devices})")
             params = v.resolve_params(c.params)
             fns[name] = build_op(name, c.impl, params)
             choices[name] = (c.impl, params)
-        fusions = {}
-        for name in plan.fusions:
-            if device != "cuda":  # (kernel tests call the fused kernels directly instead)
-                raise OpError(f"fusion {name!r} needs a CUDA GPU")
-            fusions[name] = _fused(name)
-        return cls(fns, choices, fusions)
+        if plan.fusions and device != "cuda" and not _interpreting():
+            raise OpError(f"fusions {sorted(plan.fusions)} need a CUDA GPU")
+        return cls(fns, choices, _fusions(sorted(plan.fusions), fns, choices))
 
     @classmethod
     def reference(cls) -> "OpTable":

@@ -29,6 +29,7 @@ OP_NAMES = (
     "silu_and_mul",
     "down_proj",
     "lm_head",
+    "argmax",
     "sample",
 )
 
@@ -36,6 +37,7 @@ OP_NAMES = (
 FUSIONS = {
     "lm_head_argmax": "lm_head + greedy argmax in decode graphs (logits not written)",
     "silu_mul_down": "silu_and_mul + down_proj (the activation applied as the GEMV loads)",
+    "norm_linear": "(add_)rmsnorm + qkv_proj and + gate_up_proj (the norm in the GEMV's prologue)",
 }
 
 DEFAULT_GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]

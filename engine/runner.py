@@ -120,7 +120,7 @@ class ModelRunner:
         if isinstance(logits, _LazyLogits) and (not all_greedy or any(want_lp)):
             logits = logits.compute()
         if all_greedy:  # the graph's argmax, or one argmax kernel (no sort over the vocabulary)
-            tokens = greedy if greedy is not None else logits.argmax(dim=-1)
+            tokens = greedy if greedy is not None else self.ops.argmax(logits)
         else:
             tokens = self.ops.sample(logits, **self._sampling_tensors(seqs))
         if any(want_lp):
@@ -236,7 +236,7 @@ class ModelRunner:
             return {"hidden": hidden, "logits": None,
                     "greedy": self.ops.lm_head_argmax(hidden, self.model.w.lm_head)}
         logits = self.model.logits(hidden).float()
-        return {"hidden": hidden, "logits": logits, "greedy": logits.argmax(dim=-1)}
+        return {"hidden": hidden, "logits": logits, "greedy": self.ops.argmax(logits)}
 
     def capture(self, batch_sizes: list[int]) -> dict[str, float]:
         """Warm the kernels up and capture one decode graph per bucket; returns timings (s)."""

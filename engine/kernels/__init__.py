@@ -12,6 +12,7 @@ Registered variants (every one also takes ``pdl``: programmatic dependent launch
 | qk_rope_store | triton | num_warps |
 | attention_decode | triton_splitk | split_k (0 = auto), block_n, num_warps, num_stages, pv_precision, merge |
 | attention_prefill | triton | block_m, block_n, num_warps, num_stages, pv_precision |
+| argmax | triton | block, num_warps |
 | qkv_proj, o_proj, gate_up_proj, down_proj, lm_head | triton_gemv_splitk | block_m, block_n, block_k, split_k, num_warps, num_stages, m1, reduce, max_m |
 
 Fused entry points, whose signatures are not those of a single reference op, for the plan's
@@ -33,7 +34,7 @@ triton is first imported), which is how the CPU tests run them.
 
 from __future__ import annotations
 
-_MODULES = ("norm", "activation", "rope", "attention_decode", "attention_prefill", "gemv")
+_MODULES = ("norm", "activation", "argmax", "rope", "attention_decode", "attention_prefill", "gemv")
 
 
 def register_all() -> None:

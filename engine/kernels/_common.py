@@ -70,14 +70,28 @@ def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr):
-    """Programmatic dependent launch (sm_90+): wait until the previous kernel in the stream has
-    finished and flushed its writes, then let the next kernel start launching. Called first thing
-    in every kernel, so launching with ``launch_pdl=True`` only overlaps launch latency and
-    prologues, never memory accesses (Triton tutorial 11)."""
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+): let the next kernel in the stream start launching.
+    Safe first thing in a kernel: the next kernel still waits (``pdl_wait``) for this one to finish
+    and flush its writes before it reads anything this one writes."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has finished and its writes are visible. Loads
+    of data no earlier kernel writes (weights) may be issued before it: that is what PDL buys."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """Let the next kernel launch, then wait for the previous one (Triton tutorial 11): with
+    ``launch_pdl=True`` the launch latency and prologue of each kernel overlap its predecessor."""
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
 
 
 def pdl_enabled(pdl: bool) -> bool:

@@ -44,9 +44,10 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
-    pdl_prologue, pow2, pow2_split, sm_count, tile_counters,
+    pdl_launch_dependents, pdl_prologue, pdl_wait, pow2, pow2_split, sm_count, tile_counters,
 )
 from anneal.engine.kernels.activation import silu_mul
+from anneal.engine.kernels.argmax import argmax_merge_kernel
 from anneal.engine.ops.registry import Param, variant
 
 MAX_SPLIT_K = 16
@@ -60,7 +61,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, TICKET: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_prologue(PDL)
+    pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -73,6 +74,14 @@ def _gemv_kernel(
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+
+    if BLOCK_M == 1:
+        # W does not depend on the previous kernel: its first tile is requested before the PDL wait
+        # (under PDL it streams while the predecessor finishes), and every later tile one step
+        # ahead of its use (register double-buffering: two tiles in flight per program).
+        k = k_lo + tl.arange(0, BLOCK_K)
+        w_cur = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
+    pdl_wait(PDL)
 
     # NORM 1: x -> rmsnorm(x); NORM 2: x -> rmsnorm(x + residual), and x + residual is written out
     # (by the programs of the first N tile, each for its K range). Every program first computes
@@ -100,7 +109,12 @@ def _gemv_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < k_hi
-        w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        if BLOCK_M == 1:
+            w = w_cur
+            kn = k + BLOCK_K
+            w_cur = tl.load(w_rows + kn[None, :], mask=nm[:, None] & (kn < k_hi)[None, :], other=0.0)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         xm = mm[:, None] & km[None, :]
         if SILU_MUL:  # x is [M, 2K] gate|up; the activation is rounded as the reference rounds it
             g = tl.load(x_rows + k[None, :], mask=xm, other=0.0)
@@ -164,26 +178,6 @@ def _splitk_sum_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, 
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(ws_ptr + (s * M + row).to(tl.int64) * N + n, mask=nm, other=0.0)
     tl.store(out_ptr + row.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nm)
-
-
-@triton.jit
-def _argmax_merge_kernel(val_ptr, idx_ptr, tok_ptr, TILES, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.arange(0, BLOCK_T)
-    best = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK_T], tl.int32)
-    for t0 in range(0, TILES, BLOCK_T):  # element-wise max per lane keeps the lowest tile on ties
-        tt = t0 + t
-        v = tl.load(val_ptr + row * TILES + tt, mask=tt < TILES, other=float("-inf"))
-        i = tl.load(idx_ptr + row * TILES + tt, mask=tt < TILES, other=0)
-        better = v > best
-        best = tl.where(better, v, best)
-        best_i = tl.where(better, i, best_i)
-    top = tl.max(best, axis=0)
-    # lanes holding the max: the lowest token index among them (lanes hold increasing tiles)
-    cand = tl.where(best == top, best_i, 2147483647)
-    tl.store(tok_ptr + row, tl.min(cand, axis=0).to(tl.int64))
 
 
 def auto_split_k(tiles: int, K: int, block_k: int, device: torch.device) -> int:
@@ -389,7 +383,7 @@ def lm_head_argmax(
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
-    _argmax_merge_kernel[(M,)](vals, idxs, tokens, tiles, BLOCK_T=min(1024, pow2(tiles)),
+    argmax_merge_kernel[(M,)](vals, idxs, tokens, tiles, BLOCK_T=min(1024, pow2(tiles)),
                                   PDL=pdl_enabled(pdl), num_warps=4, **launch_opts(pdl))
     return tokens
 

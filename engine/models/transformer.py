@@ -65,12 +65,15 @@ class Transformer:
         x = ops.embedding(ids, self.w.embed)
         residual = None
         for i, L in enumerate(self.w.layers):
-            if residual is None:
-                residual, h = x, ops.rmsnorm(x, L.input_norm, eps)
+            if ops.norm_qkv_proj is not None:  # fused: the norm in the GEMV's prologue
+                qkv, residual = ops.norm_qkv_proj(x, residual, L.input_norm, eps, L.qkv)
             else:
-                h, residual = ops.add_rmsnorm(x, residual, L.input_norm, eps)
+                if residual is None:
+                    residual, h = x, ops.rmsnorm(x, L.input_norm, eps)
+                else:
+                    h, residual = ops.add_rmsnorm(x, residual, L.input_norm, eps)
+                qkv = ops.qkv_proj(h, L.qkv)
             k_cache, v_cache = kv[i, 0], kv[i, 1]
-            qkv = ops.qkv_proj(h, L.qkv)
             q = ops.qk_rope_store(
                 qkv, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping,
                 H, Hkv, L.q_norm, L.k_norm, eps,
@@ -85,8 +88,11 @@ class Transformer:
                     q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale
                 )
             x = ops.o_proj(a.reshape(T, H * D), L.o)
-            h, residual = ops.add_rmsnorm(x, residual, L.post_norm, eps)
-            gu = ops.gate_up_proj(h, L.gate_up)
+            if ops.norm_gate_up_proj is not None:
+                gu, residual = ops.norm_gate_up_proj(x, residual, L.post_norm, eps, L.gate_up)
+            else:
+                h, residual = ops.add_rmsnorm(x, residual, L.post_norm, eps)
+                gu = ops.gate_up_proj(h, L.gate_up)
             if ops.silu_mul_down is not None:
                 x = ops.silu_mul_down(gu, L.down)
             else:

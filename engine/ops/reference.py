@@ -244,6 +244,14 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
 
 
 @define_op(
+    "argmax",
+    "argmax(logits[B, V]) -> tokens[B] int64; the greedy choice, the lowest index on ties",
+)
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+@define_op(
     "sample",
     "sample(logits[B, V], temperature[B] f32, top_p[B] f32, top_k[B] int32, seeds[B] int64, "
     "steps[B] int64) -> tokens[B] int64; greedy where temperature == 0, else Gumbel-max over the "

@@ -57,7 +57,10 @@ def specs():
         yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SILU_MUL=silu,
                                           NORM=norm, ARGMAX=argmax, TICKET=ticket, PREC="tf32", UPCAST=False), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4
-    yield gemv._argmax_merge_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i32", "tok_ptr": "*i64"}, dict(BLOCK_T=1024), 4
+    from anneal.engine.kernels import argmax as am
+
+    yield am.argmax_merge_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i32", "tok_ptr": "*i64"}, dict(BLOCK_T=1024), 4
+    yield am._argmax_tile_kernel, {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32"}, dict(BLOCK=4096), 4
     del bf
 
 

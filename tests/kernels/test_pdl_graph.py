@@ -13,18 +13,21 @@ from kernel_testing import assert_close, gen, randn
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_pdl_chain_in_cuda_graph(device):
+@pytest.mark.parametrize("rows,m1", [(4, "dot"), (1, "fma")])
+def test_pdl_chain_in_cuda_graph(device, rows, m1):
+    """With m1="fma" each GEMV requests its first weight tile before the PDL wait."""
     H, I = 2048, 8192
     g = gen(77, device)
-    x = randn(4, H, dtype=torch.float32, device=device, g=g)
-    res = randn(4, H, dtype=torch.float32, device=device, g=g)
+    x = randn(rows, H, dtype=torch.float32, device=device, g=g)
+    res = randn(rows, H, dtype=torch.float32, device=device, g=g)
     wn = randn(H, dtype=torch.float32, device=device, g=g)
     wgu = randn(2 * I, H, dtype=torch.float32, device=device, g=g, scale=H ** -0.5)
     wd = randn(H, I, dtype=torch.float32, device=device, g=g, scale=I ** -0.5)
     norm = build_op("add_rmsnorm", "triton", {"pdl": True})
-    gate_up = build_op("gate_up_proj", "triton_gemv_splitk", {"pdl": True, "split_k": 2})
+    gate_up = build_op("gate_up_proj", "triton_gemv_splitk", {"pdl": True, "split_k": 2, "m1": m1})
     act = build_op("silu_and_mul", "triton", {"pdl": True})
-    down = build_op("down_proj", "triton_gemv_splitk", {"pdl": True, "split_k": 4})
+    down = build_op("down_proj", "triton_gemv_splitk", {"pdl": True, "split_k": 4, "m1": m1,
+                                                                  "reduce": "ticket"})
 
     def layer(h, r):
         for _ in range(8):  # several layers deep: each kernel reads what the previous one wrote
