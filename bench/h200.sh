@@ -60,13 +60,13 @@ for s in "$@"; do
       stage decode-8k-8b 300 $py bench/decode.py --shapes llama-3.1-8b --batch-sizes 32 --context 8192 \
         --plans reference,triton --no-hf --steps 10 --greedy-check 0 --name decode-8k-8b --out "$OUT"
       ;;
-    kernels-1b)
-      stage kernels-1b 240 $py bench/kernels.py --models llama-3.2-1b --batches 1 --budget 170 --deadline 200 \
-        --only qkv_proj,o_proj,gate_up_proj,down_proj,silu_mul_down_proj,add_rmsnorm_qkv_proj --out "$OUT/kernels-1b.json"
+    kernels-bs1)
+      stage kernels-bs1 240 $py bench/kernels.py --models "${MODELS:-llama-3.2-1b}" --batches 1 --budget 170 --deadline 200 \
+        --only qkv_proj,o_proj,gate_up_proj,down_proj,silu_mul_down_proj,add_rmsnorm_qkv_proj --out "$OUT/kernels-bs1.json"
       ;;
     decode-bs1)
       stage decode-bs1 300 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
-        --plans "${DECODE_PLANS:-triton-torch-argmax,triton,bench/plans/triton-pdl.json,bench/plans/fused.json,bench/plans/fused-pdl.json,bench/plans/fused-pdl-dot.json}" \
+        --plans "${DECODE_PLANS:-triton,bench/plans/triton-pdl.json,bench/plans/gemv-pdl.json}" \
         --no-hf --steps 50 --greedy-check 0 --name decode-bs1 --out "$OUT"
       ;;
     gpu-tests-new)
