@@ -69,6 +69,12 @@ for s in "$@"; do
         --plans "${DECODE_PLANS:-triton,bench/plans/triton-pdl.json,bench/plans/gemv-pdl.json}" \
         --no-hf --steps 50 --greedy-check 0 --name decode-bs1 --out "$OUT"
       ;;
+    variants)
+      plans=$($py bench/plan_variants.py "${BASE_PLAN:-bench/plans/gemv-pdl.json}" --out /tmp/variants)
+      stage variants 300 $py bench/decode.py --shapes llama-3.2-1b --batch-sizes 1 --context 1024 \
+        --plans "triton,${BASE_PLAN:-bench/plans/gemv-pdl.json},$plans" --no-hf --steps 50 --greedy-check 0 \
+        --name decode-variants --out "$OUT"
+      ;;
     gpu-tests-new)
       stage gpu-tests-new 240 $py -m pytest -m gpu -q -p no:cacheprovider -rfE -n 4 tests/kernels/test_argmax.py \
         tests/kernels/test_pdl_graph.py tests/kernels/test_fused_plan.py tests/kernels/test_gemv.py tests/test_engine_gpu.py

@@ -1,0 +1,43 @@
+"""Write one-change variants of a plan (one op param each) as plan files, for a quick side-by-side
+sweep with ``bench/decode.py --plans`` when the compiler is not run (e.g. one batch size on the GPU).
+
+    python bench/plan_variants.py bench/plans/gemv-pdl.json --out /tmp/variants
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# (op, params overlaid on the op's params in the base plan)
+CHANGES = [
+    ("attention_decode", {"split_k": 4}), ("attention_decode", {"split_k": 8}), ("attention_decode", {"split_k": 32}),
+    ("attention_decode", {"block_n": 32}), ("attention_decode", {"block_n": 128}),
+    ("attention_decode", {"num_warps": 2}),
+    ("rmsnorm", {"num_warps": 2}), ("add_rmsnorm", {"num_warps": 2}), ("add_rmsnorm", {"num_warps": 8}),
+    ("qk_rope_store", {"num_warps": 1}), ("qk_rope_store", {"num_warps": 2}),
+    ("qkv_proj", {"num_warps": 8}), ("o_proj", {"block_n": 64, "block_k": 128}), ("down_proj", {"block_n": 64}),
+    ("down_proj", {"num_warps": 8}), ("silu_and_mul", {"block": 2048, "num_warps": 8}),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("base", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    base = json.loads(args.base.read_text())
+    args.out.mkdir(parents=True, exist_ok=True)
+    for op, change in CHANGES:
+        plan = json.loads(json.dumps(base))
+        choice = plan["ops"][op]
+        choice["params"] = {**choice.get("params", {}), **change}
+        tag = "-".join(f"{k}{v}" for k, v in change.items())
+        plan["name"] = f"{base.get('name', args.base.stem)} | {op} {tag}"
+        (args.out / f"{args.base.stem}--{op}-{tag}.json").write_text(json.dumps(plan, indent=1))
+    print(",".join(str(p) for p in sorted(args.out.glob("*.json"))))
+
+
+if __name__ == "__main__":
+    main()
