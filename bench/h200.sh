@@ -66,7 +66,7 @@ for s in "$@"; do
       ;;
     decode-bs1)
       stage decode-bs1 300 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
-        --plans "${DECODE_PLANS:-triton,bench/plans/triton-pdl.json,bench/plans/gemv-pdl.json}" \
+        --plans "${DECODE_PLANS:-triton,bench/plans/gemv-pdl.json,bench/plans/gemv-pdl-rope.json}" \
         --no-hf --steps 50 --greedy-check 0 --name decode-bs1 --out "$OUT"
       ;;
     variants)
@@ -76,8 +76,8 @@ for s in "$@"; do
         --name decode-variants --out "$OUT"
       ;;
     gpu-tests-new)
-      stage gpu-tests-new 240 $py -m pytest -m gpu -q -p no:cacheprovider -rfE -n 4 tests/kernels/test_argmax.py \
-        tests/kernels/test_pdl_graph.py tests/kernels/test_fused_plan.py tests/kernels/test_gemv.py tests/test_engine_gpu.py
+      stage gpu-tests-new 240 $py -m pytest -m gpu -q -p no:cacheprovider -rfE -n 4 ${NEW_TESTS:-tests/kernels/test_argmax.py \
+        tests/kernels/test_pdl_graph.py tests/kernels/test_fused_plan.py tests/kernels/test_gemv.py tests/test_engine_gpu.py}
       ;;
     profile)
       stage profile-1b 240 $py bench/profile_step.py --shape llama-3.2-1b --batch-size 1 --context 1024 \

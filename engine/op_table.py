@@ -49,10 +49,28 @@ def _fusions(names: list[str], fns: dict[str, Callable], choices: dict[str, tupl
                 return gemv.silu_mul_down_proj(gu, w, **params)
 
             out[name] = silu_mul_down
+        elif name == "qkv_rope":
+            out["qkv_rope_store"] = _qkv_rope(gemv, fns, *_gemv_params(choices["qkv_proj"]))
         elif name == "norm_linear":
             for proj in ("qkv_proj", "gate_up_proj"):
                 out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *_gemv_params(choices[proj]))
     return out
+
+
+def _qkv_rope(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Callable:
+    """``qk_rope_store(qkv_proj(h, w), ...)`` with the rotation and cache store in the GEMV's
+    epilogue; the unfused ops where it does not apply (prefill rows, Qwen3's q/k norm, heads the
+    tile size cannot hold whole)."""
+    qkv_proj, rope = fns["qkv_proj"], fns["qk_rope_store"]
+    block_n = params.get("block_n", 64)
+
+    def qkv_rope_store(h, w, positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm, k_norm, eps):
+        if (h.shape[0] > max_m or q_norm is not None
+                or not gemv.rope_fusable(block_n, cos_sin.shape[-1], H, Hkv)):
+            return rope(qkv_proj(h, w), positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm, k_norm, eps)
+        return gemv.qkv_rope_store(h, w, positions, cos_sin, k_cache, v_cache, slots, H, Hkv, **params)
+
+    return qkv_rope_store
 
 
 def _norm_linear(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m: int) -> Callable:
@@ -73,12 +91,13 @@ def _norm_linear(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m:
 
 
 class OpTable:
-    FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj")
+    FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj", "qkv_rope_store")
     # Fused entry points, None unless the plan enables them.
     lm_head_argmax: Callable | None = None
     silu_mul_down: Callable | None = None
     norm_qkv_proj: Callable | None = None  # (x, residual | None, norm_w, eps, w) -> (qkv, residual)
     norm_gate_up_proj: Callable | None = None
+    qkv_rope_store: Callable | None = None  # qk_rope_store's signature with (h, w) in place of qkv
 
     def __init__(self, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
                  fusions: dict[str, Callable] | None = None):

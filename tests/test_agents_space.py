@@ -66,7 +66,10 @@ def test_scheduler_grid_respects_token_budget():
 
 def test_gpu_space_has_fusions_and_graphs_and_equal_plans_hash_equal():
     gpu = CandidateSpace.from_state(STATE.model_copy(update={"device": "cuda"}))
-    assert gpu.uses_graphs and set(gpu.fusions) == {"lm_head_argmax", "silu_mul_down"}
+    from anneal.engine.plan import FUSIONS
+
+    assert gpu.uses_graphs and set(gpu.fusions) == set(FUSIONS)
+    assert {"lm_head_argmax", "silu_mul_down", "norm_linear", "qkv_rope"} <= set(FUSIONS)
     rng = random.Random(1)
     for _ in range(100):
         p = gpu.mutate(gpu.random_plan(rng), rng, n=2)

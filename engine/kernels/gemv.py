@@ -54,12 +54,65 @@ MAX_SPLIT_K = 16
 
 
 @triton.jit
+def _rope_epilogue(ws_ptr, q_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, mm, pid_n, M, N, stride_qm,
+                   stride_cs, QD, KD, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                   HEAD_D: tl.constexpr, DT: tl.constexpr):
+    """qkv_proj + qk_rope_store: the tile's summed rows (heads of one of q | k | v), each half of a
+    head loaded apart so rows pair with their rotation partners, rounded to the activation dtype as
+    the projection's output is, rotated as the reference rotates (cos/sin in the activation dtype,
+    every product and sum rounded), then q to ``q_ptr`` and k, v to their cache slots (slot -1:
+    not stored)."""
+    HALF: tl.constexpr = HEAD_D // 2
+    j = tl.arange(0, BLOCK_N // 2)
+    na = pid_n * BLOCK_N + (j // HALF) * HEAD_D + j % HALF
+    nb = na + HALF
+    mask = mm[:, None] & (na < N)[None, :]
+    base = ws_ptr + m.to(tl.int64)[:, None] * N
+    a = tl.zeros([BLOCK_M, BLOCK_N // 2], tl.float32)
+    b = tl.zeros([BLOCK_M, BLOCK_N // 2], tl.float32)
+    for s2 in tl.static_range(SPLIT_K):
+        a += tl.load(base + s2 * M * N + na[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        b += tl.load(base + s2 * M * N + nb[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    a = a.to(DT).to(tl.float32)
+    b = b.to(DT).to(tl.float32)
+    # which of q | k | v the tile holds (tiles never straddle them: `rope_fusable`)
+    is_q = (na < QD)[None, :]
+    is_v = (na >= KD)[None, :]
+    is_k = (na >= QD)[None, :] & (na < KD)[None, :]
+    pos = tl.load(pos_ptr + m, mask=mm, other=0).to(tl.int64)
+    d = (j % HALF)[None, :]
+    cs = cs_ptr + pos[:, None] * stride_cs + d
+    cos = tl.load(cs, mask=mask, other=0.0).to(DT).to(tl.float32)
+    sin = tl.load(cs + HALF, mask=mask, other=0.0).to(DT).to(tl.float32)
+    r1 = ((a * cos).to(DT).to(tl.float32) - (b * sin).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    r2 = ((b * cos).to(DT).to(tl.float32) + (a * sin).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    o1 = tl.where(is_v, a, r1)
+    o2 = tl.where(is_v, b, r2)
+    q_rows = q_ptr + m.to(tl.int64)[:, None] * stride_qm
+    tl.store(q_rows + na[None, :], o1.to(q_ptr.dtype.element_ty), mask=mask & is_q)
+    tl.store(q_rows + nb[None, :], o2.to(q_ptr.dtype.element_ty), mask=mask & is_q)
+    slot = tl.load(slot_ptr + m, mask=mm, other=-1).to(tl.int64)
+    kvd = KD - QD  # one token's k (or v) in the cache: num_kv_heads * head_dim
+    stored = mask & (slot >= 0)[:, None]
+    k_mask = stored & is_k
+    k_rows = kc_ptr + slot[:, None] * kvd
+    tl.store(k_rows + (na - QD)[None, :], o1.to(kc_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_rows + (nb - QD)[None, :], o2.to(kc_ptr.dtype.element_ty), mask=k_mask)
+    v_rows = vc_ptr + slot[:, None] * kvd
+    tl.store(v_rows + (na - KD)[None, :], o1.to(vc_ptr.dtype.element_ty), mask=stored & is_v)
+    tl.store(v_rows + (nb - KD)[None, :], o2.to(vc_ptr.dtype.element_ty), mask=stored & is_v)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr, r_ptr, nw_ptr, sum_ptr, cnt_ptr,
+    pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_sm, k_per_split, eps,
+    stride_cs, QD, KD,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, TICKET: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
+    HEAD_D: tl.constexpr = 1,
 ):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -67,7 +120,15 @@ def _gemv_kernel(
     pid_m = tl.program_id(2)
     DT = x_ptr.dtype.element_ty
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        # Rows in rotation order: the first halves of the tile's heads, then their second halves,
+        # so the epilogue can pair each row with its RoPE partner (see `_rope_epilogue`).
+        HALF: tl.constexpr = HEAD_D // 2
+        j = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        second = tl.arange(0, BLOCK_N) >= BLOCK_N // 2
+        n = pid_n * BLOCK_N + (j // HALF) * HEAD_D + j % HALF + tl.where(second, HALF, 0)
+    else:
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mm = m < M
     nm = n < N
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
@@ -145,7 +206,7 @@ def _gemv_kernel(
         tiles = tl.num_programs(0)
         tl.store(val_ptr + m * tiles + pid_n, best, mask=mm)
         tl.store(idx_ptr + m * tiles + pid_n, arg, mask=mm)
-    elif SPLIT_K == 1:
+    elif SPLIT_K == 1 and not ROPE:
         tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
     else:
@@ -159,7 +220,12 @@ def _gemv_kernel(
             tl.debug_barrier()
             tile = pid_m * tl.num_programs(0) + pid_n
             ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT_K - 1:
+            if ROPE:
+                if ticket == SPLIT_K - 1:
+                    _rope_epilogue(ws_ptr, out_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, mm, pid_n,
+                                   M, N, stride_om, stride_cs, QD, KD, BLOCK_M, BLOCK_N, SPLIT_K, HEAD_D, DT)
+                    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            elif ticket == SPLIT_K - 1:
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for s2 in tl.static_range(SPLIT_K):
                     total += tl.load(ws_tile + s2 * M * N, mask=omask, other=0.0, cache_modifier=".cg")
@@ -209,7 +275,7 @@ def small_m_gemm(
     x: torch.Tensor, weight: torch.Tensor, *, silu_mul_input: bool = False,
     norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, block_m: int = 64,
     block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
-    m1: str = "dot", reduce: str = "kernel", pdl: bool = False,
+    m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
@@ -229,7 +295,9 @@ def small_m_gemm(
             raise KernelInputError(f"{name}: norm weight must be [{K}] of {x.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
         if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
             raise KernelInputError(f"{name}: residual must match x {tuple(x.shape)} {x.dtype}, contiguous in K")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    # rope = (positions, cos_sin, k_cache, v_cache, slot_mapping, stride_cs, q_width, q+k width,
+    # head_dim) from `qkv_rope_store`: only q is written out, k and v go to the cache.
+    out = torch.empty((M, rope[6] if rope else N), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None else None
     if M == 0 or N == 0:
         if summed is not None and M > 0:
@@ -243,8 +311,8 @@ def small_m_gemm(
         split_k = auto_split_k(tiles, K, block_k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)  # no empty splits
-    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    ticket = split_k > 1 and reduce == "ticket"
+    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 or rope else out
+    ticket = (split_k > 1 and reduce == "ticket") or bool(rope)  # the RoPE epilogue runs at the last arrival
     counters = tile_counters(x.device, tiles) if ticket else out
     if BLOCK_M > 1:  # the M == 1 path keeps its tiles in registers (no shared-memory pipeline)
         x_cols = 2 * block_k if silu_mul_input else block_k
@@ -254,10 +322,13 @@ def small_m_gemm(
     sm = summed if summed is not None else x
     _gemv_kernel[grid](
         x, weight, out, ws, out, out, r, norm_w if norm_w is not None else x, sm, counters,
+        *(rope[:5] if rope else (x,) * 5),
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), sm.stride(0), k_per_split, float(eps),
+        *(rope[5:8] if rope else (0, 0, 0)),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
         NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=False, TICKET=ticket,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
+        ROPE=bool(rope), HEAD_D=rope[8] if rope else 1,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if split_k > 1 and not ticket:
@@ -305,6 +376,41 @@ def silu_mul_down_proj(gate_up: torch.Tensor, weight: torch.Tensor, **params) ->
     """``down_proj(silu_and_mul(gate_up), weight)`` in one GEMV (see the module doc); ``params``
     from ``KERNEL_PARAMS``."""
     return small_m_gemm(gate_up, weight, silu_mul_input=True, **params)
+
+
+def rope_fusable(block_n: int, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether ``qkv_rope_store`` can tile these heads: whole heads per tile, no tile across q|k|v."""
+    return (block_n % head_dim == 0 and head_dim % 2 == 0 and (num_heads * head_dim) % block_n == 0
+            and (num_kv_heads * head_dim) % block_n == 0)
+
+
+def qkv_rope_store(
+    x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+    num_kv_heads: int, **params,
+) -> torch.Tensor:
+    """``qk_rope_store(qkv_proj(x, weight), positions, cos_sin, k_cache, v_cache, slot_mapping,
+    num_heads, num_kv_heads, None, None, eps)`` in one GEMV: the rotation and the cache store run in
+    the epilogue of the tile's last split, so the ``[T, (H + 2*Hkv) * D]`` qkv tensor and the rope
+    kernel (one launch per layer) disappear. Llama only (no q/k norm). Returns q ``[T, H, D]``;
+    ``params`` from ``KERNEL_PARAMS`` (``block_n`` a multiple of the head size, see ``rope_fusable``)."""
+    M, D = x.shape[0], cos_sin.shape[-1]
+    block_n = params.get("block_n", 64)
+    if not rope_fusable(block_n, D, num_heads, num_kv_heads):
+        raise KernelInputError(f"qkv_rope_store: block_n {block_n} cannot tile heads of {D} "
+                               f"({num_heads} q heads, {num_kv_heads} kv heads)")
+    if weight.shape[0] != (num_heads + 2 * num_kv_heads) * D:
+        raise KernelInputError(f"qkv_rope_store: weight rows {weight.shape[0]} != (H + 2*Hkv) * D")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cos_sin", cos_sin)):
+        if not t.is_contiguous():
+            raise KernelInputError(f"qkv_rope_store: {name} must be contiguous")
+    if k_cache.shape[-2:] != (num_kv_heads, D) or v_cache.shape != k_cache.shape:
+        raise KernelInputError(f"qkv_rope_store: caches must be [blocks, block_size, {num_kv_heads}, {D}]")
+    if positions.shape != (M,) or slot_mapping.shape != (M,):
+        raise KernelInputError("qkv_rope_store: positions and slot_mapping need one entry per row of x")
+    qd = num_heads * D
+    rope = (positions, cos_sin, k_cache, v_cache, slot_mapping, cos_sin.stride(0), qd, qd + num_kv_heads * D, D)
+    return small_m_gemm(x, weight, rope=rope, **params).view(M, num_heads, D)
 
 
 def add_rmsnorm_linear(
@@ -376,8 +482,9 @@ def lm_head_argmax(
     summed = torch.empty_like(x) if residual is not None else x  # written by the kernel, not returned
     _gemv_kernel[(tiles, 1, triton.cdiv(M, BLOCK_M))](
         x, weight, vals, vals, vals, idxs, r, norm_w if norm_w is not None else x, summed, x,
+        x, x, x, x, x,
         M, N, K, x.stride(0), weight.stride(0), 0, r.stride(0), summed.stride(0),
-        triton.cdiv(K, block_k) * block_k, float(eps),
+        triton.cdiv(K, block_k) * block_k, float(eps), 0, 0, 0,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False,
         NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=True, TICKET=False,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),

@@ -65,19 +65,21 @@ class Transformer:
         x = ops.embedding(ids, self.w.embed)
         residual = None
         for i, L in enumerate(self.w.layers):
+            k_cache, v_cache = kv[i, 0], kv[i, 1]
+            rope_args = (positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping, H, Hkv,
+                         L.q_norm, L.k_norm, eps)
             if ops.norm_qkv_proj is not None:  # fused: the norm in the GEMV's prologue
                 qkv, residual = ops.norm_qkv_proj(x, residual, L.input_norm, eps, L.qkv)
+                q = ops.qk_rope_store(qkv, *rope_args)
             else:
                 if residual is None:
                     residual, h = x, ops.rmsnorm(x, L.input_norm, eps)
                 else:
                     h, residual = ops.add_rmsnorm(x, residual, L.input_norm, eps)
-                qkv = ops.qkv_proj(h, L.qkv)
-            k_cache, v_cache = kv[i, 0], kv[i, 1]
-            q = ops.qk_rope_store(
-                qkv, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping,
-                H, Hkv, L.q_norm, L.k_norm, eps,
-            )
+                if ops.qkv_rope_store is not None:  # fused: RoPE + cache store in the GEMV's epilogue
+                    q = ops.qkv_rope_store(h, L.qkv, *rope_args)
+                else:
+                    q = ops.qk_rope_store(ops.qkv_proj(h, L.qkv), *rope_args)
             if ctx.is_prefill:
                 a = ops.attention_prefill(
                     q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.context_lens,

@@ -48,14 +48,19 @@ def specs():
     yield attention_prefill._prefill_kernel, {"bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32"}, dict(
         G=7, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BS=16, PREC="tf32", UPCAST=False, PV_F32=False,
         PACK_GQA=True), 4
-    gp = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "cnt_ptr": "*i32"}
+    gp = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
+          "cs_ptr": "*fp32", "slot_ptr": "*i64"}
     for bm, split, silu, norm, argmax, ticket in (
             (1, 4, False, 0, False, False), (16, 1, False, 0, False, False), (64, 2, True, 0, False, False),
             (1, 1, False, 0, True, False), (16, 1, False, 0, True, False), (1, 4, False, 2, False, False),
             (16, 2, False, 2, False, False), (1, 1, False, 1, False, False), (16, 4, False, 0, False, True),
             (1, 8, True, 0, False, True), (32, 2, False, 2, False, True), (16, 1, False, 2, True, False)):
         yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SILU_MUL=silu,
-                                          NORM=norm, ARGMAX=argmax, TICKET=ticket, PREC="tf32", UPCAST=False), 4
+                                          NORM=norm, ARGMAX=argmax, TICKET=ticket, PREC="tf32", UPCAST=False,
+                                          ROPE=False, HEAD_D=1), 4
+    for bm, split in ((1, 4), (1, 1), (16, 2)):  # qkv_proj + RoPE + cache store
+        yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
+                                          ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=True, HEAD_D=64), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4
     from anneal.engine.kernels import argmax as am
 

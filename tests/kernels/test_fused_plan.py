@@ -12,7 +12,7 @@ from anneal.engine.plan import OpChoice, Plan
 from anneal.engine.sampling_params import SamplingParams
 
 
-def fused_plan(device: str) -> Plan:
+def fused_plan(device: str, fusions: tuple[str, ...]) -> Plan:
     pdl = device == "cuda"
     gemv = {"m1": "fma", "reduce": "ticket", "pdl": pdl, "block_k": 64 if device == "cpu" else 128}
     ops = {op: OpChoice(impl="triton", params={"pdl": pdl})
@@ -21,21 +21,32 @@ def fused_plan(device: str) -> Plan:
     ops["attention_prefill"] = OpChoice(impl="triton")
     for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         ops[op] = OpChoice(impl="triton_gemv_splitk", params=gemv)
-    return Plan(ops=ops, fusions={"norm_linear": True, "silu_mul_down": True},
+    ops["qkv_proj"] = OpChoice(impl="triton_gemv_splitk", params={**gemv, "block_n": 32})  # whole heads per tile
+    return Plan(ops=ops, fusions={f: True for f in fusions},
                 cuda_graph_batch_sizes=[1, 2, 4] if device == "cuda" else [])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3"])
-def test_fused_plan_generates_as_reference(device, model):
+@pytest.mark.parametrize("fusions", [("norm_linear", "silu_mul_down"), ("qkv_rope",)])
+def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
     params = SamplingParams(max_tokens=12 if device == "cpu" else 48, temperature=0, ignore_eos=True)
     eng = Engine(EngineArgs(model=model, device=device, dtype="float32", num_kv_blocks=128, max_model_len=256))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, eng.config.vocab_size, (n,), generator=g).tolist() for n in (5, 37, 70)]
     ref = eng.generate(prompts, params)
-    report = eng.apply_plan(fused_plan(device))
+    from anneal.engine.kernels import gemv
+
+    calls = []
+    fused_rope = gemv.qkv_rope_store
+    monkeypatch.setattr(gemv, "qkv_rope_store", lambda *a, **k: calls.append(1) or fused_rope(*a, **k))
+    report = eng.apply_plan(fused_plan(device, fusions))
     assert report is not None
-    assert eng.runner.ops.norm_qkv_proj is not None and eng.runner.ops.silu_mul_down is not None
+    ops = eng.runner.ops
+    if "norm_linear" in fusions:
+        assert ops.norm_qkv_proj is not None and ops.silu_mul_down is not None
     got = eng.generate(prompts, params)
+    if "qkv_rope" in fusions:  # decode rows of Llama take the fused kernel; Qwen3 (q/k norm) never does
+        assert bool(calls) == (model == "random:tiny"), len(calls)
     agree = sum(a == b for r, o in zip(ref, got) for a, b in zip(r, o)) / sum(len(r) for r in ref)
     assert agree > 0.98, (agree, ref, got)

@@ -145,3 +145,56 @@ def test_norm_lm_head_argmax(device, dtype):
         atol = 1e-5 if dtype == torch.float32 else 2e-2 * best.abs().max().item()
         assert torch.all(chosen >= best - atol), (tokens, logits.argmax(-1))
         assert (tokens == logits.argmax(-1)).float().mean().item() >= 0.8
+
+
+def _cos_sin(P: int, D: int, g, device) -> torch.Tensor:
+    ang = torch.rand(P, D // 2, generator=g) * 50.0
+    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_rope_store(device, dtype):
+    """qkv GEMV with RoPE + cache store in its epilogue == qkv_proj then qk_rope_store (Llama):
+    q returned, rotated k and v in their slots, slot -1 rows not stored, other slots untouched."""
+    from anneal.engine.kernels.gemv import qkv_rope_store
+
+    if device == "cpu":
+        (H, Hkv, D, K), cases = (4, 2, 16, 48), [(1, {"block_n": 32, "block_k": 16, "m1": "fma", "split_k": 2}),
+                                                 (3, {"block_n": 16, "block_k": 32, "split_k": 1}),
+                                                 (2, {"block_n": 32, "block_k": 16, "m1": "fma", "split_k": 1})]
+    else:
+        (H, Hkv, D, K), cases = (32, 8, 64, 2048), [(1, {"block_n": 128, "block_k": 64, "m1": "fma", "pdl": True}),
+                                                    (5, {"block_n": 64, "split_k": 4}),
+                                                    (1, {"block_n": 64, "block_k": 128, "m1": "fma", "split_k": 1})]
+    nb, bs = 6, 4
+    for i, (M, params) in enumerate(cases):
+        g = gen(5000 + i, device)
+        x = randn(M, K, dtype=dtype, device=device, g=g)
+        w = randn((H + 2 * Hkv) * D, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+        cs = _cos_sin(64, D, g, device)
+        pos = torch.randint(0, 64, (M,), generator=g).to(device)
+        slots = torch.randperm(nb * bs, generator=g)[:M].to(device)
+        if M > 1:
+            slots[1] = -1  # not stored
+        kc = randn(nb, bs, Hkv, D, dtype=dtype, device=device, g=g)
+        vc = randn(nb, bs, Hkv, D, dtype=dtype, device=device, g=g)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q = qkv_rope_store(x, w, pos, cs, kc, vc, slots, H, Hkv, **params)
+        q_ref = ref.qk_rope_store(get_op("qkv_proj").reference(x, w), pos, cs, kc_ref, vc_ref, slots, H, Hkv,
+                                  None, None, 1e-6)
+        what = f"M={M} {params} {dtype}"
+        assert_close(q, q_ref, TOL_ACC, what=f"q {what}")
+        assert_close(kc, kc_ref, TOL_ACC, what=f"k cache {what}")
+        assert_close(vc, vc_ref, TOL_ACC, what=f"v cache {what}")
+
+
+def test_qkv_rope_store_rejects_untileable_heads():
+    from anneal.engine.kernels._common import KernelInputError
+    from anneal.engine.kernels.gemv import qkv_rope_store, rope_fusable
+
+    assert rope_fusable(128, 64, 32, 8) and not rope_fusable(32, 64, 32, 8) and not rope_fusable(128, 64, 32, 1)
+    x, w = torch.zeros(1, 8), torch.zeros(3 * 16, 8)
+    with pytest.raises(KernelInputError, match="block_n"):
+        qkv_rope_store(x, w, torch.zeros(1, dtype=torch.long), torch.zeros(4, 16), torch.zeros(2, 4, 1, 16),
+                       torch.zeros(2, 4, 1, 16), torch.zeros(1, dtype=torch.long), 1, 1, block_n=64)
