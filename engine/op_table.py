@@ -49,12 +49,28 @@ def _fusions(names: list[str], fns: dict[str, Callable], choices: dict[str, tupl
                 return gemv.silu_mul_down_proj(gu, w, **params)
 
             out[name] = silu_mul_down
+        elif name == "linear_norm":
+            for proj in ("o_proj", "down_proj"):
+                out[f"{proj}_add_rmsnorm"] = _linear_norm(gemv, fns, proj, *_gemv_params(choices[proj]))
         elif name == "qkv_rope":
             out["qkv_rope_store"] = _qkv_rope(gemv, fns, *_gemv_params(choices["qkv_proj"]))
         elif name == "norm_linear":
             for proj in ("qkv_proj", "gate_up_proj"):
                 out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *_gemv_params(choices[proj]))
     return out
+
+
+def _linear_norm(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m: int) -> Callable:
+    """``add_rmsnorm(proj(x, w), residual, norm_w, eps)`` -> ``(normed, summed)``, the norm done by
+    the GEMV's last tile; the unfused ops above ``max_m`` rows (prefill)."""
+    linear, add_norm = fns[proj], fns["add_rmsnorm"]
+
+    def proj_add_rmsnorm(x, w, residual, norm_w, eps):
+        if x.shape[0] > max_m:
+            return add_norm(linear(x, w), residual, norm_w, eps)
+        return gemv.linear_add_rmsnorm(x, w, residual, norm_w, eps, **params)
+
+    return proj_add_rmsnorm
 
 
 def _qkv_rope(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Callable:
@@ -91,13 +107,16 @@ def _norm_linear(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m:
 
 
 class OpTable:
-    FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj", "qkv_rope_store")
+    FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj", "qkv_rope_store",
+             "o_proj_add_rmsnorm", "down_proj_add_rmsnorm")
     # Fused entry points, None unless the plan enables them.
     lm_head_argmax: Callable | None = None
     silu_mul_down: Callable | None = None
     norm_qkv_proj: Callable | None = None  # (x, residual | None, norm_w, eps, w) -> (qkv, residual)
     norm_gate_up_proj: Callable | None = None
     qkv_rope_store: Callable | None = None  # qk_rope_store's signature with (h, w) in place of qkv
+    o_proj_add_rmsnorm: Callable | None = None  # (x, w, residual, norm_w, eps) -> (normed, summed)
+    down_proj_add_rmsnorm: Callable | None = None
 
     def __init__(self, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
                  fusions: dict[str, Callable] | None = None):

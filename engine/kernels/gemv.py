@@ -104,15 +104,43 @@ def _rope_epilogue(ws_ptr, q_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, 
 
 
 @triton.jit
+def _last_tile_add_norm(y_ptr, r_ptr, nw_ptr, sum_ptr, h_ptr, cnt_ptr, M, N, stride_ym, stride_rm, stride_sm,
+                        stride_hm, eps, BLOCK_NORM: tl.constexpr, DT: tl.constexpr):
+    """o_proj / down_proj + the add_rmsnorm after it: called by each tile's finishing program once
+    its tile of ``y`` is stored; the last tile of the grid to finish (a grid-wide ticket, kept past
+    the per-tile counters) then has every row of ``y`` and does ``add_rmsnorm(y, residual)`` for
+    all of them, rounding as the reference does. That removes the norm kernel (and its wait) from
+    the layer; the cost is one program doing a [M, N] row pass at the end."""
+    tiles = tl.num_programs(0) * tl.num_programs(2)
+    tl.debug_barrier()  # every thread's part of the tile is stored before the ticket's release
+    done = tl.atomic_add(cnt_ptr + tiles, 1, sem="acq_rel", scope="gpu")
+    if done == tiles - 1:
+        offs = tl.arange(0, BLOCK_NORM)
+        nm = offs < N
+        w = tl.load(nw_ptr + offs, mask=nm, other=0.0).to(tl.float32)
+        for row in range(0, M):  # decode-sized M: row * stride stays well inside int32
+            r64 = row
+            y = tl.load(y_ptr + r64 * stride_ym + offs, mask=nm, other=0.0, cache_modifier=".cg")
+            r = tl.load(r_ptr + r64 * stride_rm + offs, mask=nm, other=0.0)
+            summed = (y.to(tl.float32) + r.to(tl.float32)).to(DT)
+            tl.store(sum_ptr + r64 * stride_sm + offs, summed, mask=nm)
+            sf = summed.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
+            h = ((sf * rstd).to(DT).to(tl.float32) * w).to(DT)
+            tl.store(h_ptr + r64 * stride_hm + offs, h, mask=nm)
+        tl.atomic_xchg(cnt_ptr + tiles, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr, r_ptr, nw_ptr, sum_ptr, cnt_ptr,
-    pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+    pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, h_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_sm, k_per_split, eps,
-    stride_cs, QD, KD,
+    stride_cs, QD, KD, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, TICKET: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
-    HEAD_D: tl.constexpr = 1,
+    HEAD_D: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1,
 ):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -209,6 +237,9 @@ def _gemv_kernel(
     elif SPLIT_K == 1 and not ROPE:
         tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+        if ADD_NORM:
+            _last_tile_add_norm(out_ptr, r_ptr, nw_ptr, sum_ptr, h_ptr, cnt_ptr, M, N, stride_om, stride_rm,
+                                stride_sm, stride_hm, eps, BLOCK_NORM, DT)
     else:
         omask = mm[:, None] & nm[None, :]
         ws_tile = ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
@@ -232,6 +263,9 @@ def _gemv_kernel(
                 tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                          total.to(out_ptr.dtype.element_ty), mask=omask)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+                if ADD_NORM:
+                    _last_tile_add_norm(out_ptr, r_ptr, nw_ptr, sum_ptr, h_ptr, cnt_ptr, M, N, stride_om,
+                                        stride_rm, stride_sm, stride_hm, eps, BLOCK_NORM, DT)
 
 
 @triton.jit
@@ -276,6 +310,7 @@ def small_m_gemm(
     norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, block_m: int = 64,
     block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
+    add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
@@ -299,6 +334,16 @@ def small_m_gemm(
     # head_dim) from `qkv_rope_store`: only q is written out, k and v go to the cache.
     out = torch.empty((M, rope[6] if rope else N), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None else None
+    if add_norm is not None:  # (residual, norm_weight, eps) of the add_rmsnorm after this GEMV
+        residual, norm_w, eps = add_norm
+        norm_w = norm_w.contiguous()
+        check_device(name, residual, norm_w)
+        if norm_w.shape != (N,) or residual.shape != (M, N) or residual.stride(-1) != 1:
+            raise KernelInputError(f"linear_add_rmsnorm: need residual[{M}, {N}] and norm weight [{N}], got "
+                                   f"{tuple(residual.shape)}, {tuple(norm_w.shape)}")
+        summed, h = torch.empty_like(out), torch.empty_like(out)
+        if M == 0 or N == 0:
+            return h, summed
     if M == 0 or N == 0:
         if summed is not None and M > 0:
             summed.copy_(x + residual)  # no N tile writes it
@@ -312,25 +357,30 @@ def small_m_gemm(
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)  # no empty splits
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 or rope else out
-    ticket = (split_k > 1 and reduce == "ticket") or bool(rope)  # the RoPE epilogue runs at the last arrival
-    counters = tile_counters(x.device, tiles) if ticket else out
+    # the RoPE epilogue runs at a tile's last arrival; the add-norm one at the grid's
+    ticket = (split_k > 1 and (reduce == "ticket" or add_norm is not None)) or bool(rope)
+    counters = tile_counters(x.device, tiles + 1) if ticket or add_norm is not None else out
     if BLOCK_M > 1:  # the M == 1 path keeps its tiles in registers (no shared-memory pipeline)
         x_cols = 2 * block_k if silu_mul_input else block_k
         num_stages = fit_stages(num_stages, (BLOCK_M * x_cols + block_n * block_k) * x.element_size())
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
     r = residual if residual is not None else x
     sm = summed if summed is not None else x
+    hn = h if add_norm is not None else out
     _gemv_kernel[grid](
         x, weight, out, ws, out, out, r, norm_w if norm_w is not None else x, sm, counters,
-        *(rope[:5] if rope else (x,) * 5),
+        *(rope[:5] if rope else (x,) * 5), hn,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), sm.stride(0), k_per_split, float(eps),
-        *(rope[5:8] if rope else (0, 0, 0)),
+        *(rope[5:8] if rope else (0, 0, 0)), hn.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
-        NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=False, TICKET=ticket,
-        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
-        ROPE=bool(rope), HEAD_D=rope[8] if rope else 1,
+        NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=False,
+        TICKET=ticket, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
+        ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
+        BLOCK_NORM=pow2(N) if add_norm is not None else 1,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
+    if add_norm is not None:
+        return h, summed
     if split_k > 1 and not ticket:
         BLOCK = min(1024, pow2(N))
         _splitk_sum_kernel[(M, triton.cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK,
@@ -413,6 +463,16 @@ def qkv_rope_store(
     return small_m_gemm(x, weight, rope=rope, **params).view(M, num_heads, D)
 
 
+def linear_add_rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    **params,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rmsnorm(linear(x, weight), residual, norm_weight, eps)`` -> ``(normed, summed)`` in one
+    launch: the last tile of the GEMV to finish normalises the rows (see ``_last_tile_add_norm``).
+    For o_proj and down_proj at decode; ``params`` from ``KERNEL_PARAMS``."""
+    return small_m_gemm(x, weight, add_norm=(residual, norm_weight, eps), **params)
+
+
 def add_rmsnorm_linear(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     **params,
@@ -482,9 +542,9 @@ def lm_head_argmax(
     summed = torch.empty_like(x) if residual is not None else x  # written by the kernel, not returned
     _gemv_kernel[(tiles, 1, triton.cdiv(M, BLOCK_M))](
         x, weight, vals, vals, vals, idxs, r, norm_w if norm_w is not None else x, summed, x,
-        x, x, x, x, x,
+        x, x, x, x, x, x,
         M, N, K, x.stride(0), weight.stride(0), 0, r.stride(0), summed.stride(0),
-        triton.cdiv(K, block_k) * block_k, float(eps), 0, 0, 0,
+        triton.cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False,
         NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=True, TICKET=False,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),

@@ -64,18 +64,22 @@ class Transformer:
         T = ids.shape[0]
         x = ops.embedding(ids, self.w.embed)
         residual = None
-        for i, L in enumerate(self.w.layers):
+        h = None  # the next layer's normed input, when a fused GEMV epilogue already computed it
+        layers = self.w.layers
+        for i, L in enumerate(layers):
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             rope_args = (positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping, H, Hkv,
                          L.q_norm, L.k_norm, eps)
-            if ops.norm_qkv_proj is not None:  # fused: the norm in the GEMV's prologue
+            if h is None and ops.norm_qkv_proj is not None:  # fused: the norm in the GEMV's prologue
                 qkv, residual = ops.norm_qkv_proj(x, residual, L.input_norm, eps, L.qkv)
                 q = ops.qk_rope_store(qkv, *rope_args)
             else:
-                if residual is None:
-                    residual, h = x, ops.rmsnorm(x, L.input_norm, eps)
-                else:
-                    h, residual = ops.add_rmsnorm(x, residual, L.input_norm, eps)
+                if h is None:
+                    if residual is None:
+                        residual, h = x, ops.rmsnorm(x, L.input_norm, eps)
+                    else:
+                        h, residual = ops.add_rmsnorm(x, residual, L.input_norm, eps)
                 if ops.qkv_rope_store is not None:  # fused: RoPE + cache store in the GEMV's epilogue
                     q = ops.qkv_rope_store(h, L.qkv, *rope_args)
                 else:
@@ -89,17 +93,25 @@ class Transformer:
                 a = ops.attention_decode(
                     q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale
                 )
-            x = ops.o_proj(a.reshape(T, H * D), L.o)
-            if ops.norm_gate_up_proj is not None:
-                gu, residual = ops.norm_gate_up_proj(x, residual, L.post_norm, eps, L.gate_up)
-            else:
-                h, residual = ops.add_rmsnorm(x, residual, L.post_norm, eps)
+            a = a.reshape(T, H * D)
+            if ops.o_proj_add_rmsnorm is not None:  # fused: the norm in the GEMV's last tile
+                h, residual = ops.o_proj_add_rmsnorm(a, L.o, residual, L.post_norm, eps)
                 gu = ops.gate_up_proj(h, L.gate_up)
+            elif ops.norm_gate_up_proj is not None:
+                gu, residual = ops.norm_gate_up_proj(ops.o_proj(a, L.o), residual, L.post_norm, eps, L.gate_up)
+            else:
+                h, residual = ops.add_rmsnorm(ops.o_proj(a, L.o), residual, L.post_norm, eps)
+                gu = ops.gate_up_proj(h, L.gate_up)
+            if ops.down_proj_add_rmsnorm is not None:  # the next layer's (or the final) norm fused
+                h, residual = ops.down_proj_add_rmsnorm(ops.silu_and_mul(gu), L.down, residual, next_norm, eps)
+                continue
+            h = None
             if ops.silu_mul_down is not None:
                 x = ops.silu_mul_down(gu, L.down)
             else:
                 x = ops.down_proj(ops.silu_and_mul(gu), L.down)
-        h, _ = ops.add_rmsnorm(x, residual, self.w.final_norm, eps)
+        if h is None:
+            h, _ = ops.add_rmsnorm(x, residual, self.w.final_norm, eps)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -78,12 +78,19 @@ def store_kv(
     num_blocks, block_size = k_cache.shape[:2]
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    # Padding slots (-1) are redirected to a scratch row beyond the cache via index_copy on a
-    # masked view would need a sync; instead write them to their own current contents.
+    # Padding rows (slot -1) must write nothing, without a host sync. Each is sent to the slot of
+    # the first valid row with that row's values, so every write to a slot carries the same data
+    # (index_copy_ with duplicate indices and different data is nondeterministic on CUDA: a padding
+    # row rewriting slot 0 with its old contents raced a real token stored in slot 0). With no
+    # valid row at all, slot 0 is rewritten with its own contents.
     valid = slot_mapping >= 0
-    slots = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
-    keep_k = torch.where(valid[:, None, None], k.to(flat_k.dtype), flat_k[slots])
-    keep_v = torch.where(valid[:, None, None], v.to(flat_v.dtype), flat_v[slots])
+    first = valid.to(torch.int32).argmax()  # the first valid row (0 when there is none)
+    first_ok = valid[first]
+    slots = torch.where(valid, slot_mapping, torch.where(first_ok, slot_mapping[first], 0))
+    src_k = torch.where(valid[:, None, None], k, k[first][None])
+    src_v = torch.where(valid[:, None, None], v, v[first][None])
+    keep_k = torch.where(valid[:, None, None] | first_ok, src_k.to(flat_k.dtype), flat_k[slots])
+    keep_v = torch.where(valid[:, None, None] | first_ok, src_v.to(flat_v.dtype), flat_v[slots])
     flat_k.index_copy_(0, slots, keep_k)
     flat_v.index_copy_(0, slots, keep_v)
 

@@ -198,3 +198,33 @@ def test_qkv_rope_store_rejects_untileable_heads():
     with pytest.raises(KernelInputError, match="block_n"):
         qkv_rope_store(x, w, torch.zeros(1, dtype=torch.long), torch.zeros(4, 16), torch.zeros(2, 4, 1, 16),
                        torch.zeros(2, 4, 1, 16), torch.zeros(1, dtype=torch.long), 1, 1, block_n=64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_add_rmsnorm(device, dtype):
+    """o_proj/down_proj GEMV whose last tile to finish does the add_rmsnorm after it == linear then
+    add_rmsnorm; every tile size, split and M path, and the counters left ready for the next call."""
+    from anneal.engine.kernels.gemv import linear_add_rmsnorm
+
+    if device == "cpu":
+        shapes = [(1, 48, 40), (3, 40, 96)]
+        params = [{"block_n": 16, "block_k": 16, "m1": "fma", "split_k": 2},
+                  {"block_n": 32, "block_k": 32, "split_k": 1}, {"block_n": 16, "block_k": 32, "split_k": 2}]
+    else:
+        shapes = [(1, 2048, 2048), (1, 2048, 8192), (4, 4096, 4096)]
+        params = [{"block_n": 128, "block_k": 64, "m1": "fma", "reduce": "ticket", "pdl": True},
+                  {"split_k": 1, "block_n": 64}, {"split_k": 4, "block_n": 32, "pdl": True}]
+    for pi, p in enumerate(params):
+        for i, (M, N, K) in enumerate(shapes):
+            g = gen(7000 + 10 * pi + i, device)
+            x = randn(M, K, dtype=dtype, device=device, g=g)
+            w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+            r = randn(M, N, dtype=dtype, device=device, g=g)
+            nw = randn(N, dtype=dtype, device=device, g=g)
+            for _ in range(2):  # a second call finds the grid-wide counter reset
+                h, summed = linear_add_rmsnorm(x, w, r, nw, 1e-5, **p)
+                eh, esummed = ref.add_rmsnorm(get_op("o_proj").reference(x, w), r, nw, 1e-5)
+                what = f"{p} {M}x{N}x{K} {dtype}"
+                assert_close(summed, esummed, TOL_ACC, what=f"summed {what}")
+                assert_close(h, eh, TOL_ACC, what=f"normed {what}")

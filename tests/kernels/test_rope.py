@@ -68,3 +68,25 @@ def test_qk_rope_store_rejects_bad_shapes(device):
     with pytest.raises(ValueError, match="not \\[T, \\(H \\+ 2\\*Hkv\\) \\* D\\]"):
         fn(qkv, torch.zeros(2, dtype=torch.long, device=device), _cos_sin(8, 8, device), cache, cache.clone(),
            torch.zeros(2, dtype=torch.long, device=device), 4, 1, None, None, 1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reference_store_skips_padding_rows_even_beside_slot_0(device):
+    """A padding row (slot -1) in the same call as a real token stored in slot 0 writes nothing:
+    the reference once sent padding rows to slot 0 with its old contents, and index_copy_ with a
+    duplicate index let the stale row win (always on the CPU, at random on CUDA)."""
+    g = gen(61, device)
+    kc = randn(2, 4, 2, 8, dtype=torch.float32, device=device, g=g)
+    vc = randn(2, 4, 2, 8, dtype=torch.float32, device=device, g=g)
+    k = randn(3, 2, 8, dtype=torch.float32, device=device, g=g)
+    v = randn(3, 2, 8, dtype=torch.float32, device=device, g=g)
+    before_k = kc.clone()
+    slots = torch.tensor([5, 0, -1], device=device)
+    ref.store_kv(k, v, kc, vc, slots)
+    flat_k, flat_v = kc.view(8, 2, 8), vc.view(8, 2, 8)
+    assert torch.equal(flat_k[0], k[1]) and torch.equal(flat_v[0], v[1])
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_v[5], v[0])
+    untouched = [i for i in range(8) if i not in (0, 5)]
+    assert torch.equal(flat_k[untouched], before_k.view(8, 2, 8)[untouched])
+    ref.store_kv(k, v, kc, vc, torch.tensor([-1, -1, -1], device=device))  # nothing valid: nothing changes
+    assert torch.equal(flat_k[0], k[1])
