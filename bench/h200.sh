@@ -52,7 +52,7 @@ for s in "$@"; do
       ;;
     decode)
       stage decode 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1,8,32,128 \
-        --context 1024 --plans reference,triton,triton+gemv --no-hf --steps 30 --greedy-check 256 --out "$OUT"
+        --context 1024 --plans "${DECODE_FULL_PLANS:-reference,triton,triton+gemv}" --no-hf --steps 30 --greedy-check 256 --out "$OUT"
       ;;
     decode-8k)
       stage decode-8k-1b 300 $py bench/decode.py --shapes llama-3.2-1b --batch-sizes 32,128 --context 8192 \

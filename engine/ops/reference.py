@@ -84,11 +84,13 @@ def store_kv(
     # row rewriting slot 0 with its old contents raced a real token stored in slot 0). With no
     # valid row at all, slot 0 is rewritten with its own contents.
     valid = slot_mapping >= 0
-    first = valid.to(torch.int32).argmax()  # the first valid row (0 when there is none)
+    # the first valid row (0 when there is none), as a 1-element index: a 0-d tensor index would
+    # be read on the host (a sync, and a failed CUDA-graph capture)
+    first = valid.to(torch.int32).argmax().view(1)
     first_ok = valid[first]
     slots = torch.where(valid, slot_mapping, torch.where(first_ok, slot_mapping[first], 0))
-    src_k = torch.where(valid[:, None, None], k, k[first][None])
-    src_v = torch.where(valid[:, None, None], v, v[first][None])
+    src_k = torch.where(valid[:, None, None], k, k[first])
+    src_v = torch.where(valid[:, None, None], v, v[first])
     keep_k = torch.where(valid[:, None, None] | first_ok, src_k.to(flat_k.dtype), flat_k[slots])
     keep_v = torch.where(valid[:, None, None] | first_ok, src_v.to(flat_v.dtype), flat_v[slots])
     flat_k.index_copy_(0, slots, keep_k)
