@@ -83,6 +83,8 @@ def make_inputs(
         q_lens = [max(1, int(L) // (b + 1)) for b, L in enumerate(lens.tolist())]
         cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).to(device)
         return (rnd(int(cu[-1]), H, D), k_cache, v_cache, bt, cu, lens, max(q_lens), D**-0.5)
+    if op == "argmax":
+        return (rnd(tokens, cfg.vocab_size, scale=3.0),)
     if op == "sample":
         B, V = tokens, cfg.vocab_size
         return (rnd(B, V, scale=3.0).float(),
