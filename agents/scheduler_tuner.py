@@ -1,6 +1,6 @@
 """Scheduler knobs against a latency objective: the most tokens/s whose p90 ITL and TTFT stay in bounds.
 
-Why a workload and not a step: max_num_seqs, the token budget and chunked prefill only show in how
+Why a workload and not a step: max_num_seqs, the token budget, chunked and mixed prefill only show in how
 a stream of requests is scheduled, so each setting replays the traffic shape's workload on the
 fast tier. Settings are tried in a seeded random order (a resumed run retries the same ones) and
 the grid is small, so no exhaustive sweep is needed to stay within budget.
@@ -57,4 +57,4 @@ class SchedulerTuner:
 
 def _label(k) -> str:
     return (f"max_num_seqs={k.max_num_seqs} max_batched_tokens={k.max_num_batched_tokens} "
-            f"chunked={k.chunked_prefill}")
+            f"chunked={k.chunked_prefill} mixed={k.mixed_prefill}")

@@ -177,7 +177,9 @@ class CandidateSpace:
         return big or (self.max_model_len,)
 
     def mutate_scheduler(self, s: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:
-        knob = rng.choice(["max_num_seqs", "max_num_batched_tokens", "chunked_prefill"])
+        knob = rng.choice(["max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "mixed_prefill"])
+        if knob == "mixed_prefill":
+            return s.model_copy(update={"mixed_prefill": not s.mixed_prefill})
         if knob == "chunked_prefill":
             chunked = not s.chunked_prefill
             budgets = self.token_budgets(chunked)
@@ -213,8 +215,9 @@ class CandidateSpace:
                 for tok in self.token_budgets(chunked):
                     if tok < seqs:
                         continue
-                    out.append(SchedulerKnobs(max_num_seqs=seqs, max_num_batched_tokens=tok,
-                                              chunked_prefill=chunked))
+                    for mixed in (True, False):
+                        out.append(SchedulerKnobs(max_num_seqs=seqs, max_num_batched_tokens=tok,
+                                                  chunked_prefill=chunked, mixed_prefill=mixed))
         return out
 
 

@@ -64,6 +64,12 @@ class SchedulerKnobs(_Strict):
         2048, ge=16, le=1 << 20, description="token budget of one step (prefill chunks + decodes)"
     )
     chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    mixed_prefill: bool = Field(
+        True,
+        description="running decodes ride along with prefill chunks in one (eager, varlen) step; "
+        "False: prefill steps run alone and decode steps take the CUDA-graph path, alternating "
+        "while both have work",
+    )
     enable_prefix_caching: bool = True
 
 

@@ -3,7 +3,10 @@
 Pure Python. One step is either *decode-only* (every item computes exactly its last token: the
 CUDA-graph path) or *mixed* (prefill chunks, with running decodes piggybacking, in one varlen
 pass). Order of service: running decodes first (inter-token latency), then running prefills'
-next chunks, then new requests while the token budget and the blocks last. When a decode needs a
+next chunks, then new requests while the token budget and the blocks last. With
+``mixed_prefill=False`` a step holds decodes or prefill work, never both: the decodes keep the
+CUDA-graph path (a mixed step runs them eager), and the two kinds of step alternate while both have
+work, so neither starves. When a decode needs a
 block and none is free, the most recently admitted sequence is preempted (its blocks freed, to be
 recomputed later), so the oldest requests always make progress.
 """
@@ -43,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0
+        self._last_step_prefill = False  # mixed_prefill=False: which kind of step ran last
 
     @staticmethod
     def check_knobs(knobs: SchedulerKnobs, max_model_len: int) -> None:
@@ -90,13 +94,26 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> ScheduledBatch:
+        if self.knobs.mixed_prefill:
+            return self._schedule(decodes=True, prefills=True)
+        has_decodes = any(s.status is Status.RUNNING and not s.in_prefill for s in self.running)
+        if has_decodes and self._last_step_prefill:
+            batch = self._schedule(decodes=True, prefills=False)
+        else:
+            batch = self._schedule(decodes=False, prefills=True)
+            if not batch.items:  # no prefill work could be scheduled: decode instead
+                batch = self._schedule(decodes=True, prefills=False)
+        self._last_step_prefill = bool(batch.items) and not batch.decode_only
+        return batch
+
+    def _schedule(self, decodes: bool, prefills: bool) -> ScheduledBatch:
         k = self.knobs
         budget = k.max_num_batched_tokens
         batch = ScheduledBatch()
         scheduled: set[int] = set()
 
         # 1. Running decodes, oldest first; preempt the newest when blocks run out.
-        for seq in list(self.running):
+        for seq in list(self.running) if decodes else ():
             if seq.status is not Status.RUNNING or seq.in_prefill:
                 continue
             while not self.blocks.append_slots(seq):
@@ -112,6 +129,9 @@ class Scheduler:
                 batch.items.append((seq, 1))
                 scheduled.add(id(seq))
                 budget -= 1
+
+        if not prefills:
+            return batch
 
         # 2. Running prefills: their next chunk.
         for seq in self.running:

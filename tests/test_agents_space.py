@@ -62,6 +62,7 @@ def test_scheduler_grid_respects_token_budget():
     grid = CandidateSpace.from_state(STATE).scheduler_grid()
     assert grid and all(k.max_num_batched_tokens >= k.max_num_seqs for k in grid)
     assert {k.chunked_prefill for k in grid} == {True, False}
+    assert {k.mixed_prefill for k in grid} == {True, False}
 
 
 def test_gpu_space_has_fusions_and_graphs_and_equal_plans_hash_equal():

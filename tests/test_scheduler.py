@@ -53,11 +53,12 @@ def assert_all_free(sched: Scheduler) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_random_workload_respects_budget_and_max_num_seqs(seed):
+@pytest.mark.parametrize("mixed", [True, False])
+def test_random_workload_respects_budget_and_max_num_seqs(seed, mixed):
     rng = random.Random(seed)
     B, S = 40, 6
     sched = scheduler(num_blocks=80, block_size=4, max_model_len=200,
-                      max_num_batched_tokens=B, max_num_seqs=S)
+                      max_num_batched_tokens=B, max_num_seqs=S, mixed_prefill=mixed)
     seqs = [make_seq(f"r{i}", rand_tokens(rng, rng.randrange(1, 90)), rng.randrange(1, 12))
             for i in range(30)]
     done: list[Sequence] = []
@@ -86,13 +87,14 @@ def test_random_workload_respects_budget_and_max_num_seqs(seed):
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])
-def test_random_workload_under_block_pressure_preempts_and_completes(seed):
+@pytest.mark.parametrize("mixed", [True, False])
+def test_random_workload_under_block_pressure_preempts_and_completes(seed, mixed):
     """Few blocks, shared prefixes, arrivals and aborts: every request still finishes with its
     tokens, preemptions happen, the budget holds and no block leaks."""
     rng = random.Random(seed)
     B = 24
     sched = scheduler(num_blocks=14, block_size=4, max_model_len=48,
-                      max_num_batched_tokens=B, max_num_seqs=8)
+                      max_num_batched_tokens=B, max_num_seqs=8, mixed_prefill=mixed)
     shared = rand_tokens(rng, 16)
     seqs = []
     for i in range(24):
@@ -125,6 +127,45 @@ def test_random_workload_under_block_pressure_preempts_and_completes(seed):
     for s in done:
         assert s.num_output_tokens == s.params.max_tokens
     assert_all_free(sched)
+
+
+def test_unmixed_steps_hold_decodes_or_prefills_and_alternate():
+    """mixed_prefill=False: no step holds both decodes and prefill chunks (decodes keep the graph
+    path); while both kinds have work the steps alternate, so a stream of arrivals never stalls
+    the decodes and the decodes never stall admission."""
+    rng = random.Random(21)
+    sched = scheduler(num_blocks=200, block_size=4, max_model_len=200, max_num_batched_tokens=16,
+                      max_num_seqs=8, mixed_prefill=False)
+    seqs = [make_seq(f"r{i}", rand_tokens(rng, rng.randrange(10, 40)), 12) for i in range(12)]
+    pending, done, kinds = list(seqs), [], []
+    while pending or sched.has_unfinished():
+        if pending and rng.random() < 0.4:
+            sched.add(pending.pop(0))
+        decoding = any(not s.in_prefill for s in sched.running)
+        prefill_work = any(s.in_prefill for s in sched.running) or bool(sched.waiting)
+        items, finished = fake_step(sched, rng)
+        done += finished
+        if not items:
+            continue
+        decode_items = [s for s, n in items if n == 1 and s.num_output_tokens > 1]  # had a token before
+        assert not decode_items or len(decode_items) == len(items), "a step mixed decodes and prefill chunks"
+        if decoding and prefill_work and kinds:
+            assert kinds[-1] != ("decode" if decode_items else "prefill"), "two steps of one kind while both waited"
+        kinds.append("decode" if decode_items else "prefill")
+        assert len(kinds) < 2000
+    assert sorted(s.request_id for s in done) == sorted(s.request_id for s in seqs)
+    assert {"decode", "prefill"} <= set(kinds)
+    assert_all_free(sched)
+
+
+def test_unmixed_prefill_engine_outputs_equal_mixed():
+    """The step mix changes only when tokens are computed, never what they are."""
+    rng = random.Random(13)
+    prompts = [rand_tokens(rng, rng.randrange(8, 30)) for _ in range(6)]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)] * 6
+    want = run_with_logprobs(tiny_engine(200, max_num_batched_tokens=24), prompts, params)
+    got = run_with_logprobs(tiny_engine(200, max_num_batched_tokens=24, mixed_prefill=False), prompts, params)
+    assert_same_outputs(want, got)
 
 
 def test_chunked_prefill_splits_a_long_prompt_across_steps():
