@@ -8,6 +8,7 @@ and warm-up steps are never counted. Reports the median and p10/p90 over repetit
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -82,6 +83,20 @@ def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkR
     samples = []
     graphs = engine.runner.graphs
     events = engine.runner.replay_events = [] if engine.device.type == "cuda" else None
+    # As timeit does: no garbage collection inside the timed steps (a collection lands in one
+    # step's host time at random, which is spread the plan did not cause).
+    gc_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return _timed_loop(engine, sets, req, decode_only, samples, graphs, events)
+    finally:
+        engine.runner.replay_events = None
+        if gc_enabled:
+            gc.enable()
+
+
+def _timed_loop(engine, sets, req, decode_only, samples, graphs, events) -> tuple[list[float], list[float]]:
     for i in range(req.warmup + req.steps):
         items = sets[i % len(sets)]
         with torch.inference_mode():  # graph outputs are inference tensors
@@ -98,7 +113,7 @@ def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkR
             samples.append(dt)
         elif events:
             events.clear()
-    engine.runner.replay_events = None
+    _sync(engine)
     device = [a.elapsed_time(b) / 1e3 for a, b in events or []]
     return samples, device
 
