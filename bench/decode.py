@@ -152,7 +152,7 @@ def hf_decode_ms(shape: str, bs: int, context: int, new_tokens: int = 33) -> dic
 
 
 def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw: float,
-                hf: bool, greedy_check: int, wanted: list[str]) -> dict:
+                hf: bool, greedy_check: int, wanted: list[str], greedy_dtype: str = "bfloat16") -> dict:
     max_len = context + max(greedy_check, 16) + 16
     blocks_per_seq = -(-max_len // 16)
     plans = {k: v for k, v in bench_plans(batch_sizes).items() if k in wanted or k == "reference"}
@@ -208,9 +208,25 @@ def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw
                 print(f"{shape:14s} {name:12s} bs={bs:<4d} eager step {er['median_ms']:8.3f} ms", flush=True)
             for s, _ in items:
                 engine.blocks.free(s)
-        if greedy_check:
+        if greedy_check and greedy_dtype == "bfloat16":
             tokens[name] = engine.generate(
                 [prompt], SamplingParams(max_tokens=greedy_check, temperature=0, ignore_eos=True))[0]
+    if greedy_check and greedy_dtype != "bfloat16":
+        # Random weights give near-uniform logits, where a last-bit difference in bf16 flips an
+        # argmax; in fp32 the same plans differ only by summation order.
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        engine = Engine(EngineArgs(model=f"random:{shape}", device="cuda", dtype=greedy_dtype,
+                                   max_model_len=max_len, num_kv_blocks=blocks_per_seq + 32,
+                                   plan=plans["reference"].model_copy(update={"cuda_graph_batch_sizes": [1]})))
+        for name, plan in plans.items():
+            if out["plans"].get(name, {}).get("ok"):
+                if name != "reference":
+                    engine.apply_plan(plan.model_copy(update={"cuda_graph_batch_sizes": [1]}))
+                tokens[name] = engine.generate(
+                    [prompt], SamplingParams(max_tokens=greedy_check, temperature=0, ignore_eos=True))[0]
+        out["greedy_dtype"] = greedy_dtype
     if "reference" in tokens:
         ref = tokens["reference"]
         out["greedy_identical_to_reference"] = {n: t == ref for n, t in tokens.items() if n != "reference"}
@@ -249,6 +265,8 @@ def main() -> int:
     ap.add_argument("--plans", default="reference,triton,triton+gemv,triton+fused,triton+fused+pdl",
                     help="named plans and/or plan JSON files (named by their file stem)")
     ap.add_argument("--greedy-check", type=int, default=256)
+    ap.add_argument("--greedy-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="dtype of the greedy-identity check (float32: a separate engine)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     ap.add_argument("--name", default="decode", help="result file stem")
     args = ap.parse_args()
@@ -262,7 +280,7 @@ def main() -> int:
     for shape in args.shapes.split(","):
         result["shapes"].append(bench_shape(shape, bs, args.context, args.steps, result["copy_gbps"],
                                             not args.no_hf, args.greedy_check,
-                                            args.plans.split(",")))
+                                            args.plans.split(","), args.greedy_dtype))
     path = write_result(args.name, result, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0

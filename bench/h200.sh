@@ -8,6 +8,8 @@
 #   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
+#   kernels-bs1, decode-bs1, variants  issue 2/4: bs=1 GEMV sweep, bs=1 plans side by side, one-change variants
+#   greedy-fp32                     issue 4: greedy tokens vs the reference over 256 steps, in fp32
 #   gpu-tests                       pytest -m gpu
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -84,6 +86,11 @@ for s in "$@"; do
         --plans "${PROFILE_PLANS:-triton,triton+gemv}" --name profile-step-1b --out "$OUT"
       stage profile-8b 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 1 --context 1024 \
         --plans triton --name profile-step-8b --out "$OUT"
+      ;;
+    greedy-fp32)
+      stage greedy-fp32 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
+        --plans triton,bench/plans/gemv-pdl-rope-gu.json --no-hf --steps 5 --greedy-check 256 --greedy-dtype float32 \
+        --name greedy-fp32 --out "$OUT"
       ;;
     spread)
       stage spread 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 --plan bench/plans/triton.json \
