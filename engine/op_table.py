@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from anneal.engine.fusions import build_fusions
 from anneal.engine.ops.registry import OpError, all_ops, build_op, get_variant
 from anneal.engine.plan import Plan
 
@@ -17,93 +18,6 @@ def _interpreting() -> bool:
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _gemv_params(choice: tuple[str, dict]) -> tuple[dict, int]:
-    """The GEMV kernel params of a projection's choice (when it is the Triton GEMV), for the fused
-    kernel that replaces it, and the row count above which the unfused ops run instead (prefill)."""
-    impl, params = choice
-    if impl != "triton_gemv_splitk":
-        return {}, 64
-    p = dict(params)
-    return p, p.pop("max_m", 64) or 1 << 30
-
-
-def _fusions(names: list[str], fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]) -> dict[str, Callable]:
-    """The callables behind a plan's fusions. Each fused GEMV takes the params of the projection it
-    replaces (when that is the Triton GEMV), and above that variant's ``max_m`` rows (prefill) runs
-    the unfused ops, which is what large M wants."""
-    from anneal.engine.kernels import gemv
-
-    out: dict[str, Callable] = {}
-    for name in names:
-        if name == "lm_head_argmax":
-            out[name] = gemv.lm_head_argmax
-        elif name == "silu_mul_down":
-            params, max_m = _gemv_params(choices["down_proj"])
-            silu, down = fns["silu_and_mul"], fns["down_proj"]
-
-            def silu_mul_down(gu, w, params=params, max_m=max_m, silu=silu, down=down):
-                if gu.shape[0] > max_m:
-                    return down(silu(gu), w)
-                return gemv.silu_mul_down_proj(gu, w, **params)
-
-            out[name] = silu_mul_down
-        elif name == "linear_norm":
-            for proj in ("o_proj", "down_proj"):
-                out[f"{proj}_add_rmsnorm"] = _linear_norm(gemv, fns, proj, *_gemv_params(choices[proj]))
-        elif name == "qkv_rope":
-            out["qkv_rope_store"] = _qkv_rope(gemv, fns, *_gemv_params(choices["qkv_proj"]))
-        elif name == "norm_linear":
-            for proj in ("qkv_proj", "gate_up_proj"):
-                out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *_gemv_params(choices[proj]))
-    return out
-
-
-def _linear_norm(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m: int) -> Callable:
-    """``add_rmsnorm(proj(x, w), residual, norm_w, eps)`` -> ``(normed, summed)``, the norm done by
-    the GEMV's last tile; the unfused ops above ``max_m`` rows (prefill)."""
-    linear, add_norm = fns[proj], fns["add_rmsnorm"]
-
-    def proj_add_rmsnorm(x, w, residual, norm_w, eps):
-        if x.shape[0] > max_m:
-            return add_norm(linear(x, w), residual, norm_w, eps)
-        return gemv.linear_add_rmsnorm(x, w, residual, norm_w, eps, **params)
-
-    return proj_add_rmsnorm
-
-
-def _qkv_rope(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Callable:
-    """``qk_rope_store(qkv_proj(h, w), ...)`` with the rotation and cache store in the GEMV's
-    epilogue; the unfused ops where it does not apply (prefill rows, Qwen3's q/k norm, heads the
-    tile size cannot hold whole)."""
-    qkv_proj, rope = fns["qkv_proj"], fns["qk_rope_store"]
-    block_n = params.get("block_n", 64)
-
-    def qkv_rope_store(h, w, positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm, k_norm, eps):
-        if (h.shape[0] > max_m or q_norm is not None
-                or not gemv.rope_fusable(block_n, cos_sin.shape[-1], H, Hkv)):
-            return rope(qkv_proj(h, w), positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm, k_norm, eps)
-        return gemv.qkv_rope_store(h, w, positions, cos_sin, k_cache, v_cache, slots, H, Hkv, **params)
-
-    return qkv_rope_store
-
-
-def _norm_linear(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m: int) -> Callable:
-    """``(proj(rmsnorm(x [+ residual])), x [+ residual])``: the norm in the GEMV's prologue."""
-    norm, add_norm, linear = fns["rmsnorm"], fns["add_rmsnorm"], fns[proj]
-
-    def norm_proj(x, residual, norm_w, eps, w):
-        if x.shape[0] > max_m:
-            if residual is None:
-                return linear(norm(x, norm_w, eps), w), x
-            h, summed = add_norm(x, residual, norm_w, eps)
-            return linear(h, w), summed
-        if residual is None:
-            return gemv.rmsnorm_linear(x, norm_w, eps, w, **params), x
-        return gemv.add_rmsnorm_linear(x, residual, norm_w, eps, w, **params)
-
-    return norm_proj
 
 
 class OpTable:
@@ -141,7 +55,7 @@ class OpTable:
             choices[name] = (c.impl, params)
         if plan.fusions and device != "cuda" and not _interpreting():
             raise OpError(f"fusions {sorted(plan.fusions)} need a CUDA GPU")
-        return cls(fns, choices, _fusions(sorted(plan.fusions), fns, choices))
+        return cls(fns, choices, build_fusions(sorted(plan.fusions), fns, choices))
 
     @classmethod
     def reference(cls) -> "OpTable":
