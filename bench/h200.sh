@@ -10,6 +10,7 @@
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
 #   kernels-bs1, decode-bs1, variants  issue 2/4: bs=1 GEMV sweep, bs=1 plans side by side, one-change variants
 #   greedy-fp32                     issue 4: greedy tokens vs the reference over 256 steps, in fp32
+#   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
 #   gpu-tests                       pytest -m gpu
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -91,6 +92,10 @@ for s in "$@"; do
       stage greedy-fp32 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
         --plans triton,bench/plans/gemv-pdl-rope-gu.json --no-hf --steps 5 --greedy-check 256 --greedy-dtype float32 \
         --name greedy-fp32 --out "$OUT"
+      ;;
+    iteration)
+      stage iteration 300 $py bench/iteration.py --shape llama-3.1-8b --out "$OUT"
+      stage iteration-cold-jit 360 $py bench/iteration.py --shape llama-3.1-8b --cold-jit-cache --name iteration-cold-jit --out "$OUT"
       ;;
     spread)
       stage spread 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 --plan bench/plans/triton.json \

@@ -96,13 +96,16 @@ def drop_page_cache() -> bool:
         return False
 
 
-def start_server(model: str, port: int, aport: int, plan_file: str | None, kv_blocks: int):
+def start_server(model: str, port: int, aport: int, plan_file: str | None, kv_blocks: int,
+                 jit_cache: str | None = None):
     cmd = [sys.executable, "-m", "anneal.cli", "serve", "--model", model, "--device", "cuda",
            "--host", "127.0.0.1", "--port", str(port), "--admin-port", str(aport),
            "--max-model-len", "2048", "--num-kv-blocks", str(kv_blocks), "--log-level", "warning"]
     if plan_file:
         cmd += ["--plan", plan_file]
     env = {**os.environ, "ANNEAL_ADMIN_TOKEN": TOKEN}
+    if jit_cache:  # Triton's kernel cache: an empty one is what a new pod on a new node starts with
+        env["TRITON_CACHE_DIR"] = jit_cache
     log = open(os.environ.get("ANNEAL_BENCH_LOG", "/tmp/anneal-iteration-server.log"), "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
@@ -150,8 +153,12 @@ def main() -> int:
     ap.add_argument("--candidates", type=int, default=5)
     ap.add_argument("--kv-blocks", type=int, default=4096)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cold-jit-cache", action="store_true",
+                    help="start the server with an empty Triton cache (a fresh node), not this machine's")
+    ap.add_argument("--name", default="iteration")
     args = ap.parse_args()
-    result: dict = {"env": environment(), "shape": args.shape, "benchmark": BENCH}
+    result: dict = {"env": environment(), "shape": args.shape, "benchmark": BENCH,
+                    "cold_jit_cache": args.cold_jit_cache}
     folder = Path(tempfile.mkdtemp(prefix="anneal-ckpt-", dir="/tmp"))
     result["write_checkpoint_s"] = write_checkpoint(args.shape, folder)
     print(f"checkpoint written in {result['write_checkpoint_s']:.1f} s", flush=True)
@@ -162,7 +169,8 @@ def main() -> int:
     # Cold start: a fresh process per candidate, page cache dropped when we are allowed to.
     result["page_cache_dropped"] = drop_page_cache()
     t_spawn = time.perf_counter()
-    proc = start_server(str(folder), 18000, 18001, str(plan_file), args.kv_blocks)
+    jit_cache = tempfile.mkdtemp(prefix="anneal-triton-cache-", dir="/tmp") if args.cold_jit_cache else None
+    proc = start_server(str(folder), 18000, 18001, str(plan_file), args.kv_blocks, jit_cache)
     try:
         t_ready = wait_ready(18000, proc)
         admin = "http://127.0.0.1:18001"
@@ -217,7 +225,7 @@ def main() -> int:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    path = write_result("iteration", result, Path(args.out) if args.out else None)
+    path = write_result(args.name, result, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0
 
