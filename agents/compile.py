@@ -75,6 +75,9 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="GPUs per replica the cost model may split the model over (default: the GPUs the "
                         "fast-tier engine sees)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved slow-tier re-measurements of winner and baseline (default 2 on a GPU, "
+                        "1 on the CPU); the median decides, so more rounds narrow a noisy replay")
     return p
 
 
@@ -113,7 +116,7 @@ def run_compile(args: argparse.Namespace) -> int:
         settings = CompileSettings(
             model=args.model, traffic=args.traffic, budget_s=args.budget, out=args.out, engines=engines,
             report_to=args.report_to, fast_layers=args.fast_layers or int(opts.get("fastLayers") or 1),
-            seed=args.seed, device=device, baseline_plan=args.baseline_plan,
+            seed=args.seed, device=device, baseline_plan=args.baseline_plan, rounds=args.rounds,
         )
         compiled = compile_plan(
             settings, agents=agents, max_len=args.max_len, cross_traffic=args.cross_traffic,
@@ -275,7 +278,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     _say(progress, f"promoting {len(cands)} candidates on the slow tier (baseline measured in the same run) ...")
     promo = promote(lab, cands, baseline, wspec, objective=setting.objective,
                     max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification),
-                    deadline=t0 + settings.budget_s * 0.85, rounds=1 if quick else 2)
+                    deadline=t0 + settings.budget_s * 0.85, rounds=settings.rounds or (1 if quick else 2))
 
     # The tensor-parallel degree is the cost model's recommendation (NVLink all-reduce included),
     # reported, not written into the plan: the gains above were measured at the engines' degree,

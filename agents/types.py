@@ -247,5 +247,7 @@ class CompileSettings(BaseModel):
     device: str = "cpu"
     top_k: int = Field(3, ge=1, description="fast-tier winners re-measured on the slow tier")
     max_spread: float = Field(0.5, gt=0, description="reject a winner whose re-measured spread exceeds this")
+    rounds: int | None = Field(None, ge=1, le=20, description="interleaved slow-tier rounds of winner vs "
+                               "baseline (default 2 on a GPU, 1 on the CPU); more rounds narrow a noisy replay")
     baseline_plan: str | None = Field(None, description="Plan/CompiledPlan file both tiers serve before the "
                                                         "search: the baseline to beat (default: theirs)")

@@ -104,6 +104,25 @@ def test_promotion_rejects_unverified_and_inconsistent_winners(tmp_path, fakes):
     led.close()
 
 
+def test_promotion_rounds_set_how_often_winner_and_baseline_are_remeasured(tmp_path, fakes):
+    """`anneal compile --rounds N`: N interleaved slow-tier re-measurements of each after the first."""
+    from anneal.agents.types import CompileSettings
+    from anneal.engine.plan import OpChoice, Plan
+
+    fast_plan = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4}))
+    spec = BenchSpec(mode="workload", num_requests=4, repeats=3)
+    _, url = fakes()
+    led = Ledger(tmp_path / "r.sqlite")
+    with EngineClient(url, "tok") as slow:
+        promo = promote(Lab(ledger=led, engines={"slow": slow}), [Candidate(plan=fast_plan, agent="t")],
+                        Plan(), spec, rounds=4)
+    assert promo.winner == fast_plan
+    assert len(promo.winner_m) == len(promo.baseline_m) == 5
+    led.close()
+    with pytest.raises(ValueError):
+        CompileSettings(model="random:tiny", traffic="chat", rounds=0)
+
+
 def test_bad_engine_urls_and_tokens_fail_clearly(tmp_path, fakes, monkeypatch, capsys):
     monkeypatch.setenv("ANNEAL_ADMIN_TOKEN", "wrong")
     _, url = fakes()
