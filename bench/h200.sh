@@ -33,7 +33,7 @@ for s in "$@"; do
     compile-chat|compile-agentic)
       traffic=${s#compile-}; other=$([ "$traffic" = chat ] && echo agentic || echo chat)
       stage "$s" $((BUDGET + 150)) $py -m anneal.cli compile --model random:llama-3.1-8b --traffic "$traffic" \
-        --cross-traffic "$other" --budget "$BUDGET" --fast-layers 2 --baseline-plan bench/plans/triton.json \
+        --cross-traffic "$other" --budget "$BUDGET" --fast-layers 2 --baseline-plan bench/plans/triton.json --rounds "${ROUNDS:-3}" \
         --out "$OUT/$s" --quiet
       ;;
     plans)
