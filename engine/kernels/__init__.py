@@ -21,6 +21,11 @@ fusions (``fused_entry_points()`` lists them with their tunable params, as data)
 * ``lm_head_argmax(x[B, K], weight[V, K]) -> tokens[B] int64`` (``anneal.engine.kernels.lm_head_argmax``)
   = ``reference.lm_head`` followed by greedy argmax, without writing the ``[B, V]`` logits;
   ``norm_lm_head_argmax(x, residual | None, norm_weight, eps, weight)`` folds the final norm in too.
+* ``qkv_rope_store(x, weight, positions, cos_sin, k_cache, v_cache, slot_mapping, H, Hkv) -> q``
+  (``anneal.engine.kernels.gemv``) = ``qk_rope_store(qkv_proj(x, weight), ...)`` for Llama: the
+  rotation and the cache store in the GEMV's last-split epilogue.
+* ``linear_add_rmsnorm(x, weight, residual, norm_weight, eps) -> (normed, summed)`` =
+  ``add_rmsnorm(linear(x, weight), residual, ...)``: the last tile of the GEMV to finish does the norm.
 * ``silu_mul_down_proj(gate_up[T, 2*I], weight[N, I]) -> [T, N]`` (``anneal.engine.kernels.gemv``)
   = ``reference.down_proj(reference.silu_and_mul(gate_up), weight)``, the activation applied while
   the GEMV loads its input.
@@ -77,6 +82,20 @@ def fused_entry_points() -> dict:
             "params": gemv.NORM_LINEAR_PARAMS,
             "replaces": ("rmsnorm", "qkv_proj | gate_up_proj"),
             "signature": "rmsnorm_linear(x[T, K], norm_weight[K], eps, weight[N, K]) -> y[T, N]",
+        },
+        "qkv_rope_store": {
+            "fn": gemv.qkv_rope_store,
+            "params": gemv.KERNEL_PARAMS,
+            "replaces": ("qkv_proj", "qk_rope_store (Llama: no q/k norm)"),
+            "signature": "qkv_rope_store(x[T, K], weight[(H + 2*Hkv) * D, K], positions[T], cos_sin[P, D], "
+                         "k_cache, v_cache, slot_mapping[T], num_heads, num_kv_heads) -> q[T, H, D]",
+        },
+        "linear_add_rmsnorm": {
+            "fn": gemv.linear_add_rmsnorm,
+            "params": gemv.KERNEL_PARAMS,
+            "replaces": ("o_proj | down_proj", "add_rmsnorm"),
+            "signature": "linear_add_rmsnorm(x[T, K], weight[N, K], residual[T, N], norm_weight[N], eps) "
+                         "-> (rmsnorm(x @ weight.T + residual), x @ weight.T + residual)",
         },
         "silu_mul_down_proj": {
             "fn": gemv.silu_mul_down_proj,

@@ -29,6 +29,11 @@ plan's fusions call, not registry variants):
   ``rmsnorm_linear(x, norm_w, eps, W) -> y``: the (residual add and) RMSNorm in front of qkv_proj /
   gate_up_proj done in the GEMV's prologue, so the norm kernel (and its launch) disappears; each
   program recomputes the row statistics (K values per row: cheap against its W slab at decode M).
+* ``qkv_rope_store(...)`` = ``qk_rope_store(qkv_proj(x, W), ...)`` (Llama): the tile's rows are
+  ordered as first halves then second halves of its heads, so the last split's epilogue pairs each
+  row with its RoPE partner, rotates, and stores q out and k, v into their cache slots.
+* ``linear_add_rmsnorm(x, W, residual, norm_w, eps) -> (normed, summed)``: the GEMV, then the
+  last tile of the grid to finish (a grid-wide arrival ticket) does the add + RMSNorm of the rows.
 * ``lm_head_argmax(x[B, K], W[V, K]) -> tokens[B] int64`` = ``argmax(lm_head(x, W), -1)``: each
   program reduces its logits tile to (max, index) and a second kernel picks the winner, so the
   ``[B, V]`` logits are never written. Logits are rounded to x's dtype before comparing and ties go
