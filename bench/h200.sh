@@ -69,7 +69,7 @@ for s in "$@"; do
       ;;
     decode-bs1)
       stage decode-bs1 300 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
-        --plans "${DECODE_PLANS:-triton,bench/plans/gemv-pdl.json,bench/plans/gemv-pdl-rope.json,bench/plans/gemv-pdl-rope-norm.json}" \
+        --plans "${DECODE_PLANS:-triton,bench/plans/gemv-pdl-rope.json,bench/plans/gemv-pdl-rope-gu.json,bench/plans/gemv-pdl-rope-gu-silu.json}" \
         --no-hf --steps 50 --greedy-check 0 --name decode-bs1 --out "$OUT"
       ;;
     variants)

@@ -45,6 +45,8 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
         elif name == "linear_norm":
             for proj in ("o_proj", "down_proj"):
                 out[f"{proj}_add_rmsnorm"] = _linear_norm(gemv, fns, proj, *_gemv_params(choices[proj]))
+        elif name == "gate_up_silu":
+            out["gate_up_silu"] = _gate_up_silu(gemv, fns, *_gemv_params(choices["gate_up_proj"]))
         elif name == "qkv_rope":
             out["qkv_rope_store"] = _qkv_rope(gemv, fns, *_gemv_params(choices["qkv_proj"]))
         elif name == "norm_linear":
@@ -64,6 +66,19 @@ def _linear_norm(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m:
         return gemv.linear_add_rmsnorm(x, w, residual, norm_w, eps, **params)
 
     return proj_add_rmsnorm
+
+
+def _gate_up_silu(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Callable:
+    """``silu_and_mul(gate_up_proj(h, w))`` with the activation in the GEMV's epilogue; the unfused
+    ops above ``max_m`` rows (prefill)."""
+    gate_up, silu = fns["gate_up_proj"], fns["silu_and_mul"]
+
+    def gate_up_silu(h, w):
+        if h.shape[0] > max_m:
+            return silu(gate_up(h, w))
+        return gemv.gate_up_silu(h, w, **params)
+
+    return gate_up_silu
 
 
 def _qkv_rope(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Callable:

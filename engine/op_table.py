@@ -22,7 +22,7 @@ def _interpreting() -> bool:
 
 class OpTable:
     FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj", "qkv_rope_store",
-             "o_proj_add_rmsnorm", "down_proj_add_rmsnorm")
+             "o_proj_add_rmsnorm", "down_proj_add_rmsnorm", "gate_up_silu")
     # Fused entry points, None unless the plan enables them.
     lm_head_argmax: Callable | None = None
     silu_mul_down: Callable | None = None
@@ -31,6 +31,7 @@ class OpTable:
     qkv_rope_store: Callable | None = None  # qk_rope_store's signature with (h, w) in place of qkv
     o_proj_add_rmsnorm: Callable | None = None  # (x, w, residual, norm_w, eps) -> (normed, summed)
     down_proj_add_rmsnorm: Callable | None = None
+    gate_up_silu: Callable | None = None  # (h, w) -> silu_and_mul(gate_up_proj(h, w))
 
     def __init__(self, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
                  fusions: dict[str, Callable] | None = None):

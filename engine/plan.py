@@ -39,6 +39,7 @@ FUSIONS = {
     "silu_mul_down": "silu_and_mul + down_proj (the activation applied as the GEMV loads)",
     "norm_linear": "(add_)rmsnorm + qkv_proj and + gate_up_proj (the norm in the GEMV's prologue)",
     "linear_norm": "o_proj / down_proj + the add_rmsnorm after it (the GEMV's last tile normalises the row)",
+    "gate_up_silu": "gate_up_proj + silu_and_mul (the activation in the GEMV's epilogue)",
     "qkv_rope": "qkv_proj + qk_rope_store (RoPE and the KV-cache store in the GEMV's epilogue; Llama)",
 }
 

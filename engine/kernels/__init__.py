@@ -24,6 +24,8 @@ fusions (``fused_entry_points()`` lists them with their tunable params, as data)
 * ``qkv_rope_store(x, weight, positions, cos_sin, k_cache, v_cache, slot_mapping, H, Hkv) -> q``
   (``anneal.engine.kernels.gemv``) = ``qk_rope_store(qkv_proj(x, weight), ...)`` for Llama: the
   rotation and the cache store in the GEMV's last-split epilogue.
+* ``gate_up_silu(x, weight) -> [T, I]`` = ``silu_and_mul(gate_up_proj(x, weight))``: each tile takes gate
+  rows with their up rows and the last split applies the activation.
 * ``linear_add_rmsnorm(x, weight, residual, norm_weight, eps) -> (normed, summed)`` =
   ``add_rmsnorm(linear(x, weight), residual, ...)``: the last tile of the GEMV to finish does the norm.
 * ``silu_mul_down_proj(gate_up[T, 2*I], weight[N, I]) -> [T, N]`` (``anneal.engine.kernels.gemv``)
@@ -89,6 +91,12 @@ def fused_entry_points() -> dict:
             "replaces": ("qkv_proj", "qk_rope_store (Llama: no q/k norm)"),
             "signature": "qkv_rope_store(x[T, K], weight[(H + 2*Hkv) * D, K], positions[T], cos_sin[P, D], "
                          "k_cache, v_cache, slot_mapping[T], num_heads, num_kv_heads) -> q[T, H, D]",
+        },
+        "gate_up_silu": {
+            "fn": gemv.gate_up_silu,
+            "params": gemv.KERNEL_PARAMS,
+            "replaces": ("gate_up_proj", "silu_and_mul"),
+            "signature": "gate_up_silu(x[T, K], weight[2*I, K]) -> silu(x @ gate.T) * (x @ up.T)  [T, I]",
         },
         "linear_add_rmsnorm": {
             "fn": gemv.linear_add_rmsnorm,

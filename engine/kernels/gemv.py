@@ -109,6 +109,26 @@ def _rope_epilogue(ws_ptr, q_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, 
 
 
 @triton.jit
+def _silu_epilogue(ws_ptr, act_ptr, m, mm, pid_n, M, N, stride_am, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT_K: tl.constexpr, DT: tl.constexpr):
+    """gate_up_proj + silu_and_mul: the tile's summed gate rows and their up rows, each rounded to
+    the activation dtype as the projection's output is, then ``silu(gate) * up`` rounded as the
+    reference rounds it, stored to ``act[M, N/2]``."""
+    I = N // 2
+    j = tl.arange(0, BLOCK_N // 2)
+    na = pid_n * (BLOCK_N // 2) + j
+    mask = mm[:, None] & (na < I)[None, :]
+    base = ws_ptr + m.to(tl.int64)[:, None] * N
+    g = tl.zeros([BLOCK_M, BLOCK_N // 2], tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_N // 2], tl.float32)
+    for s2 in tl.static_range(SPLIT_K):
+        g += tl.load(base + s2 * M * N + na[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        u += tl.load(base + s2 * M * N + I + na[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    act = silu_mul(g.to(DT), u.to(DT), DT)
+    tl.store(act_ptr + m.to(tl.int64)[:, None] * stride_am + na[None, :], act, mask=mask)
+
+
+@triton.jit
 def _last_tile_add_norm(y_ptr, r_ptr, nw_ptr, sum_ptr, h_ptr, cnt_ptr, M, N, stride_ym, stride_rm, stride_sm,
                         stride_hm, eps, BLOCK_NORM: tl.constexpr, DT: tl.constexpr):
     """o_proj / down_proj + the add_rmsnorm after it: called by each tile's finishing program once
@@ -146,6 +166,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, TICKET: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
     HEAD_D: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1,
+    SILU_OUT: tl.constexpr = False,
 ):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -160,10 +181,20 @@ def _gemv_kernel(
         j = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
         second = tl.arange(0, BLOCK_N) >= BLOCK_N // 2
         n = pid_n * BLOCK_N + (j // HALF) * HEAD_D + j % HALF + tl.where(second, HALF, 0)
+    elif SILU_OUT:
+        # gate_up's weight is [gate | up]: the tile takes BLOCK_N/2 gate rows and the up rows that
+        # pair with them, so the epilogue can apply silu(gate) * up (see `_silu_epilogue`).
+        j = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        second = tl.arange(0, BLOCK_N) >= BLOCK_N // 2
+        gate_row = pid_n * (BLOCK_N // 2) + j
+        n = gate_row + tl.where(second, N // 2, 0)
     else:
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mm = m < M
-    nm = n < N
+    if SILU_OUT:
+        nm = gate_row < N // 2
+    else:
+        nm = n < N
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     k_lo = pid_s * k_per_split
@@ -239,7 +270,7 @@ def _gemv_kernel(
         tiles = tl.num_programs(0)
         tl.store(val_ptr + m * tiles + pid_n, best, mask=mm)
         tl.store(idx_ptr + m * tiles + pid_n, arg, mask=mm)
-    elif SPLIT_K == 1 and not ROPE:
+    elif SPLIT_K == 1 and not ROPE and not SILU_OUT:
         tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
         if ADD_NORM:
@@ -260,6 +291,10 @@ def _gemv_kernel(
                 if ticket == SPLIT_K - 1:
                     _rope_epilogue(ws_ptr, out_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, mm, pid_n,
                                    M, N, stride_om, stride_cs, QD, KD, BLOCK_M, BLOCK_N, SPLIT_K, HEAD_D, DT)
+                    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            elif SILU_OUT:
+                if ticket == SPLIT_K - 1:
+                    _silu_epilogue(ws_ptr, out_ptr, m, mm, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, SPLIT_K, DT)
                     tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
             elif ticket == SPLIT_K - 1:
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -315,7 +350,7 @@ def small_m_gemm(
     norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, block_m: int = 64,
     block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
-    add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
@@ -337,7 +372,9 @@ def small_m_gemm(
             raise KernelInputError(f"{name}: residual must match x {tuple(x.shape)} {x.dtype}, contiguous in K")
     # rope = (positions, cos_sin, k_cache, v_cache, slot_mapping, stride_cs, q_width, q+k width,
     # head_dim) from `qkv_rope_store`: only q is written out, k and v go to the cache.
-    out = torch.empty((M, rope[6] if rope else N), dtype=x.dtype, device=x.device)
+    if silu_out and (N % 2 or block_n < 2):
+        raise KernelInputError(f"gate_up_silu: need weight[2*I, K] and block_n >= 2, got N={N}, block_n={block_n}")
+    out = torch.empty((M, rope[6] if rope else N // 2 if silu_out else N), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None else None
     if add_norm is not None:  # (residual, norm_weight, eps) of the add_rmsnorm after this GEMV
         residual, norm_w, eps = add_norm
@@ -356,19 +393,21 @@ def small_m_gemm(
     if reduce not in ("kernel", "ticket") or m1 not in ("dot", "fma"):
         raise KernelInputError(f"{name}: reduce must be 'kernel' or 'ticket' and m1 'dot' or 'fma'")
     BLOCK_M = _block_m(M, block_m, m1)
-    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
+    n_tiles = triton.cdiv(N // 2, block_n // 2) if silu_out else triton.cdiv(N, block_n)
+    tiles = n_tiles * triton.cdiv(M, BLOCK_M)
     if split_k == 0:
         split_k = auto_split_k(tiles, K, block_k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)  # no empty splits
-    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 or rope else out
-    # the RoPE epilogue runs at a tile's last arrival; the add-norm one at the grid's
-    ticket = (split_k > 1 and (reduce == "ticket" or add_norm is not None)) or bool(rope)
+    paired = bool(rope) or silu_out  # epilogues that pair rows: through the workspace, at the last arrival
+    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 or paired else out
+    # the paired epilogues run at a tile's last arrival; the add-norm one at the grid's
+    ticket = (split_k > 1 and (reduce == "ticket" or add_norm is not None)) or paired
     counters = tile_counters(x.device, tiles + 1) if ticket or add_norm is not None else out
     if BLOCK_M > 1:  # the M == 1 path keeps its tiles in registers (no shared-memory pipeline)
         x_cols = 2 * block_k if silu_mul_input else block_k
         num_stages = fit_stages(num_stages, (BLOCK_M * x_cols + block_n * block_k) * x.element_size())
-    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
+    grid = (n_tiles, split_k, triton.cdiv(M, BLOCK_M))
     r = residual if residual is not None else x
     sm = summed if summed is not None else x
     hn = h if add_norm is not None else out
@@ -381,7 +420,7 @@ def small_m_gemm(
         NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=False,
         TICKET=ticket, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
-        BLOCK_NORM=pow2(N) if add_norm is not None else 1,
+        BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if add_norm is not None:
@@ -466,6 +505,13 @@ def qkv_rope_store(
     qd = num_heads * D
     rope = (positions, cos_sin, k_cache, v_cache, slot_mapping, cos_sin.stride(0), qd, qd + num_kv_heads * D, D)
     return small_m_gemm(x, weight, rope=rope, **params).view(M, num_heads, D)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, **params) -> torch.Tensor:
+    """``silu_and_mul(gate_up_proj(x, weight))`` -> ``[T, I]`` in one GEMV: each tile computes gate
+    rows with their up rows and the last split applies the activation, so the ``[T, 2I]`` tensor
+    and the activation kernel disappear; ``params`` from ``KERNEL_PARAMS``."""
+    return small_m_gemm(x, weight, silu_out=True, **params)
 
 
 def linear_add_rmsnorm(

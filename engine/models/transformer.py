@@ -94,22 +94,24 @@ class Transformer:
                     q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale
                 )
             a = a.reshape(T, H * D)
+            gu = None  # gate_up output, when a fusion produced it instead of the normed h
             if ops.o_proj_add_rmsnorm is not None:  # fused: the norm in the GEMV's last tile
                 h, residual = ops.o_proj_add_rmsnorm(a, L.o, residual, L.post_norm, eps)
-                gu = ops.gate_up_proj(h, L.gate_up)
             elif ops.norm_gate_up_proj is not None:
                 gu, residual = ops.norm_gate_up_proj(ops.o_proj(a, L.o), residual, L.post_norm, eps, L.gate_up)
             else:
                 h, residual = ops.add_rmsnorm(ops.o_proj(a, L.o), residual, L.post_norm, eps)
-                gu = ops.gate_up_proj(h, L.gate_up)
+            if gu is None and ops.gate_up_silu is not None:  # fused: the activation in the GEMV's epilogue
+                act = ops.gate_up_silu(h, L.gate_up)
+            else:
+                gu = ops.gate_up_proj(h, L.gate_up) if gu is None else gu
+                keep_gu = ops.silu_mul_down is not None and ops.down_proj_add_rmsnorm is None
+                act = None if keep_gu else ops.silu_and_mul(gu)
             if ops.down_proj_add_rmsnorm is not None:  # the next layer's (or the final) norm fused
-                h, residual = ops.down_proj_add_rmsnorm(ops.silu_and_mul(gu), L.down, residual, next_norm, eps)
+                h, residual = ops.down_proj_add_rmsnorm(act, L.down, residual, next_norm, eps)
                 continue
             h = None
-            if ops.silu_mul_down is not None:
-                x = ops.silu_mul_down(gu, L.down)
-            else:
-                x = ops.down_proj(ops.silu_and_mul(gu), L.down)
+            x = ops.silu_mul_down(gu, L.down) if act is None else ops.down_proj(act, L.down)
         if h is None:
             h, _ = ops.add_rmsnorm(x, residual, self.w.final_norm, eps)
         return h

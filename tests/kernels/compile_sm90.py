@@ -57,15 +57,19 @@ def specs():
             (1, 8, True, 0, False, True), (32, 2, False, 2, False, True), (16, 1, False, 2, True, False)):
         yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SILU_MUL=silu,
                                           NORM=norm, ARGMAX=argmax, TICKET=ticket, PREC="tf32", UPCAST=False,
-                                          ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1), 4
+                                          ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False), 4
     for bm, split, ticket in ((1, 4, True), (1, 1, False), (16, 2, True)):  # o/down_proj + add_rmsnorm
         yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
                                           ARGMAX=False, TICKET=ticket, PREC="tf32", UPCAST=False, ROPE=False,
-                                          HEAD_D=1, ADD_NORM=True, BLOCK_NORM=4096), 4
+                                          HEAD_D=1, ADD_NORM=True, BLOCK_NORM=4096, SILU_OUT=False), 4
+    for bm, split, bn in ((1, 1, 32), (1, 4, 128), (16, 2, 64)):  # gate_up_proj + silu_and_mul
+        yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
+                                          ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=False,
+                                          HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=True), 4
     for bm, split in ((1, 4), (1, 1), (16, 2)):  # qkv_proj + RoPE + cache store
         yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
                                           ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=True, HEAD_D=64,
-                                          ADD_NORM=False, BLOCK_NORM=1), 4
+                                          ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4
     from anneal.engine.kernels import argmax as am
 

@@ -28,7 +28,7 @@ def fused_plan(device: str, fusions: tuple[str, ...]) -> Plan:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3"])
-@pytest.mark.parametrize("fusions", [("norm_linear", "silu_mul_down"), ("qkv_rope", "linear_norm")])
+@pytest.mark.parametrize("fusions", [("norm_linear", "silu_mul_down"), ("qkv_rope", "linear_norm", "gate_up_silu")])
 def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
     params = SamplingParams(max_tokens=12 if device == "cpu" else 48, temperature=0, ignore_eos=True)
     eng = Engine(EngineArgs(model=model, device=device, dtype="float32", num_kv_blocks=128, max_model_len=256))
@@ -40,6 +40,9 @@ def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
     calls = []
     fused_rope = gemv.qkv_rope_store
     monkeypatch.setattr(gemv, "qkv_rope_store", lambda *a, **k: calls.append(1) or fused_rope(*a, **k))
+    silu_calls = []
+    fused_silu = gemv.gate_up_silu
+    monkeypatch.setattr(gemv, "gate_up_silu", lambda *a, **k: silu_calls.append(1) or fused_silu(*a, **k))
     norm_calls = []
     fused_norm = gemv.linear_add_rmsnorm
     monkeypatch.setattr(gemv, "linear_add_rmsnorm", lambda *a, **k: norm_calls.append(1) or fused_norm(*a, **k))
@@ -50,10 +53,14 @@ def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
         assert ops.norm_qkv_proj is not None and ops.silu_mul_down is not None
     if "linear_norm" in fusions:
         assert ops.o_proj_add_rmsnorm is not None and ops.down_proj_add_rmsnorm is not None
+    if "gate_up_silu" in fusions:
+        assert ops.gate_up_silu is not None
     got = eng.generate(prompts, params)
     if "qkv_rope" in fusions:  # decode rows of Llama take the fused kernel; Qwen3 (q/k norm) never does
         assert bool(calls) == (model == "random:tiny"), len(calls)
     if "linear_norm" in fusions:  # every decode step, both families
         assert norm_calls
+    if "gate_up_silu" in fusions:
+        assert silu_calls
     agree = sum(a == b for r, o in zip(ref, got) for a, b in zip(r, o)) / sum(len(r) for r in ref)
     assert agree > 0.98, (agree, ref, got)

@@ -228,3 +228,27 @@ def test_linear_add_rmsnorm(device, dtype):
                 what = f"{p} {M}x{N}x{K} {dtype}"
                 assert_close(summed, esummed, TOL_ACC, what=f"summed {what}")
                 assert_close(h, eh, TOL_ACC, what=f"normed {what}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_up_silu(device, dtype):
+    """gate_up GEMV with SiLU-and-mul in its epilogue == gate_up_proj then silu_and_mul, for tiles
+    that divide I and tiles that do not, split or not, both M paths."""
+    from anneal.engine.kernels.gemv import gate_up_silu
+
+    if device == "cpu":
+        shapes = [(1, 40, 48), (3, 36, 32)]  # M, I, K
+        params = [{"block_n": 16, "block_k": 16, "m1": "fma", "split_k": 2},
+                  {"block_n": 32, "block_k": 32, "split_k": 1}]
+    else:
+        shapes = [(1, 8192, 2048), (1, 14336, 4096), (5, 1000, 512)]
+        params = [{"block_n": 32, "block_k": 256, "split_k": 1, "reduce": "ticket", "pdl": True},
+                  {"block_n": 128, "block_k": 64, "m1": "fma", "pdl": True}]
+    for pi, p in enumerate(params):
+        for i, (M, I, K) in enumerate(shapes):
+            g = gen(8000 + 10 * pi + i, device)
+            x = randn(M, K, dtype=dtype, device=device, g=g)
+            w = randn(2 * I, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+            want = ref.silu_and_mul(get_op("gate_up_proj").reference(x, w))
+            assert_close(gate_up_silu(x, w, **p), want, TOL_ACC, what=f"{p} {M}x{I}x{K} {dtype}")

@@ -44,7 +44,7 @@ def test_unknown_param_is_rejected():
 def test_fused_entry_points_declare_params():
     fused = fused_entry_points()
     assert set(fused) == {"lm_head_argmax", "norm_lm_head_argmax", "silu_mul_down_proj", "add_rmsnorm_linear",
-                          "rmsnorm_linear", "qkv_rope_store", "linear_add_rmsnorm"}
+                          "rmsnorm_linear", "qkv_rope_store", "linear_add_rmsnorm", "gate_up_silu"}
     from anneal.engine.kernels.gemv import small_m_gemm
 
     from anneal.engine.kernels.gemv import lm_head_argmax
