@@ -53,9 +53,24 @@ from anneal.engine.kernels._common import (
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.kernels.argmax import argmax_merge_kernel
+from anneal.engine.kernels.rope import rotate_half
 from anneal.engine.ops.registry import Param, variant
 
 MAX_SPLIT_K = 16
+
+
+@triton.jit
+def _split_sums_paired(ws_ptr, m, na, nb, mask, M, N, BLOCK_M: tl.constexpr, HALF_N: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+    """The split-K partial sums of rows ``na`` and of their partner rows ``nb`` (``[BLOCK_M, HALF_N]``
+    each, fp32, in split order), read from the workspace by a tile's last arriving split."""
+    base = ws_ptr + m.to(tl.int64)[:, None] * N
+    a = tl.zeros([BLOCK_M, HALF_N], tl.float32)
+    b = tl.zeros([BLOCK_M, HALF_N], tl.float32)
+    for s2 in tl.static_range(SPLIT_K):
+        a += tl.load(base + s2 * M * N + na[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        b += tl.load(base + s2 * M * N + nb[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    return a, b
 
 
 @triton.jit
@@ -72,12 +87,7 @@ def _rope_epilogue(ws_ptr, q_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, 
     na = pid_n * BLOCK_N + (j // HALF) * HEAD_D + j % HALF
     nb = na + HALF
     mask = mm[:, None] & (na < N)[None, :]
-    base = ws_ptr + m.to(tl.int64)[:, None] * N
-    a = tl.zeros([BLOCK_M, BLOCK_N // 2], tl.float32)
-    b = tl.zeros([BLOCK_M, BLOCK_N // 2], tl.float32)
-    for s2 in tl.static_range(SPLIT_K):
-        a += tl.load(base + s2 * M * N + na[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-        b += tl.load(base + s2 * M * N + nb[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    a, b = _split_sums_paired(ws_ptr, m, na, nb, mask, M, N, BLOCK_M, BLOCK_N // 2, SPLIT_K)
     a = a.to(DT).to(tl.float32)
     b = b.to(DT).to(tl.float32)
     # which of q | k | v the tile holds (tiles never straddle them: `rope_fusable`)
@@ -89,8 +99,7 @@ def _rope_epilogue(ws_ptr, q_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, 
     cs = cs_ptr + pos[:, None] * stride_cs + d
     cos = tl.load(cs, mask=mask, other=0.0).to(DT).to(tl.float32)
     sin = tl.load(cs + HALF, mask=mask, other=0.0).to(DT).to(tl.float32)
-    r1 = ((a * cos).to(DT).to(tl.float32) - (b * sin).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    r2 = ((b * cos).to(DT).to(tl.float32) + (a * sin).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    r1, r2 = rotate_half(a, b, cos, sin, DT)
     o1 = tl.where(is_v, a, r1)
     o2 = tl.where(is_v, b, r2)
     q_rows = q_ptr + m.to(tl.int64)[:, None] * stride_qm
@@ -118,12 +127,7 @@ def _silu_epilogue(ws_ptr, act_ptr, m, mm, pid_n, M, N, stride_am, BLOCK_M: tl.c
     j = tl.arange(0, BLOCK_N // 2)
     na = pid_n * (BLOCK_N // 2) + j
     mask = mm[:, None] & (na < I)[None, :]
-    base = ws_ptr + m.to(tl.int64)[:, None] * N
-    g = tl.zeros([BLOCK_M, BLOCK_N // 2], tl.float32)
-    u = tl.zeros([BLOCK_M, BLOCK_N // 2], tl.float32)
-    for s2 in tl.static_range(SPLIT_K):
-        g += tl.load(base + s2 * M * N + na[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-        u += tl.load(base + s2 * M * N + I + na[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    g, u = _split_sums_paired(ws_ptr, m, na, na + I, mask, M, N, BLOCK_M, BLOCK_N // 2, SPLIT_K)
     act = silu_mul(g.to(DT), u.to(DT), DT)
     tl.store(act_ptr + m.to(tl.int64)[:, None] * stride_am + na[None, :], act, mask=mask)
 
@@ -144,15 +148,14 @@ def _last_tile_add_norm(y_ptr, r_ptr, nw_ptr, sum_ptr, h_ptr, cnt_ptr, M, N, str
         nm = offs < N
         w = tl.load(nw_ptr + offs, mask=nm, other=0.0).to(tl.float32)
         for row in range(0, M):  # decode-sized M: row * stride stays well inside int32
-            r64 = row
-            y = tl.load(y_ptr + r64 * stride_ym + offs, mask=nm, other=0.0, cache_modifier=".cg")
-            r = tl.load(r_ptr + r64 * stride_rm + offs, mask=nm, other=0.0)
+            y = tl.load(y_ptr + row * stride_ym + offs, mask=nm, other=0.0, cache_modifier=".cg")
+            r = tl.load(r_ptr + row * stride_rm + offs, mask=nm, other=0.0)
             summed = (y.to(tl.float32) + r.to(tl.float32)).to(DT)
-            tl.store(sum_ptr + r64 * stride_sm + offs, summed, mask=nm)
+            tl.store(sum_ptr + row * stride_sm + offs, summed, mask=nm)
             sf = summed.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
             h = ((sf * rstd).to(DT).to(tl.float32) * w).to(DT)
-            tl.store(h_ptr + r64 * stride_hm + offs, h, mask=nm)
+            tl.store(h_ptr + row * stride_hm + offs, h, mask=nm)
         tl.atomic_xchg(cnt_ptr + tiles, 0, sem="relaxed", scope="gpu")
 
 
@@ -287,21 +290,18 @@ def _gemv_kernel(
             tl.debug_barrier()
             tile = pid_m * tl.num_programs(0) + pid_n
             ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if ROPE:
-                if ticket == SPLIT_K - 1:
+            if ticket == SPLIT_K - 1:
+                if ROPE:
                     _rope_epilogue(ws_ptr, out_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, mm, pid_n,
                                    M, N, stride_om, stride_cs, QD, KD, BLOCK_M, BLOCK_N, SPLIT_K, HEAD_D, DT)
-                    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-            elif SILU_OUT:
-                if ticket == SPLIT_K - 1:
+                elif SILU_OUT:
                     _silu_epilogue(ws_ptr, out_ptr, m, mm, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, SPLIT_K, DT)
-                    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-            elif ticket == SPLIT_K - 1:
-                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for s2 in tl.static_range(SPLIT_K):
-                    total += tl.load(ws_tile + s2 * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
-                         total.to(out_ptr.dtype.element_ty), mask=omask)
+                else:
+                    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    for s2 in tl.static_range(SPLIT_K):
+                        total += tl.load(ws_tile + s2 * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+                    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
+                             total.to(out_ptr.dtype.element_ty), mask=omask)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
                 if ADD_NORM:
                     _last_tile_add_norm(out_ptr, r_ptr, nw_ptr, sum_ptr, h_ptr, cnt_ptr, M, N, stride_om,

@@ -44,9 +44,17 @@ def _norm_rope(
         w2 = tl.load(w_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)
         x1 = _rnd(_rnd(x1 * rstd, DT) * w1, DT)
         x2 = _rnd(_rnd(x2 * rstd, DT) * w2, DT)
+    o1, o2 = rotate_half(x1, x2, cos, sin, DT)
+    return o1, o2, h, d, mask
+
+
+@triton.jit
+def rotate_half(x1, x2, cos, sin, DT: tl.constexpr):
+    """Rotate-half RoPE of a head's halves (fp32 in, fp32 out), every product and sum rounded to
+    the activation dtype as the reference's elementwise ops round them."""
     o1 = _rnd(_rnd(x1 * cos, DT) - _rnd(x2 * sin, DT), DT)
     o2 = _rnd(_rnd(x2 * cos, DT) + _rnd(x1 * sin, DT), DT)
-    return o1, o2, h, d, mask
+    return o1, o2
 
 
 @triton.jit
