@@ -8,6 +8,7 @@ and warm-up steps are never counted. Reports the median and p10/p90 over repetit
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import statistics
@@ -75,6 +76,20 @@ def _sequences(engine, n: int, length: int, computed: int, rng: random.Random) -
     return seqs
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """As timeit does: no garbage collection inside timed steps (a collection lands in one step's
+    host time at random, which is spread the plan did not cause)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkRequest,
                  decode_only: bool) -> tuple[list[float], list[float]]:
     """Wall time of each step (host prep + device, synced device-wide: the number that ranks
@@ -83,20 +98,6 @@ def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkR
     samples = []
     graphs = engine.runner.graphs
     events = engine.runner.replay_events = [] if engine.device.type == "cuda" else None
-    # As timeit does: no garbage collection inside the timed steps (a collection lands in one
-    # step's host time at random, which is spread the plan did not cause).
-    gc_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        return _timed_loop(engine, sets, req, decode_only, samples, graphs, events)
-    finally:
-        engine.runner.replay_events = None
-        if gc_enabled:
-            gc.enable()
-
-
-def _timed_loop(engine, sets, req, decode_only, samples, graphs, events) -> tuple[list[float], list[float]]:
     for i in range(req.warmup + req.steps):
         items = sets[i % len(sets)]
         with torch.inference_mode():  # graph outputs are inference tensors
@@ -113,7 +114,7 @@ def _timed_loop(engine, sets, req, decode_only, samples, graphs, events) -> tupl
             samples.append(dt)
         elif events:
             events.clear()
-    _sync(engine)
+    engine.runner.replay_events = None
     device = [a.elapsed_time(b) / 1e3 for a, b in events or []]
     return samples, device
 
@@ -185,7 +186,8 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
                 for _ in range(req.rotate)]
         tokens_per_step = req.batch_size * req.prompt_len
     try:
-        samples, device = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")
+        with _gc_paused():
+            samples, device = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")
         per_op = _per_op(engine, sets[0], req.mode == "decode") if req.per_op else None
     finally:
         for items in sets:
