@@ -36,10 +36,17 @@ GEMV_OPS = {op: OpChoice(impl="triton_gemv_splitk")
             for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
 
 
-def bench_plans(buckets: list[int]) -> dict[str, Plan]:
+def plan_key(token: str) -> str:
+    """A ``--plans`` entry's name: a built-in plan's own, a plan file's stem."""
+    return Path(token).stem if token.endswith(".json") else token
+
+
+def bench_plans(buckets: list[int], files: list[str] = ()) -> dict[str, Plan]:
+    """The built-in plans and the given plan files (keyed by ``plan_key``; a file overrides a
+    built-in of the same name), all with the benchmark's graph buckets and scheduler."""
     sched = SchedulerKnobs(enable_prefix_caching=False, max_num_seqs=max(buckets))
     base = dict(cuda_graph_batch_sizes=buckets, scheduler=sched)
-    return {
+    built_in = {
         "reference": Plan(**base, name="reference"),
         "triton": Plan(**base, ops=TRITON_OPS, name="triton"),
         "triton-torch-argmax": Plan(**base, ops={k: v for k, v in TRITON_OPS.items() if k != "argmax"},
@@ -49,6 +56,7 @@ def bench_plans(buckets: list[int]) -> dict[str, Plan]:
         "triton+fused+pdl": Plan(**base, ops=with_pdl(TRITON_OPS), fusions=FUSED,
                                  name="triton+fused+pdl"),
     }
+    return built_in | {plan_key(f): load_plan(Path(f).read_text()).model_copy(update=base) for f in files}
 
 
 FUSED = {"lm_head_argmax": True, "silu_mul_down": True}
@@ -155,13 +163,9 @@ def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw
                 hf: bool, greedy_check: int, wanted: list[str], greedy_dtype: str = "bfloat16") -> dict:
     max_len = context + max(greedy_check, 16) + 16
     blocks_per_seq = -(-max_len // 16)
-    plans = {k: v for k, v in bench_plans(batch_sizes).items() if k in wanted or k == "reference"}
-    for w in wanted:  # plan files, with the benchmark's graph buckets and scheduler
-        if w.endswith(".json"):
-            p = load_plan(Path(w).read_text())
-            plans[Path(w).stem] = p.model_copy(update={
-                "cuda_graph_batch_sizes": batch_sizes,
-                "scheduler": SchedulerKnobs(enable_prefix_caching=False, max_num_seqs=max(batch_sizes))})
+    keys = {plan_key(w) for w in wanted} | {"reference"}
+    files = [w for w in wanted if w.endswith(".json")]
+    plans = {k: v for k, v in bench_plans(batch_sizes, files).items() if k in keys}
     engine = Engine(EngineArgs(
         model=f"random:{shape}", device="cuda", dtype="bfloat16", max_model_len=max_len,
         num_kv_blocks=max(batch_sizes) * blocks_per_seq + 32, plan=plans["reference"],

@@ -22,10 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth_gbps, environment, write_result  # noqa: E402
-from decode import bench_plans, decode_items  # noqa: E402
+from decode import bench_plans, decode_items, plan_key  # noqa: E402
 
 from anneal.engine.llm import Engine, EngineArgs  # noqa: E402
-from anneal.engine.plan import SchedulerKnobs, load_plan  # noqa: E402
 
 
 def kernel_events(prof) -> list[tuple[str, float, float]]:
@@ -92,11 +91,8 @@ def main() -> int:
         print("bench/profile_step.py needs a CUDA GPU", file=sys.stderr)
         return 2
     bs, ctx = args.batch_size, args.context
-    plans = bench_plans([bs])
-    for w in args.plans.split(","):  # plan files, with this benchmark's graph bucket
-        if w.endswith(".json"):
-            plans[w] = load_plan(Path(w).read_text()).model_copy(update={
-                "cuda_graph_batch_sizes": [bs], "scheduler": SchedulerKnobs(enable_prefix_caching=False, max_num_seqs=bs)})
+    wanted = args.plans.split(",")
+    plans = bench_plans([bs], [w for w in wanted if w.endswith(".json")])
     engine = Engine(EngineArgs(model=f"random:{args.shape}", device="cuda", dtype="bfloat16",
                                max_model_len=ctx + 64, num_kv_blocks=bs * (-(-(ctx + 64) // 16)) + 32,
                                plan=plans["reference"]))
@@ -104,7 +100,7 @@ def main() -> int:
     roof_us = engine.weights.nbytes() / (bw * 1e9) * 1e6
     result = {"env": environment(), "copy_gbps": bw, "shape": args.shape, "batch_size": bs, "context": ctx,
               "roofline_weights_us": roof_us, "plans": {}}
-    for name in args.plans.split(","):
+    for name in map(plan_key, wanted):
         try:
             engine.apply_plan(plans[name])
             r = profile_plan(engine, bs, ctx, args.replays)
