@@ -33,15 +33,7 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
         if name == "lm_head_argmax":
             out[name] = gemv.lm_head_argmax
         elif name == "silu_mul_down":
-            params, max_m = _gemv_params(choices["down_proj"])
-            silu, down = fns["silu_and_mul"], fns["down_proj"]
-
-            def silu_mul_down(gu, w, params=params, max_m=max_m, silu=silu, down=down):
-                if gu.shape[0] > max_m:
-                    return down(silu(gu), w)
-                return gemv.silu_mul_down_proj(gu, w, **params)
-
-            out[name] = silu_mul_down
+            out[name] = _silu_mul_down(gemv, fns, *_gemv_params(choices["down_proj"]))
         elif name == "linear_norm":
             for proj in ("o_proj", "down_proj"):
                 out[f"{proj}_add_rmsnorm"] = _linear_norm(gemv, fns, proj, *_gemv_params(choices[proj]))
@@ -53,6 +45,19 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
             for proj in ("qkv_proj", "gate_up_proj"):
                 out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *_gemv_params(choices[proj]))
     return out
+
+
+def _silu_mul_down(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Callable:
+    """``down_proj(silu_and_mul(gu), w)`` with the activation applied as the GEMV loads its input;
+    the unfused ops above ``max_m`` rows (prefill)."""
+    silu, down = fns["silu_and_mul"], fns["down_proj"]
+
+    def silu_mul_down(gu, w):
+        if gu.shape[0] > max_m:
+            return down(silu(gu), w)
+        return gemv.silu_mul_down_proj(gu, w, **params)
+
+    return silu_mul_down
 
 
 def _linear_norm(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m: int) -> Callable:
