@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Two GPUs, two lanes of `bench/h200.sh` stages at once, then an optional third list run alone
+# (for stages that time the host and must not share the CPU):
+#   bench/h200-lanes.sh "STAGES ON GPU 0" "STAGES ON GPU 1" ["STAGES AFTER, GPU 0"]
+# Each lane writes under $OUT/gpuN; everything is packed into $OUT/results.tgz at the end. Under a
+# call's time limit, wrap it: `timeout 550 bench/h200-lanes.sh ...; bench/h200-lanes.sh --pack`
+# packs whatever the stages had written when the limit struck.
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+here=$(dirname "$0")
+pack() {
+  tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"
+  echo "packed into $OUT/results.tgz"
+}
+if [ "${1:-}" = --pack ]; then
+  [ -f "$OUT/results.tgz" ] || pack
+  exit 0
+fi
+
+lane() {  # lane GPU STAGES
+  CUDA_VISIBLE_DEVICES=$1 OUT="$OUT/gpu$1" PACK=0 bash "$here/h200.sh" $2 > "$OUT/lane$1.log" 2>&1
+}
+lane 0 "$1" &
+lane 1 "${2:-}" &
+wait
+if [ -n "${3:-}" ]; then
+  CUDA_VISIBLE_DEVICES=0 OUT="$OUT/after" PACK=0 bash "$here/h200.sh" $3 > "$OUT/after.log" 2>&1
+fi
+for f in "$OUT"/lane*.log "$OUT"/after.log; do
+  [ -f "$f" ] && { echo "##### $f"; grep -E "^=== " "$f"; }
+done
+pack
