@@ -2,6 +2,7 @@
 # Two GPUs, two lanes of `bench/h200.sh` stages at once, then an optional third list run alone
 # (for stages that time the host and must not share the CPU):
 #   bench/h200-lanes.sh "STAGES ON GPU 0" "STAGES ON GPU 1" ["STAGES AFTER, GPU 0"]
+# A lane may start with its own settings: "REFERENCE=1 TRAFFIC=chat plans".
 # Each lane writes under $OUT/gpuN; everything is packed into $OUT/results.tgz at the end. Under a
 # call's time limit, wrap it: `timeout 550 bench/h200-lanes.sh ...; bench/h200-lanes.sh --pack`
 # packs whatever the stages had written when the limit struck.
@@ -18,8 +19,11 @@ if [ "${1:-}" = --pack ]; then
   exit 0
 fi
 
-lane() {  # lane GPU STAGES
-  CUDA_VISIBLE_DEVICES=$1 OUT="$OUT/gpu$1" PACK=0 bash "$here/h200.sh" $2 > "$OUT/lane$1.log" 2>&1
+lane() {  # lane GPU "[NAME=VALUE...] STAGES": the assignments are this lane's environment only
+  local w vars=() stages=()
+  for w in $2; do [[ $w == *=* ]] && vars+=("$w") || stages+=("$w"); done
+  env CUDA_VISIBLE_DEVICES="$1" OUT="$OUT/gpu$1" PACK=0 "${vars[@]}" bash "$here/h200.sh" "${stages[@]}" \
+    > "$OUT/lane$1.log" 2>&1
 }
 lane 0 "$1" &
 lane 1 "${2:-}" &

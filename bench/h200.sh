@@ -74,9 +74,9 @@ for s in "$@"; do
       ;;
     variants)
       plans=$($py bench/plan_variants.py "${BASE_PLAN:-bench/plans/gemv-pdl.json}" --out /tmp/variants)
-      stage variants 300 $py bench/decode.py --shapes llama-3.2-1b --batch-sizes 1 --context 1024 \
+      stage variants 300 $py bench/decode.py --shapes "${SHAPE:-llama-3.2-1b}" --batch-sizes 1 --context 1024 \
         --plans "triton,${BASE_PLAN:-bench/plans/gemv-pdl.json},$plans" --no-hf --steps 50 --greedy-check 0 \
-        --name decode-variants --out "$OUT"
+        --name "decode-variants-${SHAPE:-llama-3.2-1b}" --out "$OUT"
       ;;
     gpu-tests-new)
       stage gpu-tests-new 240 $py -m pytest -m gpu -q -p no:cacheprovider -rfE -n 4 ${NEW_TESTS:-tests/kernels/test_argmax.py \

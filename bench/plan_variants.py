@@ -19,6 +19,11 @@ CHANGES = [
     ("qk_rope_store", {"num_warps": 1}), ("qk_rope_store", {"num_warps": 2}),
     ("qkv_proj", {"num_warps": 8}), ("o_proj", {"block_n": 64, "block_k": 128}), ("down_proj", {"block_n": 64}),
     ("down_proj", {"num_warps": 8}), ("silu_and_mul", {"block": 2048, "num_warps": 8}),
+    # for the 8B shape: the attention's merge done by the last split, wider GEMV tiles
+    ("attention_decode", {"merge": "ticket"}), ("attention_decode", {"split_k": 16}),
+    ("attention_decode", {"num_warps": 8}), ("qkv_proj", {"block_n": 64}), ("o_proj", {"block_n": 64}),
+    ("down_proj", {"block_k": 128}), ("gate_up_proj", {"block_n": 64, "block_k": 128}),
+    ("gate_up_proj", {"split_k": 0}),
 ]
 
 
@@ -31,7 +36,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for op, change in CHANGES:
         plan = json.loads(json.dumps(base))
-        choice = plan["ops"][op]
+        choice = plan["ops"].get(op)
+        if choice is None:  # the base plan leaves this op on its default: nothing to vary
+            continue
         choice["params"] = {**choice.get("params", {}), **change}
         tag = "-".join(f"{k}{v}" for k, v in change.items())
         plan["name"] = f"{base.get('name', args.base.stem)} | {op} {tag}"
