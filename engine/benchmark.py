@@ -9,9 +9,7 @@ and warm-up steps are never counted. Reports the median and p10/p90 over repetit
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
-import os
 import random
 import statistics
 import time
@@ -90,35 +88,6 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
-
-
-@contextlib.contextmanager
-def _pinned_to_one_cpu():
-    """Keep the timing thread on the CPU it runs on (as pyperf pins benchmarks): a thread the OS
-    moves between cores mid-run comes back to cold caches, and on a many-core GPU host that shows
-    up as a whole run's median moving by 10-20%. Restores the thread's CPU set after."""
-    if not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    allowed = os.sched_getaffinity(0)
-    cpu = _current_cpu()
-    try:
-        if cpu in allowed:
-            os.sched_setaffinity(0, {cpu})
-    except OSError:  # a restricted container: run unpinned
-        pass
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, allowed)
-
-
-def _current_cpu() -> int | None:
-    try:
-        return ctypes.CDLL(None, use_errno=True).sched_getcpu()
-    except (OSError, AttributeError):
-        return None
 
 
 def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkRequest,
@@ -217,7 +186,7 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
                 for _ in range(req.rotate)]
         tokens_per_step = req.batch_size * req.prompt_len
     try:
-        with _gc_paused(), _pinned_to_one_cpu():
+        with _gc_paused():
             samples, device = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")
         per_op = _per_op(engine, sets[0], req.mode == "decode") if req.per_op else None
     finally:
