@@ -43,7 +43,7 @@ for s in "$@"; do
       for d in "$OUT" "${PLANS_DIR:-/nonexistent}"; do
         for c in compile-chat compile-agentic; do [ -f "$d/$c/plan.json" ] && plans="$plans,$d/$c/plan.json"; done
       done
-      stage plans 420 $py bench/plans.py --model random:llama-3.1-8b --plans "$plans" --traffic chat,agentic \
+      stage plans "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "$plans" --traffic "${TRAFFIC:-chat,agentic}" \
         --rounds 2 --out "$OUT"
       ;;
     serving)
