@@ -28,9 +28,14 @@ lane() {  # lane GPU "[NAME=VALUE...] STAGES": the assignments are this lane's e
 lane 0 "$1" &
 lane 1 "${2:-}" &
 wait
-if [ -n "${3:-}" ]; then
-  CUDA_VISIBLE_DEVICES=0 OUT="$OUT/after" PACK=0 bash "$here/h200.sh" $3 > "$OUT/after.log" 2>&1
-fi
+after() {  # the third list, alone on GPU 0; "NAME=VALUE" words apply to the stages after them
+  local w vars=()
+  for w in $1; do
+    if [[ $w == *=* ]]; then vars+=("$w"); continue; fi
+    env CUDA_VISIBLE_DEVICES=0 OUT="$OUT/after" PACK=0 "${vars[@]}" bash "$here/h200.sh" "$w" >> "$OUT/after.log" 2>&1
+  done
+}
+[ -n "${3:-}" ] && after "$3"
 for f in "$OUT"/lane*.log "$OUT"/after.log; do
   [ -f "$f" ] && { echo "##### $f"; grep -E "^=== " "$f"; }
 done

@@ -98,8 +98,9 @@ for s in "$@"; do
       stage iteration-cold-jit 360 $py bench/iteration.py --shape llama-3.1-8b --cold-jit-cache --name iteration-cold-jit --out "$OUT"
       ;;
     spread)
-      stage spread 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 --plan bench/plans/triton.json \
-        --runs 20 --out "$OUT"
+      stage "spread-steps${SPREAD_STEPS:-20}" 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 \
+        --plan bench/plans/triton.json --runs 20 --steps "${SPREAD_STEPS:-20}" \
+        --name "spread-llama-3.1-8b-k2-steps${SPREAD_STEPS:-20}" --out "$OUT"
       ;;
     gpu-tests)
       stage gpu-tests-engine 240 $py -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py
