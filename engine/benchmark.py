@@ -247,15 +247,18 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         _sync(engine)
         t0 = time.perf_counter()
         n_out = 0
+        split = _TimeSplit()
         admit(0.0)
         while pending or engine.has_unfinished_requests():
             if not engine.has_unfinished_requests():  # idle until the next Poisson arrival
                 time.sleep(max(0.0, pending[0][1].arrival_s - (time.perf_counter() - t0)))
                 admit(time.perf_counter() - t0)
                 continue
+            t_step = time.perf_counter()
             outs = engine.step()
             _sync(engine)
             now = time.perf_counter()
+            split.add(engine.stats(), now - t_step, draining=not pending)
             for o in outs:
                 n_out += len(o.new_token_ids)
                 if o.request_id not in first:
@@ -267,7 +270,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
                     in_flight.discard(o.request_id)
             admit(now - t0)
         total = time.perf_counter() - t0
-        runs.append((total, n_out, sorted(first.values()), itl))
+        runs.append((total, n_out, sorted(first.values()), itl, split.summary(total)))
     if req.warmup and len(runs) > 1:
         runs = runs[1:]
     totals = [r[0] for r in runs]
@@ -282,5 +285,41 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         extra={"traffic": shape.name, "num_requests": len(wl.requests), "output_tokens": n_out,
                "pacing": f"closed loop, {concurrency} in flight" if concurrency else "poisson arrivals",
                "ttft_p50_ms": _quantile(ttft, 0.5) * 1e3, "ttft_p90_ms": _quantile(ttft, 0.9) * 1e3,
-               "itl_p50_ms": _quantile(itl, 0.5) * 1e3, "itl_p90_ms": _quantile(itl, 0.9) * 1e3},
+               "itl_p50_ms": _quantile(itl, 0.5) * 1e3, "itl_p90_ms": _quantile(itl, 0.9) * 1e3,
+               "time_split": runs[-1][4]},
     )
+
+
+class _TimeSplit:
+    """Where a replay's wall time went: decode-only steps, steps that carried prompt tokens
+    (prefill or mixed), everything between steps (admission, bookkeeping, idle), and how much of
+    it came after the last request was admitted (the drain, where fewer requests are in flight).
+    Says which part of a plan's tokens/s a kernel, a scheduler knob or the workload itself sets."""
+
+    def __init__(self) -> None:
+        self.decode_s = self.prefill_s = self.drain_s = 0.0
+        self.decode_steps = self.prefill_steps = self.decode_seqs = self.prompt_tokens = 0
+
+    def add(self, stats, dt: float, draining: bool) -> None:
+        if stats.last_decode_only:
+            self.decode_s += dt
+            self.decode_steps += 1
+            self.decode_seqs += stats.last_batch_size
+        else:
+            self.prefill_s += dt
+            self.prefill_steps += 1
+            self.prompt_tokens += stats.last_num_tokens
+        if draining:
+            self.drain_s += dt
+
+    def summary(self, total_s: float) -> dict[str, float]:
+        return {
+            "total_ms": total_s * 1e3,
+            "decode_ms": self.decode_s * 1e3, "decode_steps": self.decode_steps,
+            "decode_mean_batch": self.decode_seqs / max(1, self.decode_steps),
+            "decode_step_ms": self.decode_s * 1e3 / max(1, self.decode_steps),
+            "prefill_ms": self.prefill_s * 1e3, "prefill_steps": self.prefill_steps,
+            "tokens_in_prefill_steps": self.prompt_tokens,
+            "between_steps_ms": (total_s - self.decode_s - self.prefill_s) * 1e3,
+            "drain_ms": self.drain_s * 1e3,
+        }

@@ -52,6 +52,7 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     steps: int
+    last_decode_only: bool = False  # the last step carried no prompt tokens
 
 
 @dataclass
@@ -144,7 +145,7 @@ class Engine:
         self._rng = random.Random(args.seed)
         self._requests: dict[str, Sequence] = {}
         self._steps = 0
-        self._last = (0, 0)
+        self._last = (0, 0, False)
 
     # ---- sizing -----------------------------------------------------------------------------------
 
@@ -222,7 +223,7 @@ class Engine:
                 )
             )
         self._steps += 1
-        self._last = (len(batch), batch.num_tokens)
+        self._last = (len(batch), batch.num_tokens, batch.decode_only)
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -248,6 +249,7 @@ class Engine:
             prefix_hit_tokens=self.blocks.hit_tokens,
             num_preemptions=s.num_preemptions,
             steps=self._steps,
+            last_decode_only=self._last[2],
         )
 
     # ---- plans ------------------------------------------------------------------------------------

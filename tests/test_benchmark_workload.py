@@ -48,3 +48,32 @@ def test_poisson_arrivals_are_released_over_time(eng):
     assert extra["pacing"] == "poisson arrivals"
     assert seen[0] < 6  # not all at once: later requests wait for their arrival times
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_time_split_accounts_for_every_step(eng):
+    """The replay says where its wall time went: every step counted once as decode-only or as
+    carrying prompt tokens, decode batches never wider than the concurrency, parts within the total."""
+    shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": 3.0})
+    kinds: list[bool] = []
+    step = eng.step
+
+    def recording_step():
+        outs = step()
+        kinds.append(eng.stats().last_decode_only)
+        return outs
+
+    eng.step = recording_step
+    try:
+        res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                                  num_requests=6, steps=1, warmup=0))
+    finally:
+        del eng.step
+    split = res.extra["time_split"]
+    assert split["decode_steps"] == sum(kinds) and split["decode_steps"] > 0
+    assert split["prefill_steps"] == len(kinds) - sum(kinds) and split["prefill_steps"] >= 1
+    assert 1 <= split["decode_mean_batch"] <= 3
+    assert split["tokens_in_prefill_steps"] >= split["prefill_steps"]
+    assert split["decode_ms"] > 0 and split["prefill_ms"] > 0 and split["between_steps_ms"] >= 0
+    parts = split["decode_ms"] + split["prefill_ms"] + split["between_steps_ms"]
+    assert parts == pytest.approx(split["total_ms"]) and split["total_ms"] == pytest.approx(res.median_ms)
+    assert 0 < split["drain_ms"] < split["total_ms"]
