@@ -11,6 +11,7 @@
 #   kernels-bs1, decode-bs1, variants  issue 2/4: bs=1 GEMV sweep, bs=1 plans side by side, one-change variants
 #   greedy-fp32                     issue 4: greedy tokens vs the reference over 256 steps, in fp32
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
+#   iteration-parallel-jit          the same with `serve --parallel-jit` (kernels compiled in parallel)
 #   gpu-tests                       pytest -m gpu
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -96,6 +97,11 @@ for s in "$@"; do
     iteration)
       stage iteration 300 $py bench/iteration.py --shape llama-3.1-8b --out "$OUT"
       stage iteration-cold-jit 360 $py bench/iteration.py --shape llama-3.1-8b --cold-jit-cache --name iteration-cold-jit --out "$OUT"
+      ;;
+    iteration-parallel-jit)  # the same two, the server compiling each plan's kernels in parallel
+      stage iteration-pjit 300 $py bench/iteration.py --shape llama-3.1-8b --parallel-jit --name iteration-pjit --out "$OUT"
+      stage iteration-pjit-cold 360 $py bench/iteration.py --shape llama-3.1-8b --parallel-jit --cold-jit-cache \
+        --name iteration-pjit-cold-jit --out "$OUT"
       ;;
     spread)
       stage "spread-steps${SPREAD_STEPS:-20}" 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 \

@@ -97,12 +97,14 @@ def drop_page_cache() -> bool:
 
 
 def start_server(model: str, port: int, aport: int, plan_file: str | None, kv_blocks: int,
-                 jit_cache: str | None = None):
+                 jit_cache: str | None = None, parallel_jit: bool = False):
     cmd = [sys.executable, "-m", "anneal.cli", "serve", "--model", model, "--device", "cuda",
            "--host", "127.0.0.1", "--port", str(port), "--admin-port", str(aport),
            "--max-model-len", "2048", "--num-kv-blocks", str(kv_blocks), "--log-level", "warning"]
     if plan_file:
         cmd += ["--plan", plan_file]
+    if parallel_jit:
+        cmd += ["--parallel-jit"]
     env = {**os.environ, "ANNEAL_ADMIN_TOKEN": TOKEN}
     if jit_cache:  # Triton's kernel cache: an empty one is what a new pod on a new node starts with
         env["TRITON_CACHE_DIR"] = jit_cache
@@ -155,10 +157,12 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--cold-jit-cache", action="store_true",
                     help="start the server with an empty Triton cache (a fresh node), not this machine's")
+    ap.add_argument("--parallel-jit", action="store_true",
+                    help="the server compiles each plan's kernels in parallel before its warm-up")
     ap.add_argument("--name", default="iteration")
     args = ap.parse_args()
     result: dict = {"env": environment(), "shape": args.shape, "benchmark": BENCH,
-                    "cold_jit_cache": args.cold_jit_cache}
+                    "cold_jit_cache": args.cold_jit_cache, "parallel_jit": args.parallel_jit}
     folder = Path(tempfile.mkdtemp(prefix="anneal-ckpt-", dir="/tmp"))
     result["write_checkpoint_s"] = write_checkpoint(args.shape, folder)
     print(f"checkpoint written in {result['write_checkpoint_s']:.1f} s", flush=True)
@@ -170,7 +174,7 @@ def main() -> int:
     result["page_cache_dropped"] = drop_page_cache()
     t_spawn = time.perf_counter()
     jit_cache = tempfile.mkdtemp(prefix="anneal-triton-cache-", dir="/tmp") if args.cold_jit_cache else None
-    proc = start_server(str(folder), 18000, 18001, str(plan_file), args.kv_blocks, jit_cache)
+    proc = start_server(str(folder), 18000, 18001, str(plan_file), args.kv_blocks, jit_cache, args.parallel_jit)
     try:
         t_ready = wait_ready(18000, proc)
         admin = "http://127.0.0.1:18001"

@@ -132,7 +132,10 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
                                f"{type(e).__name__}: {e}", "apply_error")
         return {"plan_hash": report.plan_hash,
                 "timings": {"build_s": report.build_s, "warmup_s": report.warmup_s,
-                            "capture_s": report.capture_s, "total_s": report.total_s}}
+                            "capture_s": report.capture_s, "total_s": report.total_s,
+                            **({"parallel_jit_s": report.parallel_jit_s,
+                                "parallel_jit_kernels": report.parallel_jit_kernels}
+                               if report.parallel_jit_s is not None else {})}}
 
     @app.post("/admin/kernels", dependencies=[Depends(auth)])
     async def kernels(request: Request) -> Any:

@@ -36,6 +36,8 @@ class EngineArgs(BaseModel):
     block_size: int = Field(16, ge=1, le=256)
     num_kv_blocks: int | None = Field(None, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0.05, le=0.98)
+    parallel_jit: bool = Field(False, description="compile a plan's Triton kernels in parallel before its "
+                                                  "warm-up (engine/parallel_jit.py); off until measured on a GPU")
     seed: int = 0
     plan: Plan = Field(default_factory=Plan)
 
@@ -62,6 +64,8 @@ class ApplyReport:
     warmup_s: float
     capture_s: float
     total_s: float
+    parallel_jit_s: float | None = None  # of warmup_s, with EngineArgs.parallel_jit
+    parallel_jit_kernels: int | None = None
 
 
 def graph_sizes(plan: Plan) -> list[int]:
@@ -135,6 +139,7 @@ class Engine:
             cfg, self.weights, ops, self.device, self.dtype, num_blocks, args.block_size,
             self.max_model_len,
         )
+        self.runner.parallel_jit = args.parallel_jit
         self.scheduler = Scheduler(self.plan.scheduler, self.blocks, self.max_model_len)
         kv_s = time.perf_counter() - t0
         if self.device.type == "cuda":
@@ -281,6 +286,8 @@ class Engine:
             warmup_s=timings["warmup_s"],
             capture_s=timings["capture_s"],
             total_s=time.perf_counter() - t0,
+            parallel_jit_s=timings.get("parallel_jit_s"),
+            parallel_jit_kernels=int(timings["parallel_jit_kernels"]) if "parallel_jit_kernels" in timings else None,
         )
 
     # ---- offline ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ graph's logits through the plan's `sample` op.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from anneal.engine.config import ModelConfig
 from anneal.engine.context import AttnContext
 from anneal.engine.models.transformer import Transformer
 from anneal.engine.op_table import OpTable
+from anneal.engine.parallel_jit import precompile
 from anneal.engine.sequence import Sequence, TokenLogprobs
 from anneal.engine.weights import Weights
 
@@ -67,6 +69,7 @@ class ModelRunner:
         self.replay_events: list | None = None  # (start, end) CUDA events per graph replay, when set
         self._graph_pool = None
         self._bufs: dict[str, torch.Tensor] = {}
+        self.parallel_jit = False  # compile a plan's Triton kernels all at once before its warm-up
 
     @property
     def ops(self) -> OpTable:
@@ -249,7 +252,10 @@ class ModelRunner:
         self._alloc_static(max(batch_sizes))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        jit: dict = {}
         with torch.inference_mode():
+            if self.parallel_jit:
+                jit = precompile([functools.partial(self._decode_body, bs) for bs in batch_sizes])
             for bs in sorted(batch_sizes, reverse=True):  # warm-up compiles every kernel variant
                 self._decode_body(bs)
             torch.cuda.synchronize()
@@ -262,7 +268,10 @@ class ModelRunner:
                     self._graph_pool = g.pool()
                 self.graphs[bs] = (g, outputs)
         torch.cuda.synchronize()
-        return {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1}
+        timings = {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1}
+        if jit:  # part of warmup_s: the parallel compile, and how many kernels it compiled
+            timings.update(parallel_jit_s=jit["s"], parallel_jit_kernels=float(jit["kernels"]))
+        return timings
 
     def _replay(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(seqs)

@@ -250,6 +250,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="weights seed for random: models")
     parser.add_argument(
+        "--parallel-jit", action="store_true",
+        help="compile each plan's Triton kernels in parallel before its warm-up (not yet measured on a GPU)",
+    )
+    parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
         help="seconds in-flight requests may finish after SIGTERM before they are aborted (default 30)",
     )
@@ -295,6 +299,7 @@ def build_engine(args: argparse.Namespace) -> Any:
             num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            parallel_jit=args.parallel_jit,
             seed=args.seed,
         )
     )

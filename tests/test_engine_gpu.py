@@ -55,3 +55,27 @@ def test_triton_plan_equals_reference(cuda, model):
     got = eng.generate(prompts, params)
     agree = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g)) / sum(len(r) for r in ref)
     assert agree > 0.98, agree
+
+
+def test_parallel_jit_compiles_a_new_plan_ahead_and_changes_no_output(cuda):
+    """With parallel_jit, applying a plan whose kernel parameters this process never compiled
+    reports the kernels the parallel pass compiled, and generates what the one-by-one path does."""
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    # Parameters no other test in this process uses, so their kernels are new here.
+    ops = {**TRITON, "attention_decode": {"impl": "triton_splitk",
+                                          "params": {"split_k": 4, "block_n": 32, "num_warps": 2}}}
+    plan = Plan.model_validate({"ops": ops, "cuda_graph_batch_sizes": [1, 2, 4, 8]})
+    args = dict(model="random:tiny", device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512)
+    one_by_one = Engine(EngineArgs(**args))
+    prompts = _prompts(one_by_one.config.vocab_size)
+    one_by_one.apply_plan(plan)
+    ref = one_by_one.generate(prompts, params)
+    del one_by_one
+    parallel = Engine(EngineArgs(**args, parallel_jit=True))
+    num_warps = {"split_k": 4, "block_n": 32, "num_warps": 4}  # differ again from the run above
+    ops2 = {**ops, "attention_decode": {"impl": "triton_splitk", "params": num_warps}}
+    report = parallel.apply_plan(Plan.model_validate({"ops": ops2, "cuda_graph_batch_sizes": [1, 2, 4, 8]}))
+    assert report.parallel_jit_kernels and report.parallel_jit_kernels >= 1, report
+    assert report.parallel_jit_s <= report.warmup_s
+    parallel.apply_plan(plan)
+    assert parallel.generate(prompts, params) == ref
