@@ -128,6 +128,34 @@ def plot_tradeoff(path: Path, base: list[Measurement], win: list[Measurement]) -
 
 # ---- report.md -----------------------------------------------------------------------------------
 
+_SPLIT_ROWS = (
+    ("total_ms", "replay wall time", "ms"), ("decode_ms", "decode-only steps", "ms"),
+    ("decode_steps", "decode-only steps, count", ""), ("decode_mean_batch", "decode batch, mean", ""),
+    ("decode_step_ms", "decode step, mean", "ms"), ("prefill_ms", "steps with prompt tokens", "ms"),
+    ("prefill_steps", "steps with prompt tokens, count", ""), ("between_steps_ms", "between steps", "ms"),
+    ("drain_ms", "drain (after the last admission)", "ms"),
+)
+
+
+def time_split_table(base: list[Measurement], win: list[Measurement]) -> list[str]:
+    """Report lines: where the slow tier's replay time went, baseline vs compiled (medians over the
+    rounds). Says whether a gain, or its absence, is the decode step's, the prefill's or the
+    workload's own drain. Empty when the engines did not report it."""
+    def med(ms: list[Measurement], key: str) -> float | None:
+        xs = [m.time_split[key] for m in ms if m.time_split and key in m.time_split]
+        return statistics.median(xs) if xs else None
+
+    if med(base, "total_ms") is None or med(win, "total_ms") is None:
+        return []
+    L = ["", "## Where the replay's time went (slow tier, median over rounds)", "",
+         "| | baseline | compiled |", "|---|---|---|"]
+    for key, label, unit in _SPLIT_ROWS:
+        b, w = med(base, key), med(win, key)
+        if b is not None and w is not None:
+            L.append(f"| {label} | {b:.4g} {unit} | {w:.4g} {unit} |".replace("  |", " |"))
+    return L
+
+
 def write_report(
     out: Path, compiled: CompiledPlan, baseline: Plan, exps: list[Experiment], *, t0: float,
     wall_s: float, spec_key: str, per_op: tuple[dict[str, float], dict[str, float], str] | None,
@@ -163,6 +191,7 @@ def write_report(
         L.append(f"| {g.metric} | {g.baseline:.4g} {g.unit} | {g.candidate:.4g} {g.unit} | {g.ratio:.3f} |")
     if compiled.plan.hash == baseline.hash:
         L += ["", "No candidate beat the baseline and passed every gate: the baseline plan is kept."]
+    L += time_split_table(base_m, win_m)
     L += ["", "## What changed", ""] + [f"- {line}" for line in plan_diff(baseline, compiled.plan)]
     L += ["", "## Verification", ""]
     checks = compiled.verification.get("checks", [])

@@ -68,6 +68,8 @@ class Measurement(_Wire):
     per_op_ms: dict[str, float] | None = None
     itl_p90_ms: float | None = None
     ttft_p90_ms: float | None = None
+    time_split: dict[str, float] | None = Field(
+        None, description="workload replays: where the wall time went (engine/benchmark.py _TimeSplit)")
 
     @property
     def spread(self) -> float:
