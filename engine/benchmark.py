@@ -79,9 +79,10 @@ def _sequences(engine, n: int, length: int, computed: int, rng: random.Random) -
 @contextlib.contextmanager
 def _gc_paused():
     """As timeit does: no garbage collection inside timed steps (a collection lands in one step's
-    host time at random, which is spread the plan did not cause)."""
+    host time at random, which is spread the plan did not cause). No full collection first: in a
+    serving process (~280k objects) that alone took 120 ms, more than a 30-step benchmark's GPU time
+    (session 4's candidates spent 0.28-0.36 s in the benchmark call against 0.20-0.23 s before it)."""
     enabled = gc.isenabled()
-    gc.collect()
     gc.disable()
     try:
         yield
