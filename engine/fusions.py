@@ -23,9 +23,7 @@ def _gemv_params(choice: tuple[str, dict]) -> tuple[dict, int]:
 
 
 def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]) -> dict[str, Callable]:
-    """The callables behind a plan's fusions. Each fused GEMV takes the params of the projection it
-    replaces (when that is the Triton GEMV), and above that variant's ``max_m`` rows (prefill) runs
-    the unfused ops, which is what large M wants."""
+    """The callables behind a plan's fusions, keyed by their ``OpTable.FUSED`` names."""
     from anneal.engine.kernels import gemv
 
     out: dict[str, Callable] = {}

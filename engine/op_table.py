@@ -9,15 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 from anneal.engine.fusions import build_fusions
-from anneal.engine.ops.registry import OpError, all_ops, build_op, get_variant
+from anneal.engine.ops.registry import OpError, all_ops, build_op, get_variant, interpreting
 from anneal.engine.plan import Plan
-
-
-def _interpreting() -> bool:
-    """Triton's interpreter runs the "cuda" variants on CPU tensors (tests only)."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class OpTable:
@@ -49,12 +42,12 @@ class OpTable:
         for name in all_ops():
             c = plan.choice(name)
             v = get_variant(name, c.impl)
-            if device not in v.devices and not (device == "cpu" and _interpreting()):
+            if device not in v.devices and not (device == "cpu" and interpreting()):
                 raise OpError(f"{name}/{c.impl} does not run on {device} (runs on {v.devices})")
             params = v.resolve_params(c.params)
             fns[name] = build_op(name, c.impl, params)
             choices[name] = (c.impl, params)
-        if plan.fusions and device != "cuda" and not _interpreting():
+        if plan.fusions and device != "cuda" and not interpreting():
             raise OpError(f"fusions {sorted(plan.fusions)} need a CUDA GPU")
         return cls(fns, choices, build_fusions(sorted(plan.fusions), fns, choices))
 

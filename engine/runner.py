@@ -243,7 +243,7 @@ class ModelRunner:
         logits = self.model.logits(hidden)
         return {"hidden": hidden, "logits": logits, "greedy": self.ops.argmax(logits)}
 
-    def capture(self, batch_sizes: list[int]) -> dict[str, float]:
+    def capture(self, batch_sizes: list[int]) -> dict[str, float | int]:
         """Warm the kernels up and capture one decode graph per bucket; returns timings (s)."""
         self.graphs.clear()
         self._graph_pool = None
@@ -270,7 +270,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         timings = {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1}
         if jit:  # part of warmup_s: the parallel compile, and how many kernels it compiled
-            timings.update(parallel_jit_s=jit["s"], parallel_jit_kernels=float(jit["kernels"]))
+            timings.update(parallel_jit_s=jit["s"], parallel_jit_kernels=jit["kernels"])
         return timings
 
     def _replay(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:

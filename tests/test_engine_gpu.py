@@ -72,8 +72,8 @@ def test_parallel_jit_compiles_a_new_plan_ahead_and_changes_no_output(cuda):
     ref = one_by_one.generate(prompts, params)
     del one_by_one
     parallel = Engine(EngineArgs(**args, parallel_jit=True))
-    num_warps = {"split_k": 4, "block_n": 32, "num_warps": 4}  # differ again from the run above
-    ops2 = {**ops, "attention_decode": {"impl": "triton_splitk", "params": num_warps}}
+    other = {"split_k": 4, "block_n": 32, "num_warps": 4}  # differ again from the run above
+    ops2 = {**ops, "attention_decode": {"impl": "triton_splitk", "params": other}}
     report = parallel.apply_plan(Plan.model_validate({"ops": ops2, "cuda_graph_batch_sizes": [1, 2, 4, 8]}))
     assert report.parallel_jit_kernels and report.parallel_jit_kernels >= 1, report
     assert report.parallel_jit_s <= report.warmup_s

@@ -4,20 +4,16 @@ shared-memory fitting, arrival counters for last-arrival reductions, small numer
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from anneal.engine.ops.registry import interpreting
+
 
 class KernelInputError(ValueError):
     """Inputs a kernel cannot take (wrong device, dtype, layout or shape), with what to do instead."""
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels defined now run in the interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def check_device(name: str, *tensors: torch.Tensor | None) -> None:

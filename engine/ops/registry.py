@@ -12,10 +12,18 @@ source (the LLM kernel writer excepted; its kernels are registered at run time t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 ParamValue = int | float | str | bool
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter (``TRITON_INTERPRET=1``): the "cuda" variants
+    then run on CPU tensors (the CPU tests). Here, not beside the kernels, so the torch-free op
+    table can ask too."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class OpError(ValueError):

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from anneal.engine.kernels._common import interpreting  # noqa: E402
+from anneal.engine.ops.registry import interpreting  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
