@@ -77,3 +77,10 @@ def test_time_split_accounts_for_every_step(eng):
     parts = split["decode_ms"] + split["prefill_ms"] + split["between_steps_ms"]
     assert parts == pytest.approx(split["total_ms"]) and split["total_ms"] == pytest.approx(res.median_ms)
     assert 0 < split["drain_ms"] < split["total_ms"]
+
+
+def test_decode_benchmark_without_graph_replays_ranks_on_the_wall_clock(eng):
+    res = run_benchmark(eng, BenchmarkRequest(mode="decode", batch_size=2, context_len=40, steps=5, warmup=1))
+    assert res.extra["timing"].startswith("wall")
+    assert res.median_ms == res.extra["wall_median_ms"] > 0
+    assert len(res.samples_ms) == 5 and "host_median_ms" not in res.extra

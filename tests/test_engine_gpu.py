@@ -79,3 +79,16 @@ def test_parallel_jit_compiles_a_new_plan_ahead_and_changes_no_output(cuda):
     assert report.parallel_jit_s <= report.warmup_s
     parallel.apply_plan(plan)
     assert parallel.generate(prompts, params) == ref
+
+
+def test_graph_decode_benchmark_ranks_on_replay_events_with_the_wall_clock_beside(cuda):
+    from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
+
+    eng = Engine(EngineArgs(model="random:tiny", device="cuda", max_model_len=512, num_kv_blocks=512,
+                            plan=Plan(ops=TRITON, cuda_graph_batch_sizes=[1, 2, 4])))
+    assert eng.runner.graphs, "no graphs captured"
+    res = run_benchmark(eng, BenchmarkRequest(mode="decode", batch_size=2, context_len=300, steps=8, warmup=2))
+    assert res.extra["timing"].startswith("graph replay") and len(res.samples_ms) == 8
+    # The replay is part of each timed step, so it cannot take longer than the step's wall time.
+    assert 0 < res.median_ms <= res.extra["wall_median_ms"]
+    assert res.extra["host_median_ms"] >= 0
