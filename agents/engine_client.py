@@ -73,6 +73,10 @@ class EngineClient:
     def put_plan(self, plan: Plan) -> dict[str, Any]:
         return self._call("PUT", "/admin/plan", plan.model_dump(mode="json"))
 
+    def prepare(self, plans: list[Plan]) -> dict[str, Any]:
+        """Queue plans for compile-ahead: their kernels compile while the engine does other work."""
+        return self._call("POST", "/admin/prepare", {"plans": [p.model_dump(mode="json") for p in plans]})
+
     def register_kernel(
         self, op: str, impl: str, source: str, params: dict[str, list[Any]] | None = None,
         timeout_s: float = 120.0,

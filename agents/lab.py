@@ -57,6 +57,7 @@ class Lab:
     _inflight: dict[str, threading.Event] = field(default_factory=dict)
     _unreachable: dict[str, int] = field(default_factory=dict)
     _registered: set[tuple[str, str, str, str]] = field(default_factory=set)  # (tier, op, impl, source)
+    _no_prepare: bool = False  # the fast engine has no POST /admin/prepare
     reused: int = 0
     run: int = 0
 
@@ -138,6 +139,8 @@ class Lab:
         if missing:
             exp = exp.model_copy(update={"verdict": Verdict(status="failed", reason=missing)})
             return self._record(exp)
+        if tier == "fast":
+            self._prepare(cand)
         try:
             with self._locks[tier]:
                 m = self.engines[tier].benchmark(cand.plan, spec, traffic if traffic is not None else (
@@ -158,6 +161,20 @@ class Lab:
         exp = exp.model_copy(update={"measurement": m})
         self._note_best(exp, spec)
         return self._record(exp)
+
+    def _prepare(self, cand: Candidate) -> None:
+        """Before queueing for the fast engine, have it compile this candidate's kernels while it
+        measures the other agents' candidates (engine/compile_ahead.py). Only the fast tier: the
+        slow tier's workload replays are timed on the wall clock, which a compile would disturb.
+        Best effort: an engine without the endpoint, or a plan it refuses, is found out anyway."""
+        client = self.engines.get("fast")
+        if self._no_prepare or not hasattr(client, "prepare"):
+            return
+        try:
+            client.prepare([cand.plan])
+        except EngineError as e:
+            if e.status == 404:
+                self._no_prepare = True
 
     def _learn_refusal(self, message: str) -> None:
         """An impl the engine says cannot run on its device leaves the search space."""

@@ -12,6 +12,7 @@
 #   greedy-fp32                     issue 4: greedy tokens vs the reference over 256 steps, in fp32
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
 #   iteration-parallel-jit          the same with `serve --parallel-jit` (kernels compiled in parallel)
+#   iteration-ahead                 8 candidates, each one's kernels compiled ahead (POST /admin/prepare)
 #   gpu-tests                       pytest -m gpu
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -102,6 +103,10 @@ for s in "$@"; do
       stage iteration-pjit 300 $py bench/iteration.py --shape llama-3.1-8b --parallel-jit --name iteration-pjit --out "$OUT"
       stage iteration-pjit-cold 360 $py bench/iteration.py --shape llama-3.1-8b --parallel-jit --cold-jit-cache \
         --name iteration-pjit-cold-jit --out "$OUT"
+      ;;
+    iteration-ahead)  # the next candidate's kernels compiled while the current one runs; empty cache
+      stage iteration-ahead 360 $py bench/iteration.py --shape llama-3.1-8b --compile-ahead --cold-jit-cache \
+        --candidates 8 --name iteration-ahead-cold-jit --out "$OUT"
       ;;
     spread)
       stage "spread-steps${SPREAD_STEPS:-20}" 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 \

@@ -35,6 +35,10 @@ class KernelRequest(BaseModel):
     timeout_s: float = Field(60.0, gt=0, le=600)
 
 
+class PrepareRequest(BaseModel):
+    plans: list[Plan] = Field(min_length=1, max_length=64)
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
@@ -114,7 +118,26 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
             "variants": variants,
             "hardware": hw,
             "startup": e.startup,
+            "compile_ahead": {k: (len(v) if k == "done" else v) for k, v in e.compile_ahead.status().items()},
         }
+
+    @app.post("/admin/prepare", dependencies=[Depends(auth)])
+    async def prepare(request: Request) -> Any:
+        """Queue plans for compile-ahead (engine/compile_ahead.py); answers at once. The engine keeps
+        serving; a plan whose kernels fail to compile is reported here later, not rejected now."""
+        req = await body(request, PrepareRequest)
+        e = async_engine.engine
+        try:
+            for plan in req.plans:  # the checks apply_plan makes before any swap, minus the build
+                e.check_plan(plan)
+        except (OpError, ValueError) as ex:
+            return _error(400, f"plan rejected: {ex}")
+        queued = e.compile_ahead.submit(req.plans)
+        return {"queued": queued, **e.compile_ahead.status()}
+
+    @app.get("/admin/prepare", dependencies=[Depends(auth)])
+    async def prepare_status() -> Any:
+        return async_engine.engine.compile_ahead.status()
 
     @app.put("/admin/plan", dependencies=[Depends(auth)])
     async def put_plan(request: Request) -> Any:

@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from anneal.engine.block_manager import BlockManager
+from anneal.engine.compile_ahead import CompileAhead
 from anneal.engine.config import ModelConfig
 from anneal.engine.op_table import OpTable
 from anneal.engine.plan import Plan
@@ -140,6 +141,7 @@ class Engine:
             self.max_model_len,
         )
         self.runner.parallel_jit = args.parallel_jit
+        self.compile_ahead = CompileAhead(self.runner)  # kernels of plans the compiler will try next
         self.scheduler = Scheduler(self.plan.scheduler, self.blocks, self.max_model_len)
         kv_s = time.perf_counter() - t0
         if self.device.type == "cuda":
@@ -259,6 +261,24 @@ class Engine:
         )
 
     # ---- plans ------------------------------------------------------------------------------------
+
+    def check_plan(self, plan: Plan) -> None:
+        """What ``apply_plan`` would refuse before building anything: scheduler knobs, unknown ops
+        or variants, variants that do not run here, parameters outside their choices (a plan's
+        own kernels are checked when they are built). Raises ValueError/OpError."""
+        from anneal.engine.ops.registry import OpError, all_ops, get_variant, interpreting
+
+        Scheduler.check_knobs(plan.scheduler, self.max_model_len)
+        own = {(k.op, k.impl) for k in plan.kernels}
+        dev = self.device.type
+        for name in all_ops():
+            c = plan.choice(name)
+            if (name, c.impl) in own:
+                continue
+            v = get_variant(name, c.impl)
+            if dev not in v.devices and not (dev == "cpu" and interpreting()):
+                raise OpError(f"{name}/{c.impl} does not run on {dev} (runs on {v.devices})")
+            v.resolve_params(c.params)
 
     def apply_plan(self, plan: Plan) -> ApplyReport:
         """Swap the forward pass without reloading weights. On any failure the old plan keeps serving."""

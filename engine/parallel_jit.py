@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,33 +41,52 @@ def _call_key(fn: Any, args: tuple, kwargs: dict) -> tuple:
     return (id(fn), tuple(part(a) for a in args), tuple(sorted((k, part(v)) for k, v in kwargs.items())))
 
 
+_lock = threading.Lock()
+_compile_only: dict[int, set[tuple]] = {}  # thread id -> launches it handed to Triton
+_original_run: Any = None
+
+
 @contextlib.contextmanager
 def _launches_compile_only() -> Iterator[None]:
-    """Every ``kernel[grid](...)`` compiles (or finds its binary) without launching; each distinct
-    launch (``_call_key``) reaches Triton once."""
+    """In this thread, every ``kernel[grid](...)`` compiles (or finds its binary) without
+    launching; each distinct launch (``_call_key``) reaches Triton once. Other threads launch as
+    usual, so a compile-ahead pass can run while the engine thread serves or benchmarks."""
     from triton.runtime.jit import JITFunction
 
-    run = JITFunction.run
-    seen: set[tuple] = set()
+    global _original_run
+    tid = threading.get_ident()
+    with _lock:
+        if not _compile_only:
+            run = _original_run = JITFunction.run
 
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        key = _call_key(self, args, kwargs)
-        if key in seen:
-            return None
-        seen.add(key)
-        return run(self, *args, grid=grid, warmup=True, **kwargs)
+            def compile_only(self, *args, grid, warmup, **kwargs):
+                seen = _compile_only.get(threading.get_ident())
+                if seen is None:
+                    return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+                key = _call_key(self, args, kwargs)
+                if key in seen:
+                    return None
+                seen.add(key)
+                return run(self, *args, grid=grid, warmup=True, **kwargs)
 
-    JITFunction.run = compile_only
+            JITFunction.run = compile_only
+        _compile_only[tid] = set()
     try:
         yield
     finally:
-        JITFunction.run = run
+        with _lock:
+            del _compile_only[tid]
+            if not _compile_only:
+                JITFunction.run = _original_run
 
 
-def precompile(passes: Iterable[Callable[[], Any]], workers: int | None = None) -> dict[str, Any]:
+def precompile(passes: Iterable[Callable[[], Any]], workers: int | None = None,
+               hold: contextlib.AbstractContextManager | None = None) -> dict[str, Any]:
     """Run each callable with Triton launches compile-only and the compiles in a thread pool; wait
-    for all of them. Returns ``{"kernels": how many were compiled, "s": seconds}``, plus ``"error"``
-    when the collecting pass failed (the later warm-up then compiles what is left as usual)."""
+    for all of them. ``hold`` is held while the passes run (not while the compiles finish): the
+    compile-ahead thread passes the runner's device lock, so its torch ops never meet a capture.
+    Returns ``{"kernels": how many were compiled, "s": seconds}``, plus ``"error"`` when the
+    collecting pass failed (the later warm-up then compiles what is left as usual)."""
     t0 = time.perf_counter()
     try:
         from triton.runtime._async_compile import AsyncCompileMode
@@ -78,7 +98,7 @@ def precompile(passes: Iterable[Callable[[], Any]], workers: int | None = None) 
         try:
             mode = AsyncCompileMode(pool)
             with mode:
-                with _launches_compile_only():
+                with hold or contextlib.nullcontext(), _launches_compile_only():
                     for run_pass in passes:
                         run_pass()
                 report["kernels"] = len(mode.future_kernels)

@@ -10,7 +10,11 @@ graph's logits through the plan's `sample` op.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import functools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -70,6 +74,7 @@ class ModelRunner:
         self._graph_pool = None
         self._bufs: dict[str, torch.Tensor] = {}
         self.parallel_jit = False  # compile a plan's Triton kernels all at once before its warm-up
+        self.device_lock = threading.Lock()  # captures vs compile-ahead passes (engine/compile_ahead.py)
 
     @property
     def ops(self) -> OpTable:
@@ -216,9 +221,9 @@ class ModelRunner:
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
 
-    def _alloc_static(self, max_bs: int) -> None:
+    def _static_buffers(self, max_bs: int) -> dict[str, torch.Tensor]:
         d = self.device
-        self._bufs = dict(
+        return dict(
             ids=torch.zeros(max_bs, dtype=torch.int64, device=d),
             positions=torch.zeros(max_bs, dtype=torch.int64, device=d),
             slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=d),
@@ -226,22 +231,48 @@ class ModelRunner:
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=d),
         )
 
-    def _decode_body(self, bs: int) -> dict[str, torch.Tensor | None]:
-        b = self._bufs
+    def _decode_body(self, bs: int, model: Transformer | None = None, bufs: dict | None = None,
+                     kv: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+        """One decode step of ``bs`` rows on the static buffers (what a graph captures); the
+        compile-ahead pass runs it on a two-layer view with buffers and a cache of its own."""
+        model, b, kv = model or self.model, bufs or self._bufs, self.kv if kv is None else kv
+        ops = model.ops
         ctx = AttnContext(
             is_prefill=False,
             slot_mapping=b["slot_mapping"][:bs],
             block_tables=b["block_tables"][:bs],
             context_lens=b["context_lens"][:bs],
         )
-        hidden = self.model.forward(b["ids"][:bs], b["positions"][:bs], ctx, self.kv)
-        if self.ops.lm_head_argmax is not None:  # fused: the graph writes no logits
-            return {"hidden": hidden, "logits": None,
-                    "greedy": self.ops.lm_head_argmax(hidden, self.model.w.lm_head)}
+        hidden = model.forward(b["ids"][:bs], b["positions"][:bs], ctx, kv)
+        if ops.lm_head_argmax is not None:  # fused: the graph writes no logits
+            return {"hidden": hidden, "logits": None, "greedy": ops.lm_head_argmax(hidden, model.w.lm_head)}
         # Logits stay in the model's dtype inside the graph (a [bs, vocab] fp32 copy cost 4 µs of a
         # 1 ms step): greedy needs none, sampling and logprobs convert outside the graph.
-        logits = self.model.logits(hidden)
-        return {"hidden": hidden, "logits": logits, "greedy": self.ops.argmax(logits)}
+        logits = model.logits(hidden)
+        return {"hidden": hidden, "logits": logits, "greedy": ops.argmax(logits)}
+
+    def ahead_passes(self, ops: OpTable, batch_sizes: list[int]) -> list:
+        """Decode passes that launch every Triton kernel ``ops`` would launch in a capture of these
+        buckets, touching nothing the engine uses: the first two layers (the first layer's path
+        and every later one's), their weights shared read-only, with static buffers, a small KV
+        cache and a CUDA stream of their own. For ``parallel_jit.precompile`` on another thread."""
+        view = copy.copy(self.model)
+        view.ops = ops
+        view.w = dataclasses.replace(self.model.w, layers=self.model.w.layers[:2])
+        view.num_layers = len(view.w.layers)
+        L, _, nb, *rest = self.kv.shape
+        # Per-layer cache strides do not depend on the block count; its divisibility by 16 is kept
+        # in case a kernel takes the count as an argument (Triton specializes on it).
+        kv = torch.empty(view.num_layers, 2, 16 if nb % 16 == 0 else 17, *rest,
+                         device=self.device, dtype=self.dtype)
+        bufs = self._static_buffers(max(batch_sizes)) if batch_sizes else {}
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+        def run(bs: int) -> None:
+            with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                self._decode_body(bs, view, bufs, kv)
+
+        return [functools.partial(run, bs) for bs in sorted(batch_sizes, reverse=True)]
 
     def capture(self, batch_sizes: list[int]) -> dict[str, float | int]:
         """Warm the kernels up and capture one decode graph per bucket; returns timings (s)."""
@@ -249,24 +280,27 @@ class ModelRunner:
         self._graph_pool = None
         if self.device.type != "cuda" or not batch_sizes:
             return {"warmup_s": 0.0, "capture_s": 0.0}
-        self._alloc_static(max(batch_sizes))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        jit: dict = {}
-        with torch.inference_mode():
-            if self.parallel_jit:
-                jit = precompile([functools.partial(self._decode_body, bs) for bs in batch_sizes])
-            for bs in sorted(batch_sizes, reverse=True):  # warm-up compiles every kernel variant
-                self._decode_body(bs)
+        with self.device_lock:  # a compile-ahead pass's torch ops wait until the capture is done
+            self._bufs = self._static_buffers(max(batch_sizes))
             torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            for bs in sorted(batch_sizes, reverse=True):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self._graph_pool):
-                    outputs = self._decode_body(bs)
-                if self._graph_pool is None:
-                    self._graph_pool = g.pool()
-                self.graphs[bs] = (g, outputs)
+            t0 = time.perf_counter()
+            jit: dict = {}
+            with torch.inference_mode():
+                if self.parallel_jit:
+                    jit = precompile([functools.partial(self._decode_body, bs) for bs in batch_sizes])
+                for bs in sorted(batch_sizes, reverse=True):  # warm-up compiles every kernel variant
+                    self._decode_body(bs)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                for bs in sorted(batch_sizes, reverse=True):
+                    g = torch.cuda.CUDAGraph()
+                    # thread_local: the compile-ahead thread's Triton compiles may make CUDA calls
+                    # that a global-mode capture would count against this one.
+                    with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
+                        outputs = self._decode_body(bs)
+                    if self._graph_pool is None:
+                        self._graph_pool = g.pool()
+                    self.graphs[bs] = (g, outputs)
         torch.cuda.synchronize()
         timings = {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1}
         if jit:  # part of warmup_s: the parallel compile, and how many kernels it compiled

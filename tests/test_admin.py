@@ -72,6 +72,23 @@ def test_plan_swap_and_rejection_keep_serving(server):
     completion_ok(server)
 
 
+def test_prepare_checks_plans_and_queues_nothing_off_the_gpu(server):
+    before = admin(server, "GET", "/admin/state").json()
+    assert before["compile_ahead"] == {"queued": 0, "compiling": None, "done": 0}
+    bad = admin(server, "POST", "/admin/prepare", {"plans": [{"ops": {"attention_decode": {"impl": "nope"}}}]})
+    assert bad.status_code == 400 and "no variant" in bad.json()["error"]["message"]
+    knobs = admin(server, "POST", "/admin/prepare", {"plans": [
+        {"scheduler": {"chunked_prefill": False, "max_num_batched_tokens": 64}}]})
+    assert knobs.status_code == 400 and "max_num_batched_tokens" in knobs.json()["error"]["message"]
+    assert admin(server, "POST", "/admin/prepare", {"plans": []}).status_code == 422
+    ok = admin(server, "POST", "/admin/prepare", {"plans": [{"cuda_graph_batch_sizes": [1, 2]}]})
+    assert ok.status_code == 200 and ok.json()["queued"] == 0  # the CPU has no Triton compiles
+    unauthorized = httpx.post(f"http://127.0.0.1:{server.admin_port}/admin/prepare", json={"plans": [{}]})
+    assert unauthorized.status_code == 401
+    assert admin(server, "GET", "/admin/state").json()["plan_hash"] == before["plan_hash"]
+    completion_ok(server)
+
+
 @pytest.mark.parametrize("source,stage", [
     (SILU_SYNTAX, "compile"), (SILU_WRONG, "check"), (SILU_HANG, "timeout"), (SILU_CRASH, "crash"),
 ])

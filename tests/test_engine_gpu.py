@@ -92,3 +92,27 @@ def test_graph_decode_benchmark_ranks_on_replay_events_with_the_wall_clock_besid
     # The replay is part of each timed step, so it cannot take longer than the step's wall time.
     assert 0 < res.median_ms <= res.extra["wall_median_ms"]
     assert res.extra["host_median_ms"] >= 0
+
+
+def test_compile_ahead_compiles_a_queued_plan_while_serving_and_changes_no_output(cuda):
+    """A plan queued for compile-ahead gets its kernels compiled on the worker thread while the
+    engine generates; applying it afterwards generates what a plain apply does."""
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    ops = {**TRITON, "attention_decode": {"impl": "triton_splitk",  # parameters no other test uses
+                                          "params": {"split_k": 8, "block_n": 32, "num_warps": 2}}}
+    plan = Plan.model_validate({"ops": ops, "cuda_graph_batch_sizes": [1, 2, 4, 8]})
+    args = dict(model="random:tiny", device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512)
+    eng = Engine(EngineArgs(**args))
+    prompts = _prompts(eng.config.vocab_size)
+    before = eng.generate(prompts, params)
+    assert eng.compile_ahead.submit([plan]) == 1
+    assert eng.generate(prompts, params) == before  # serving on, undisturbed, while it compiles
+    assert eng.compile_ahead.wait(300)
+    done = eng.compile_ahead.status()["done"][plan.hash]
+    assert "error" not in done and done["kernels"] >= 1, done
+    eng.apply_plan(plan)
+    got = eng.generate(prompts, params)
+    del eng
+    plain = Engine(EngineArgs(**args))
+    plain.apply_plan(plan)
+    assert got == plain.generate(prompts, params)

@@ -1,0 +1,108 @@
+"""Compile-ahead: queued plans' decode kernels are compiled on a worker thread without touching
+what the engine serves; failures are recorded against the plan, never raised."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+from anneal.engine.compile_ahead import CompileAhead
+from anneal.engine.llm import Engine, EngineArgs
+from anneal.engine.plan import Plan
+
+triton_jit = pytest.importorskip("triton.runtime.jit")
+
+
+def _plan(split_k: int) -> Plan:
+    return Plan.model_validate({"ops": {"attention_decode": {"impl": "triton_splitk",
+                                                             "params": {"split_k": split_k}}},
+                                "cuda_graph_batch_sizes": [1, 2]})
+
+
+class _Runner:
+    """What CompileAhead needs of a ModelRunner, on a pretend GPU: the passes record their thread."""
+
+    def __init__(self, fail_on: int | None = None):
+        self.device = types.SimpleNamespace(type="cuda")
+        self.device_lock = threading.Lock()
+        self.ran: list[tuple[int, int]] = []
+        self.fail_on = fail_on
+
+    def ahead_passes(self, ops, batch_sizes):
+        split_k = ops.choices["attention_decode"][1]["split_k"]
+
+        def run(bs):
+            if split_k == self.fail_on:
+                raise RuntimeError(f"pass broke at split_k={split_k}")
+            self.ran.append((split_k, bs))
+            assert threading.current_thread().name == "anneal-compile-ahead"
+        return [lambda bs=bs: run(bs) for bs in sorted(batch_sizes, reverse=True)]
+
+
+def test_each_plan_is_compiled_once_on_the_worker_thread():
+    runner = _Runner()
+    ahead = CompileAhead(runner)
+    assert ahead.submit([_plan(2), _plan(4), _plan(2)]) == 2
+    assert ahead.wait(60)
+    assert ahead.submit([_plan(4)]) == 0  # compiled already
+    assert sorted(runner.ran) == [(2, 1), (2, 2), (4, 1), (4, 2)]
+    done = ahead.status()["done"]
+    assert set(done) == {_plan(2).hash, _plan(4).hash}
+    assert all("error" not in r and r["s"] >= 0 for r in done.values())
+
+
+def test_a_failing_plan_is_recorded_and_the_next_one_still_compiles():
+    runner = _Runner(fail_on=4)
+    ahead = CompileAhead(runner)
+    ahead.submit([_plan(4), _plan(8)])
+    assert ahead.wait(60)
+    done = ahead.status()["done"]
+    assert "split_k=4" in done[_plan(4).hash]["error"]
+    assert "error" not in done[_plan(8).hash] and (8, 1) in runner.ran
+
+
+def test_launches_from_other_threads_run_while_one_thread_only_compiles(monkeypatch):
+    calls = []
+    monkeypatch.setattr(triton_jit.JITFunction, "run",
+                        lambda self, *a, grid, warmup, **kw: calls.append((threading.current_thread().name, warmup)))
+    from anneal.engine.parallel_jit import _launches_compile_only
+
+    inside, other_done = threading.Event(), threading.Event()
+
+    def other():
+        inside.wait(10)
+        triton_jit.JITFunction.run(object(), 1, grid=(1,), warmup=False)
+        other_done.set()
+
+    t = threading.Thread(target=other, name="engine")
+    t.start()
+    with _launches_compile_only():
+        inside.set()
+        other_done.wait(10)
+        triton_jit.JITFunction.run(object(), 1, grid=(1,), warmup=False)
+    t.join()
+    assert sorted(calls) == [("MainThread", True), ("engine", False)]
+
+
+def test_the_ahead_view_leaves_the_engine_kv_cache_and_buffers_alone():
+    """The two-layer view runs the decode body on buffers and a cache of its own (CPU, reference
+    ops, which really write their KV store): the engine's cache is bit-identical afterwards."""
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", max_model_len=128, num_kv_blocks=64))
+    before = eng.runner.kv.clone()
+    static = eng.runner._static_buffers
+
+    def storing_buffers(max_bs):  # slot 0 instead of -1 (no store), so a pass really writes a cache
+        b = static(max_bs)
+        b["slot_mapping"].zero_()
+        return b
+
+    eng.runner._static_buffers = storing_buffers
+    passes = eng.runner.ahead_passes(eng.runner.ops, [1, 4])
+    assert len(passes) == 2
+    for p in passes:
+        p()
+    assert torch.equal(eng.runner.kv, before)
+    assert eng.compile_ahead.submit([_plan(2)]) == 0  # nothing to compile off the GPU
