@@ -133,7 +133,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
         except (OpError, ValueError) as ex:
             return _error(400, f"plan rejected: {ex}")
         queued = e.compile_ahead.submit(req.plans)
-        return {"queued": queued, **e.compile_ahead.status()}
+        return {"queued": queued, "plan_hashes": [p.hash for p in req.plans], **e.compile_ahead.status()}
 
     @app.get("/admin/prepare", dependencies=[Depends(auth)])
     async def prepare_status() -> Any:

@@ -116,3 +116,35 @@ def test_compile_ahead_compiles_a_queued_plan_while_serving_and_changes_no_outpu
     plain = Engine(EngineArgs(**args))
     plain.apply_plan(plan)
     assert got == plain.generate(prompts, params)
+
+
+def test_applying_a_prepared_plan_compiles_no_kernel(cuda):
+    """Compile-ahead is only worth its thread if the apply that follows finds every kernel: the
+    view's launches must specialize exactly as the engine's. Fails listing what the apply compiled."""
+    from triton.runtime.jit import JITFunction
+
+    ops = {**TRITON, "attention_decode": {"impl": "triton_splitk",  # parameters no other test uses
+                                          "params": {"split_k": 16, "block_n": 32, "num_warps": 2}}}
+    plan = Plan.model_validate({"ops": ops, "cuda_graph_batch_sizes": [1, 2, 4, 8, 16]})
+    eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=700, max_model_len=512))
+    compiles: list[tuple[str, str]] = []
+    original = JITFunction._do_compile
+
+    def recording(self, key, *args, **kwargs):
+        import threading
+
+        compiles.append((threading.current_thread().name, f"{self.__name__} {key}"))
+        return original(self, key, *args, **kwargs)
+
+    JITFunction._do_compile = recording
+    try:
+        assert eng.compile_ahead.submit([plan]) == 1
+        assert eng.compile_ahead.wait(300)
+        ahead = [k for t, k in compiles if t == "anneal-compile-ahead"]
+        compiles.clear()
+        eng.apply_plan(plan)
+    finally:
+        JITFunction._do_compile = original
+    assert ahead, "the compile-ahead pass compiled nothing"
+    assert not compiles, "compiled again at apply:\n" + "\n".join(k for _, k in compiles) + \
+        "\nahead:\n" + "\n".join(ahead)
