@@ -75,6 +75,9 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="GPUs per replica the cost model may split the model over (default: the GPUs the "
                         "fast-tier engine sees)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--no-compile-ahead", action="store_true",
+                   help="do not ask the fast engine to compile queued candidates' kernels ahead "
+                        "(POST /admin/prepare); for A/B runs")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved slow-tier re-measurements of winner and baseline (default 2 on a GPU, "
                         "1 on the CPU); the median decides, so more rounds narrow a noisy replay")
@@ -117,6 +120,7 @@ def run_compile(args: argparse.Namespace) -> int:
             model=args.model, traffic=args.traffic, budget_s=args.budget, out=args.out, engines=engines,
             report_to=args.report_to, fast_layers=args.fast_layers or int(opts.get("fastLayers") or 1),
             seed=args.seed, device=device, baseline_plan=args.baseline_plan, rounds=args.rounds,
+            compile_ahead=not args.no_compile_ahead,
         )
         compiled = compile_plan(
             settings, agents=agents, max_len=args.max_len, cross_traffic=args.cross_traffic,
@@ -239,7 +243,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     board = Board()
     lab = Lab(ledger=ledger, engines=clients, cost_model=cost, run_id=run_id, traffic=traffic_json,
               deadline=t0 + settings.budget_s * SEARCH_SHARE, space=setting.space, on_note=board.note,
-              base=setting.base)
+              base=setting.base, compile_ahead=settings.compile_ahead)
     baseline = slow_state.plan.model_copy(update={"name": None})
     report_progress(settings.report_to, phase="Searching", experiments=0,
             message=f"searching on {fast_state.model} ({fast_state.num_layers_loaded} layers)")

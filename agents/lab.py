@@ -57,6 +57,7 @@ class Lab:
     _inflight: dict[str, threading.Event] = field(default_factory=dict)
     _unreachable: dict[str, int] = field(default_factory=dict)
     _registered: set[tuple[str, str, str, str]] = field(default_factory=set)  # (tier, op, impl, source)
+    compile_ahead: bool = True  # ask the fast engine to compile each candidate's kernels while it queues
     _no_prepare: bool = False  # the fast engine has no POST /admin/prepare
     reused: int = 0
     run: int = 0
@@ -168,7 +169,7 @@ class Lab:
         slow tier's workload replays are timed on the wall clock, which a compile would disturb.
         Best effort: an engine without the endpoint, or a plan it refuses, is found out anyway."""
         client = self.engines.get("fast")
-        if self._no_prepare or not hasattr(client, "prepare"):
+        if not self.compile_ahead or self._no_prepare or not hasattr(client, "prepare"):
             return
         try:
             client.prepare([cand.plan])

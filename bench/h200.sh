@@ -12,7 +12,7 @@
 #   greedy-fp32                     issue 4: greedy tokens vs the reference over 256 steps, in fp32
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
 #   iteration-parallel-jit          the same with `serve --parallel-jit` (kernels compiled in parallel)
-#   iteration-ahead                 8 candidates, each one's kernels compiled ahead (POST /admin/prepare)
+#   iteration-ahead                 12 candidates, each one's kernels compiled ahead (POST /admin/prepare)
 #   gpu-tests                       pytest -m gpu
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -34,9 +34,10 @@ for s in "$@"; do
   case $s in
     compile-chat|compile-agentic)
       traffic=${s#compile-}; other=$([ "$traffic" = chat ] && echo agentic || echo chat)
-      stage "$s" $((BUDGET + 150)) $py -m anneal.cli compile --model random:llama-3.1-8b --traffic "$traffic" \
+      # COMPILE_ARGS: extra flags (e.g. --no-compile-ahead), COMPILE_TAG: a suffix for the output folder
+      stage "$s${COMPILE_TAG:-}" $((BUDGET + 150)) $py -m anneal.cli compile --model random:llama-3.1-8b --traffic "$traffic" \
         --cross-traffic "$other" --budget "$BUDGET" --fast-layers 2 --baseline-plan bench/plans/triton.json --rounds "${ROUNDS:-3}" \
-        --out "$OUT/$s" --quiet
+        --out "$OUT/$s${COMPILE_TAG:-}" --quiet ${COMPILE_ARGS:-}
       ;;
     plans)
       # The reference plan's decode attention gathers max_model_len-wide block tables (it exists
@@ -106,7 +107,7 @@ for s in "$@"; do
       ;;
     iteration-ahead)  # the next candidate's kernels compiled while the current one runs; empty cache
       stage iteration-ahead 360 $py bench/iteration.py --shape llama-3.1-8b --compile-ahead --cold-jit-cache \
-        --candidates 8 --name iteration-ahead-cold-jit --out "$OUT"
+        --candidates 12 --name iteration-ahead-cold-jit --out "$OUT"
       ;;
     spread)
       stage "spread-steps${SPREAD_STEPS:-20}" 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 \

@@ -162,11 +162,13 @@ def main() -> int:
     ap.add_argument("--compile-ahead", action="store_true",
                     help="as the swarm can: queue the next candidate (POST /admin/prepare) before applying "
                          "the current one, so its kernels compile while this one is applied and measured")
+    ap.add_argument("--ahead", type=int, default=4,
+                    help="with --compile-ahead: candidates known ahead (a swarm of 4 agents keeps ~4 queued)")
     ap.add_argument("--name", default="iteration")
     args = ap.parse_args()
     result: dict = {"env": environment(), "shape": args.shape, "benchmark": BENCH,
                     "cold_jit_cache": args.cold_jit_cache, "parallel_jit": args.parallel_jit,
-                    "compile_ahead": args.compile_ahead}
+                    "compile_ahead": args.compile_ahead, "ahead": args.ahead if args.compile_ahead else 0}
     folder = Path(tempfile.mkdtemp(prefix="anneal-ckpt-", dir="/tmp"))
     result["write_checkpoint_s"] = write_checkpoint(args.shape, folder)
     print(f"checkpoint written in {result['write_checkpoint_s']:.1f} s", flush=True)
@@ -208,21 +210,24 @@ def main() -> int:
         per = []
         t_all = time.perf_counter()
         untimed = 0.0  # checks between candidates, taken out of the stream's total
-        ahead: dict | None = None
+        hashes: dict[int, str] = {}  # candidate -> plan hash, from POST /admin/prepare
         for i, plan in enumerate(plans):
-            if ahead is not None:  # was this candidate's compile done when its apply began?
+            if i in hashes:  # was this candidate's compile done when its apply began?
                 tc = time.perf_counter()
                 st = admin.get("/admin/prepare").json()
-                h = ahead["plan_hashes"][0]
-                ahead_state = ("done" if h in st["done"] else "compiling" if st["compiling"] == h else "queued")
+                h = hashes[i]
+                ahead_state = "done" if h in st["done"] else "compiling" if h in st["compiling"] else "queued"
                 untimed += time.perf_counter() - tc
             else:
                 ahead_state = None
             t0 = time.perf_counter()
-            if args.compile_ahead and i + 1 < len(plans):  # the first candidate gets no head start
-                resp = admin.post("/admin/prepare", json={"plans": [plans[i + 1]]})
+            # The search knows its next candidates: keep the next --ahead of them queued. The first
+            # candidate gets no head start (it is the start-up plan, compiled at start).
+            known = [j for j in range(i + 1, min(len(plans), i + 1 + args.ahead)) if j not in hashes]
+            if args.compile_ahead and known:
+                resp = admin.post("/admin/prepare", json={"plans": [plans[j] for j in known]})
                 resp.raise_for_status()
-                ahead = resp.json()
+                hashes.update(zip(known, resp.json()["plan_hashes"]))
             r = admin.put("/admin/plan", json=plan)
             t1 = time.perf_counter()
             b = admin.post("/admin/benchmark", json=BENCH).json()

@@ -118,7 +118,8 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
             "variants": variants,
             "hardware": hw,
             "startup": e.startup,
-            "compile_ahead": {k: (len(v) if k == "done" else v) for k, v in e.compile_ahead.status().items()},
+            "compile_ahead": {k: (len(v) if k in ("done", "compiling") else v)
+                              for k, v in e.compile_ahead.status().items()},
         }
 
     @app.post("/admin/prepare", dependencies=[Depends(auth)])

@@ -106,3 +106,27 @@ def test_the_ahead_view_leaves_the_engine_kv_cache_and_buffers_alone():
         p()
     assert torch.equal(eng.runner.kv, before)
     assert eng.compile_ahead.submit([_plan(2)]) == 0  # nothing to compile off the GPU
+
+
+def test_plans_queued_behind_a_compile_are_compiled_together():
+    runner = _Runner()
+    release, started = threading.Event(), threading.Event()
+    passes = runner.ahead_passes
+
+    def slow_first(ops, batch_sizes):
+        if ops.choices["attention_decode"][1]["split_k"] == 1:
+            started.set()
+            release.wait(30)
+        return passes(ops, batch_sizes)
+
+    runner.ahead_passes = slow_first
+    ahead = CompileAhead(runner)
+    ahead.submit([_plan(1)])
+    assert started.wait(30)
+    assert ahead.submit([_plan(2), _plan(4), _plan(8)]) == 3
+    assert ahead.status()["queued"] == 3
+    release.set()
+    assert ahead.wait(60)
+    done = ahead.status()["done"]
+    assert done[_plan(1).hash]["batch"] == 1
+    assert [done[_plan(k).hash]["batch"] for k in (2, 4, 8)] == [3, 3, 3]
