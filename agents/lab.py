@@ -57,7 +57,7 @@ class Lab:
     _inflight: dict[str, threading.Event] = field(default_factory=dict)
     _unreachable: dict[str, int] = field(default_factory=dict)
     _registered: set[tuple[str, str, str, str]] = field(default_factory=set)  # (tier, op, impl, source)
-    compile_ahead: bool = True  # ask the fast engine to compile each candidate's kernels while it queues
+    compile_ahead: bool = False  # ask the fast engine to compile each candidate's kernels while it queues
     _no_prepare: bool = False  # the fast engine has no POST /admin/prepare
     reused: int = 0
     run: int = 0

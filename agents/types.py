@@ -251,6 +251,6 @@ class CompileSettings(BaseModel):
     max_spread: float = Field(0.5, gt=0, description="reject a winner whose re-measured spread exceeds this")
     rounds: int | None = Field(None, ge=1, le=20, description="interleaved slow-tier rounds of winner vs "
                                "baseline (default 2 on a GPU, 1 on the CPU); more rounds narrow a noisy replay")
-    compile_ahead: bool = Field(True, description="the fast engine compiles queued candidates' kernels ahead")
+    compile_ahead: bool = Field(False, description="the fast engine compiles queued candidates' kernels ahead")
     baseline_plan: str | None = Field(None, description="Plan/CompiledPlan file both tiers serve before the "
                                                         "search: the baseline to beat (default: theirs)")

@@ -34,7 +34,7 @@ for s in "$@"; do
   case $s in
     compile-chat|compile-agentic)
       traffic=${s#compile-}; other=$([ "$traffic" = chat ] && echo agentic || echo chat)
-      # COMPILE_ARGS: extra flags (e.g. --no-compile-ahead), COMPILE_TAG: a suffix for the output folder
+      # COMPILE_ARGS: extra flags (e.g. --compile-ahead), COMPILE_TAG: a suffix for the output folder
       stage "$s${COMPILE_TAG:-}" $((BUDGET + 150)) $py -m anneal.cli compile --model random:llama-3.1-8b --traffic "$traffic" \
         --cross-traffic "$other" --budget "$BUDGET" --fast-layers 2 --baseline-plan bench/plans/triton.json --rounds "${ROUNDS:-3}" \
         --out "$OUT/$s${COMPILE_TAG:-}" --quiet ${COMPILE_ARGS:-}
