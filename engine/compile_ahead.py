@@ -1,15 +1,17 @@
 """Compile the Triton kernels of plans the compiler will try next, while the engine runs the current one.
 
-Why: a candidate's apply spends most of its time JIT-compiling the kernel variants its parameters
-name (0.4-0.9 s of a 0.64-0.68 s candidate on the H200, session 5), and the search knows its next
-candidates before it measures the current one. A worker thread runs each queued plan's decode body
-on a two-layer view of the model (``ModelRunner.ahead_passes``) with every Triton launch turned
+Why: most of a new candidate's apply is the JIT of the kernel variants its parameters name (on the
+H200, 0.4-0.9 s for the slow candidates of a 0.64-0.83 s median, session 5), and the search knows its
+next candidates before it measures the current one. A worker thread runs each queued plan's decode
+body on a two-layer view of the model (``ModelRunner.ahead_passes``) with every Triton launch turned
 compile-only (``parallel_jit.precompile``); when the engine later applies that plan, its warm-up
 finds the kernels compiled.
 
-Nothing it does can change what the engine serves or measures: the view has its own buffers, KV
-cache and stream, its torch ops wait for captures (``ModelRunner.device_lock``), and a failure is
-recorded against the plan, never raised.
+It cannot change what the engine serves or what a graph replay's device time measures: the view has
+its own buffers, KV cache and stream, its torch ops wait for captures (``ModelRunner.device_lock``),
+and a failure is recorded against the plan, never raised. It does share the host's CPU and the GIL
+with the engine thread (~0.1-0.2 s of a candidate's apply and benchmark call, measured), which is
+why the swarm, whose candidates mostly hit the JIT cache, leaves it off by default.
 """
 
 from __future__ import annotations
@@ -84,7 +86,11 @@ class CompileAhead:
                 for plan in batch:
                     self._pending.discard(plan.hash)
                 self._busy = {p.hash for p in batch}
-            results = self._compile(batch)
+            try:
+                results = self._compile(batch)
+            except Exception as e:  # noqa: BLE001 - the worker must outlive any batch
+                log.warning("compile-ahead batch of %d plans failed: %s: %s", len(batch), type(e).__name__, e)
+                results = {p.hash: {"kernels": 0, "s": 0.0, "error": f"{type(e).__name__}: {e}"} for p in batch}
             with self._lock:
                 self._done.update(results)
                 while len(self._done) > _KEEP:

@@ -130,3 +130,22 @@ def test_plans_queued_behind_a_compile_are_compiled_together():
     done = ahead.status()["done"]
     assert done[_plan(1).hash]["batch"] == 1
     assert [done[_plan(k).hash]["batch"] for k in (2, 4, 8)] == [3, 3, 3]
+
+
+def test_the_worker_outlives_a_batch_that_breaks_outside_the_passes(monkeypatch):
+    ahead = CompileAhead(_Runner())
+    calls = []
+
+    def broken_once(plans):
+        calls.append(len(plans))
+        if len(calls) == 1:
+            raise MemoryError("no room for the view")
+        return {p.hash: {"kernels": 1, "s": 0.1} for p in plans}
+
+    monkeypatch.setattr(ahead, "_compile", broken_once)
+    ahead.submit([_plan(2)])
+    assert ahead.wait(30)
+    assert "no room" in ahead.status()["done"][_plan(2).hash]["error"]
+    ahead.submit([_plan(4)])
+    assert ahead.wait(30)
+    assert ahead.status()["done"][_plan(4).hash] == {"kernels": 1, "s": 0.1}
