@@ -266,19 +266,8 @@ class Engine:
         """What ``apply_plan`` would refuse before building anything: scheduler knobs, unknown ops
         or variants, variants that do not run here, parameters outside their choices (a plan's
         own kernels are checked when they are built). Raises ValueError/OpError."""
-        from anneal.engine.ops.registry import OpError, all_ops, get_variant, interpreting
-
         Scheduler.check_knobs(plan.scheduler, self.max_model_len)
-        own = {(k.op, k.impl) for k in plan.kernels}
-        dev = self.device.type
-        for name in all_ops():
-            c = plan.choice(name)
-            if (name, c.impl) in own:
-                continue
-            v = get_variant(name, c.impl)
-            if dev not in v.devices and not (dev == "cpu" and interpreting()):
-                raise OpError(f"{name}/{c.impl} does not run on {dev} (runs on {v.devices})")
-            v.resolve_params(c.params)
+        OpTable.resolve(plan, self.device.type, frozenset((k.op, k.impl) for k in plan.kernels))
 
     def apply_plan(self, plan: Plan) -> ApplyReport:
         """Swap the forward pass without reloading weights. On any failure the old plan keeps serving."""

@@ -35,20 +35,29 @@ class OpTable:
         for name, fn in (fusions or {}).items():
             setattr(self, name, fn)
 
-    @classmethod
-    def from_plan(cls, plan: Plan, device: str = "cpu") -> "OpTable":
-        fns: dict[str, Callable] = {}
+    @staticmethod
+    def resolve(plan: Plan, device: str = "cpu", skip: frozenset = frozenset()) -> dict[str, tuple[str, dict]]:
+        """``op -> (impl, resolved params)``, building nothing; raises OpError for an unknown
+        variant, one that does not run on ``device``, a parameter outside its choices, or fusions
+        off the GPU. ``(op, impl)`` pairs in ``skip`` (a plan's own kernels, not registered yet)
+        are left out."""
         choices: dict[str, tuple[str, dict]] = {}
         for name in all_ops():
             c = plan.choice(name)
+            if (name, c.impl) in skip:
+                continue
             v = get_variant(name, c.impl)
             if device not in v.devices and not (device == "cpu" and interpreting()):
                 raise OpError(f"{name}/{c.impl} does not run on {device} (runs on {v.devices})")
-            params = v.resolve_params(c.params)
-            fns[name] = build_op(name, c.impl, params)
-            choices[name] = (c.impl, params)
+            choices[name] = (c.impl, v.resolve_params(c.params))
         if plan.fusions and device != "cuda" and not interpreting():
             raise OpError(f"fusions {sorted(plan.fusions)} need a CUDA GPU")
+        return choices
+
+    @classmethod
+    def from_plan(cls, plan: Plan, device: str = "cpu") -> "OpTable":
+        choices = cls.resolve(plan, device)
+        fns = {name: build_op(name, impl, params) for name, (impl, params) in choices.items()}
         return cls(fns, choices, build_fusions(sorted(plan.fusions), fns, choices))
 
     @classmethod
