@@ -13,7 +13,7 @@ run() {  # run NAME [taskset args...]
   local name=$1; shift
   CUDA_VISIBLE_DEVICES=0 timeout 150 "$@" python3 bench/spread.py --model random:llama-3.1-8b --layers 2 \
     --plan bench/plans/triton.json --runs 20 --steps 20 --name "spread-llama-3.1-8b-k2-$name" --out "$OUT" \
-    2>&1 | grep -E "wall step|wrote|Error"
+    2>&1 | grep -E "ranked step|wrote|Error"
 }
 run unpinned env
 run node taskset -c "$node_cpus"

@@ -98,23 +98,25 @@ def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkR
     samples = []
     graphs = engine.runner.graphs
     events = engine.runner.replay_events = [] if engine.device.type == "cuda" else None
-    for i in range(req.warmup + req.steps):
-        items = sets[i % len(sets)]
-        with torch.inference_mode():  # graph outputs are inference tensors
-            for _g, outputs in graphs.values():  # poison graph outputs: a skipped write shows up
-                for t in outputs.values():
-                    if t is not None:
-                        t.fill_(float("nan") if t.is_floating_point() else -1)
-        _sync(engine)
-        t0 = time.perf_counter()
-        engine.runner.run(items, decode_only)
-        _sync(engine)
-        dt = time.perf_counter() - t0
-        if i >= req.warmup:
-            samples.append(dt)
-        elif events:
-            events.clear()
-    engine.runner.replay_events = None
+    try:  # a step that raises must not leave every later serving replay recording events
+        for i in range(req.warmup + req.steps):
+            items = sets[i % len(sets)]
+            with torch.inference_mode():  # graph outputs are inference tensors
+                for _g, outputs in graphs.values():  # poison graph outputs: a skipped write shows up
+                    for t in outputs.values():
+                        if t is not None:
+                            t.fill_(float("nan") if t.is_floating_point() else -1)
+            _sync(engine)
+            t0 = time.perf_counter()
+            engine.runner.run(items, decode_only)
+            _sync(engine)
+            dt = time.perf_counter() - t0
+            if i >= req.warmup:
+                samples.append(dt)
+            elif events:
+                events.clear()
+    finally:
+        engine.runner.replay_events = None
     device = [a.elapsed_time(b) / 1e3 for a, b in events or []]
     return samples, device
 

@@ -38,7 +38,7 @@ class EngineArgs(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0.05, le=0.98)
     parallel_jit: bool = Field(False, description="compile a plan's Triton kernels in parallel before its "
-                                                  "warm-up (engine/parallel_jit.py); off until measured on a GPU")
+                                                  "warm-up (engine/parallel_jit.py); off: no gain measured on the H200")
     seed: int = 0
     plan: Plan = Field(default_factory=Plan)
 

@@ -80,12 +80,9 @@ def _launches_compile_only() -> Iterator[None]:
                 JITFunction.run = _original_run
 
 
-def precompile(passes: Iterable[Callable[[], Any]], workers: int | None = None,
-               hold: contextlib.AbstractContextManager | None = None) -> dict[str, Any]:
+def precompile(passes: Iterable[Callable[[], Any]], workers: int | None = None) -> dict[str, Any]:
     """Run each callable with Triton launches compile-only and the compiles in a thread pool; wait
-    for all of them. ``hold`` is held while the passes run (not while the compiles finish): the
-    compile-ahead thread passes the runner's device lock, so its torch ops never meet a capture.
-    Returns ``{"kernels": how many were compiled, "s": seconds}``, plus ``"error"`` when the
+    for all of them. Returns ``{"kernels": how many were compiled, "s": seconds}``, plus ``"error"`` when the
     collecting pass failed (the later warm-up then compiles what is left as usual)."""
     t0 = time.perf_counter()
     try:
@@ -98,7 +95,7 @@ def precompile(passes: Iterable[Callable[[], Any]], workers: int | None = None,
         try:
             mode = AsyncCompileMode(pool)
             with mode:
-                with hold or contextlib.nullcontext(), _launches_compile_only():
+                with _launches_compile_only():
                     for run_pass in passes:
                         run_pass()
                 report["kernels"] = len(mode.future_kernels)

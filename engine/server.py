@@ -251,7 +251,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="weights seed for random: models")
     parser.add_argument(
         "--parallel-jit", action="store_true",
-        help="compile each plan's Triton kernels in parallel before its warm-up (not yet measured on a GPU)",
+        help="compile each plan's Triton kernels in parallel before its warm-up (measured on the H200: "
+             "no gain for a candidate's few new kernels)",
     )
     parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
