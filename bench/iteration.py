@@ -97,7 +97,8 @@ def drop_page_cache() -> bool:
 
 
 def start_server(model: str, port: int, aport: int, plan_file: str | None, kv_blocks: int,
-                 jit_cache: str | None = None, parallel_jit: bool = False):
+                 jit_cache: str | None = None, parallel_jit: bool = False,
+                 compile_ahead_processes: int | None = None):
     cmd = [sys.executable, "-m", "anneal.cli", "serve", "--model", model, "--device", "cuda",
            "--host", "127.0.0.1", "--port", str(port), "--admin-port", str(aport),
            "--max-model-len", "2048", "--num-kv-blocks", str(kv_blocks), "--log-level", "warning"]
@@ -105,6 +106,8 @@ def start_server(model: str, port: int, aport: int, plan_file: str | None, kv_bl
         cmd += ["--plan", plan_file]
     if parallel_jit:
         cmd += ["--parallel-jit"]
+    if compile_ahead_processes is not None:
+        cmd += ["--compile-ahead-processes", str(compile_ahead_processes)]
     env = {**os.environ, "ANNEAL_ADMIN_TOKEN": TOKEN}
     if jit_cache:  # Triton's kernel cache: an empty one is what a new pod on a new node starts with
         env["TRITON_CACHE_DIR"] = jit_cache
@@ -164,11 +167,15 @@ def main() -> int:
                          "the current one, so its kernels compile while this one is applied and measured")
     ap.add_argument("--ahead", type=int, default=4,
                     help="with --compile-ahead: candidates known ahead (a swarm of 4 agents keeps ~4 queued)")
+    ap.add_argument("--compile-ahead-processes", type=int, default=None, metavar="N",
+                    help="the server's compile-ahead child processes (default: its own; 0: compile on a "
+                         "thread of the server process, as session 5 did)")
     ap.add_argument("--name", default="iteration")
     args = ap.parse_args()
     result: dict = {"env": environment(), "shape": args.shape, "benchmark": BENCH,
                     "cold_jit_cache": args.cold_jit_cache, "parallel_jit": args.parallel_jit,
-                    "compile_ahead": args.compile_ahead, "ahead": args.ahead if args.compile_ahead else 0}
+                    "compile_ahead": args.compile_ahead, "ahead": args.ahead if args.compile_ahead else 0,
+                    "compile_ahead_processes": args.compile_ahead_processes}
     folder = Path(tempfile.mkdtemp(prefix="anneal-ckpt-", dir="/tmp"))
     result["write_checkpoint_s"] = write_checkpoint(args.shape, folder)
     print(f"checkpoint written in {result['write_checkpoint_s']:.1f} s", flush=True)
@@ -184,7 +191,8 @@ def main() -> int:
     admin = httpx.Client(base_url="http://127.0.0.1:18001", headers=H, timeout=600)
     t_spawn = time.perf_counter()
     jit_cache = tempfile.mkdtemp(prefix="anneal-triton-cache-", dir="/tmp") if args.cold_jit_cache else None
-    proc = start_server(str(folder), 18000, 18001, str(plan_file), args.kv_blocks, jit_cache, args.parallel_jit)
+    proc = start_server(str(folder), 18000, 18001, str(plan_file), args.kv_blocks, jit_cache, args.parallel_jit,
+                        args.compile_ahead_processes)
     try:
         t_ready = wait_ready(18000, proc)
         st = admin.get("/admin/state").json()

@@ -9,9 +9,14 @@ finds the kernels compiled.
 
 It cannot change what the engine serves or what a graph replay's device time measures: the view has
 its own buffers, KV cache and stream, its torch ops wait for captures (``ModelRunner.device_lock``),
-and a failure is recorded against the plan, never raised. It does share the host's CPU and the GIL
-with the engine thread (~0.1-0.2 s of a candidate's apply and benchmark call, measured), which is
-why the swarm, whose candidates mostly hit the JIT cache, leaves it off by default.
+and a failure is recorded against the plan, never raised.
+
+Compiling on the worker thread cost the engine thread ~0.1-0.2 s of each candidate's apply and
+benchmark call in GIL and CPU (session 5). So by default the worker only records what the passes
+would compile, child processes compile it into Triton's disk cache (``compile_children``), and a
+second compile-only pass loads the binaries into the engine process. ``processes=0`` keeps the
+in-process compile. The swarm, whose candidates mostly hit the JIT cache, leaves compile-ahead off
+by default.
 """
 
 from __future__ import annotations
@@ -32,8 +37,12 @@ _KEEP = 256  # plans' results remembered for GET /admin/state
 
 
 class CompileAhead:
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, processes: int | None = None) -> None:
+        from anneal.engine.compile_children import default_processes
+
         self.runner = runner
+        self.processes = default_processes() if processes is None else processes
+        self._children = None  # CompileChildren, started with the first batch
         self._queue: queue.Queue[Plan] = queue.Queue()
         self._pending: set[str] = set()
         self._done: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -54,15 +63,37 @@ class CompileAhead:
                 self._pending.add(h)
                 self._queue.put(plan)
                 n += 1
+            if n:
+                self.start_children()  # in the background: batches compile in-process until it is up
             if n and self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="anneal-compile-ahead", daemon=True)
                 self._thread.start()
         return n
 
+    def start_children(self, wait_s: float = 0.0) -> bool:
+        """Start the compile child processes (once) and wait up to ``wait_s`` for them; returns
+        whether they are ready. With ``processes=0`` there are none, and this returns False."""
+        if self.processes <= 0:
+            return False
+        if self._children is None:
+            from anneal.engine.compile_children import CompileChildren
+
+            self._children = CompileChildren(self.processes)
+        self._children.start()
+        return self._children.wait_ready(wait_s) if wait_s > 0 else self._children.ready
+
     def status(self) -> dict[str, Any]:
+        children = self._children
         with self._lock:
             return {"queued": len(self._pending), "compiling": sorted(self._busy),
+                    "processes": {"configured": self.processes, "ready": bool(children and children.ready),
+                                  **({"error": children.start_error} if children and children.start_error else {})},
                     "done": {h: dict(r) for h, r in self._done.items()}}
+
+    def close(self) -> None:
+        """Stop the child processes (the worker thread is a daemon and holds nothing)."""
+        if self._children is not None:
+            self._children.close()
 
     def wait(self, timeout_s: float = 600.0) -> bool:
         """Until nothing is queued or compiling (tests, benchmarks); False on time-out."""
@@ -103,25 +134,67 @@ class CompileAhead:
         benchmark, so plans compiled one after the other would only keep the queue behind."""
         from anneal.engine.parallel_jit import precompile
 
+        t0 = time.perf_counter()
         results: dict[str, dict[str, Any]] = {p.hash: {} for p in plans}
+        if self._children is not None and self._children.ready:
+            self._compile_in_children(plans, results)
+        else:
+            for r in results.values():
+                r["in_process"] = True  # no children (processes=0), or not started yet
         report = precompile([functools.partial(self._collect, p, results[p.hash]) for p in plans])
         for r in results.values():
-            r.setdefault("s", report["s"])
+            r.setdefault("s", time.perf_counter() - t0)
             if "error" in report:
                 r.setdefault("error", report["error"])
             r["batch"] = len(plans)
             r["batch_kernels"] = report["kernels"]
         return results
 
+    def _compile_in_children(self, plans: list[Plan], results: dict[str, dict[str, Any]]) -> None:
+        """Record what each plan's passes would compile, and compile it in the child processes.
+        Best effort: whatever they miss, the in-process pass that follows compiles."""
+        from anneal.engine.compile_children import current_target, recording_launches
+
+        t0 = time.perf_counter()
+        try:
+            with recording_launches() as specs:
+                for plan in plans:
+                    before, recorded = len(specs), {}
+                    self._run_passes(plan, recorded)  # a failure here is the second pass's to judge
+                    results[plan.hash]["child_kernels"] = len(specs) - before
+                    if "error" in recorded:
+                        results[plan.hash]["child_error"] = recorded["error"]
+            record_s = time.perf_counter() - t0
+            report = self._children.compile(specs, current_target())
+        except Exception as e:  # noqa: BLE001 - the in-process pass compiles instead
+            log.warning("compile-ahead in child processes failed, compiling in-process: %s: %s",
+                        type(e).__name__, e)
+            for r in results.values():
+                r["child_error"] = f"{type(e).__name__}: {e}"
+            return
+        for r in results.values():
+            r.update(record_s=record_s, child_s=report["s"], child_cpu_s=report["cpu_s"],
+                     batch_child_kernels=report["kernels"])
+            if report["errors"]:
+                r["child_errors"] = report["errors"][:8]
+
     def _collect(self, plan: Plan, result: dict[str, Any]) -> None:
         """Launch (compile-only) every kernel of ``plan``'s decode buckets; a failure is recorded
         against the plan and ends its pass, not the batch's."""
+        t0 = time.perf_counter()
+        mode = _active_compile_mode()
+        before = len(mode.future_kernels) if mode is not None else 0
+        self._run_passes(plan, result)
+        result["collect_s"] = time.perf_counter() - t0
+        # kernels this plan handed to Triton here (compiled, or loaded from what the children
+        # wrote); a kernel another plan of the batch handed over first is not counted
+        result["kernels"] = len(mode.future_kernels) - before if mode is not None else 0
+
+    def _run_passes(self, plan: Plan, result: dict[str, Any]) -> None:
         from anneal.engine.llm import graph_sizes, register_plan_kernels
         from anneal.engine.op_table import OpTable
 
         t0 = time.perf_counter()
-        mode = _active_compile_mode()
-        before = len(mode.future_kernels) if mode is not None else 0
         try:
             with self.runner.device_lock:  # its torch ops (and an agent kernel's registration) meet no capture
                 register_plan_kernels(plan)
@@ -132,9 +205,6 @@ class CompileAhead:
             log.warning("compile-ahead of plan %s failed: %s: %s", plan.hash[:12], type(e).__name__, e)
             result["error"] = f"{type(e).__name__}: {e}"
             result["s"] = time.perf_counter() - t0
-        result["collect_s"] = time.perf_counter() - t0
-        # compiles this plan started (a kernel another plan of the batch started is not counted)
-        result["kernels"] = len(mode.future_kernels) - before if mode is not None else 0
 
 
 def _active_compile_mode():

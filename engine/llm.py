@@ -39,6 +39,9 @@ class EngineArgs(BaseModel):
     gpu_memory_utilization: float = Field(0.85, gt=0.05, le=0.98)
     parallel_jit: bool = Field(False, description="compile a plan's Triton kernels in parallel before its "
                                                   "warm-up (engine/parallel_jit.py); off: no gain measured on the H200")
+    compile_ahead_processes: int | None = Field(
+        None, ge=0, description="child processes that compile queued plans' kernels (POST /admin/prepare); "
+                                "None: half the cores, at most 8; 0: a thread of the engine process compiles them")
     seed: int = 0
     plan: Plan = Field(default_factory=Plan)
 
@@ -141,7 +144,8 @@ class Engine:
             self.max_model_len,
         )
         self.runner.parallel_jit = args.parallel_jit
-        self.compile_ahead = CompileAhead(self.runner)  # kernels of plans the compiler will try next
+        # kernels of plans the compiler will try next
+        self.compile_ahead = CompileAhead(self.runner, processes=args.compile_ahead_processes)
         self.scheduler = Scheduler(self.plan.scheduler, self.blocks, self.max_model_len)
         kv_s = time.perf_counter() - t0
         if self.device.type == "cuda":

@@ -255,6 +255,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "no gain for a candidate's few new kernels)",
     )
     parser.add_argument(
+        "--compile-ahead-processes", type=int, default=None, metavar="N",
+        help="child processes that compile the kernels of plans queued with POST /admin/prepare "
+             "(default: half the cores, at most 8; 0: a thread of the server process compiles them)",
+    )
+    parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
         help="seconds in-flight requests may finish after SIGTERM before they are aborted (default 30)",
     )
@@ -301,6 +306,7 @@ def build_engine(args: argparse.Namespace) -> Any:
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             parallel_jit=args.parallel_jit,
+            compile_ahead_processes=args.compile_ahead_processes,
             seed=args.seed,
         )
     )

@@ -74,7 +74,9 @@ def test_plan_swap_and_rejection_keep_serving(server):
 
 def test_prepare_checks_plans_and_queues_nothing_off_the_gpu(server):
     before = admin(server, "GET", "/admin/state").json()
-    assert before["compile_ahead"] == {"queued": 0, "compiling": 0, "done": 0}
+    ahead = before["compile_ahead"]
+    assert {k: ahead[k] for k in ("queued", "compiling", "done")} == {"queued": 0, "compiling": 0, "done": 0}
+    assert ahead["processes"]["ready"] is False  # no children are started off the GPU
     bad = admin(server, "POST", "/admin/prepare", {"plans": [{"ops": {"attention_decode": {"impl": "nope"}}}]})
     assert bad.status_code == 400 and "no variant" in bad.json()["error"]["message"]
     knobs = admin(server, "POST", "/admin/prepare", {"plans": [

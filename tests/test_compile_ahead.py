@@ -44,7 +44,7 @@ class _Runner:
 
 def test_each_plan_is_compiled_once_on_the_worker_thread():
     runner = _Runner()
-    ahead = CompileAhead(runner)
+    ahead = CompileAhead(runner, processes=0)
     assert ahead.submit([_plan(2), _plan(4), _plan(2)]) == 2
     assert ahead.wait(60)
     assert ahead.submit([_plan(4)]) == 0  # compiled already
@@ -56,7 +56,7 @@ def test_each_plan_is_compiled_once_on_the_worker_thread():
 
 def test_a_failing_plan_is_recorded_and_the_next_one_still_compiles():
     runner = _Runner(fail_on=4)
-    ahead = CompileAhead(runner)
+    ahead = CompileAhead(runner, processes=0)
     ahead.submit([_plan(4), _plan(8)])
     assert ahead.wait(60)
     done = ahead.status()["done"]
@@ -120,7 +120,7 @@ def test_plans_queued_behind_a_compile_are_compiled_together():
         return passes(ops, batch_sizes)
 
     runner.ahead_passes = slow_first
-    ahead = CompileAhead(runner)
+    ahead = CompileAhead(runner, processes=0)
     ahead.submit([_plan(1)])
     assert started.wait(30)
     assert ahead.submit([_plan(2), _plan(4), _plan(8)]) == 3
@@ -133,7 +133,7 @@ def test_plans_queued_behind_a_compile_are_compiled_together():
 
 
 def test_the_worker_outlives_a_batch_that_breaks_outside_the_passes(monkeypatch):
-    ahead = CompileAhead(_Runner())
+    ahead = CompileAhead(_Runner(), processes=0)
     calls = []
 
     def broken_once(plans):

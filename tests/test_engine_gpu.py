@@ -118,16 +118,25 @@ def test_compile_ahead_compiles_a_queued_plan_while_serving_and_changes_no_outpu
     assert got == plain.generate(prompts, params)
 
 
-def test_applying_a_prepared_plan_compiles_no_kernel(cuda):
+@pytest.mark.parametrize("processes", [0, 2], ids=["in-process", "children"])
+def test_applying_a_prepared_plan_compiles_no_kernel(cuda, processes, tmp_path, monkeypatch):
     """Compile-ahead is only worth its thread if the apply that follows finds every kernel: the
-    view's launches must specialize exactly as the engine's. Fails listing what the apply compiled."""
+    view's launches must specialize exactly as the engine's. Fails listing what the apply compiled.
+    With child processes, the engine process itself must only load what they wrote (a fresh Triton
+    cache, so nothing else can have put it there)."""
+    import triton
     from triton.runtime.jit import JITFunction
 
     ops = {**TRITON, "attention_decode": {"impl": "triton_splitk",  # parameters no other test uses
                                           "params": {"split_k": 16, "block_n": 32, "num_warps": 2}}}
     plan = Plan.model_validate({"ops": ops, "cuda_graph_batch_sizes": [1, 2, 4, 8, 16]})
-    eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=700, max_model_len=512))
+    eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=700, max_model_len=512,
+                            compile_ahead_processes=processes))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    if processes:
+        assert eng.compile_ahead.start_children(wait_s=180), eng.compile_ahead.status()["processes"]
     compiles: list[tuple[str, str]] = []
+    loads: list[tuple[str, bool]] = []
     original = JITFunction._do_compile
 
     def recording(self, key, *args, **kwargs):
@@ -136,7 +145,11 @@ def test_applying_a_prepared_plan_compiles_no_kernel(cuda):
         compiles.append((threading.current_thread().name, f"{self.__name__} {key}"))
         return original(self, key, *args, **kwargs)
 
+    def listener(*, src, cache_hit, **_):
+        loads.append((src.name, cache_hit))
+
     JITFunction._do_compile = recording
+    triton.knobs.compilation.listener = listener
     try:
         assert eng.compile_ahead.submit([plan]) == 1
         assert eng.compile_ahead.wait(300)
@@ -145,6 +158,14 @@ def test_applying_a_prepared_plan_compiles_no_kernel(cuda):
         eng.apply_plan(plan)
     finally:
         JITFunction._do_compile = original
+        triton.knobs.compilation.listener = None
+        eng.compile_ahead.close()
+    done = eng.compile_ahead.status()["done"][plan.hash]
+    assert "error" not in done, done
     assert ahead, "the compile-ahead pass compiled nothing"
+    if processes:
+        assert done["child_kernels"] > 0 and not done.get("child_errors") and "child_error" not in done, done
+        assert loads and all(hit for _, hit in loads), \
+            "the engine process compiled what the children should have: " + str([n for n, h in loads if not h])
     assert not compiles, "compiled again at apply:\n" + "\n".join(k for _, k in compiles) + \
         "\nahead:\n" + "\n".join(ahead)

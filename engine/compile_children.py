@@ -1,0 +1,258 @@
+"""Triton compiles in child processes that share the engine's on-disk kernel cache.
+
+Why: compile-ahead on a thread of the serving process held the GIL for much of each compile
+(Triton's code generator is Python), and that cost the engine thread ~0.1-0.2 s of each
+candidate's apply and benchmark on the H200 (session 5). So the compile-ahead thread now only
+*records* what each of its launches would compile (Triton's ``jit_cache_hook``, for that thread
+alone), child processes compile those specializations into Triton's cache directory, and a second
+compile-only pass in the engine process finds every binary on disk and keeps it in memory.
+
+The children never touch the GPU (``CUDA_VISIBLE_DEVICES`` is empty for them): they compile for
+the target the engine names, so they take no GPU memory and no time slice from the engine's
+context. A kernel a child cannot build (a module it cannot import, a source that changed) comes
+back as an error and is compiled in-process by the second pass instead; nothing is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import types
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One specialization of one ``@triton.jit`` function, as Triton serializes it for preload."""
+
+    module: str  # the function's module, imported by name in the child
+    qualname: str
+    module_file: str | None  # for a run-time (agent-written) kernel's module, which no import finds
+    source_key: str  # JITFunction.cache_key: the child refuses a function whose source differs
+    specialization: str  # Triton's serialize_specialization_data JSON (signature, constants, options)
+
+
+# --- recording, in the engine process ---------------------------------------------------------
+
+_lock = threading.Lock()
+_recording: dict[int, list[KernelSpec]] = {}  # thread id -> what its launches would compile
+_previous_hook: Any = None
+
+
+def _record_hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled, **extra):  # noqa: A002
+    specs = _recording.get(threading.get_ident())
+    if specs is None:  # another thread: Triton compiles as usual (or a hook installed before ours)
+        if _previous_hook is None:
+            return None
+        return _previous_hook(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                              already_compiled=already_compiled, **extra)
+    jf = fn.jit_function
+    mod = sys.modules.get(jf.module)
+    specs.append(KernelSpec(module=jf.module, qualname=jf.fn.__qualname__,
+                            module_file=getattr(mod, "__file__", None), source_key=jf.cache_key,
+                            specialization=compile["specialization_data"]))
+    return True  # Triton skips the compile; the launch was compile-only already
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[list[KernelSpec]]:
+    """In this thread, every Triton launch that would compile is recorded instead (and nothing
+    launches); other threads compile and launch as usual. Yields the list the specs go into."""
+    from triton import knobs
+
+    from anneal.engine.parallel_jit import _launches_compile_only
+
+    global _previous_hook
+    tid = threading.get_ident()
+    specs: list[KernelSpec] = []
+    with _lock:
+        if not _recording:
+            _previous_hook = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = _record_hook
+        _recording[tid] = specs
+    try:
+        with _launches_compile_only():
+            yield specs
+    finally:
+        with _lock:
+            del _recording[tid]
+            if not _recording:
+                knobs.runtime.jit_cache_hook = _previous_hook
+                _previous_hook = None
+
+
+# --- compiling, in the children -----------------------------------------------------------------
+
+def _child_init(cache_dir: str | None, modules: list[str]) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # compile for the named target; never open a context
+    if cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+    importlib.import_module("triton")  # paid once per child, not per kernel
+    for name in modules:  # the engine's kernel modules, so a first compile does not import them
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+def _jit_function(spec: KernelSpec):
+    from triton.runtime.jit import JITFunction
+
+    try:
+        obj: Any = importlib.import_module(spec.module)
+    except ModuleNotFoundError:
+        if not spec.module_file or not os.path.exists(spec.module_file):
+            raise
+        obj = sys.modules.get(spec.module)
+        if obj is None:  # a run-time kernel: its module is the file the engine wrote
+            obj = types.ModuleType(spec.module)
+            obj.__file__ = spec.module_file
+            sys.modules[spec.module] = obj
+            with open(spec.module_file) as f:
+                exec(compile(f.read(), spec.module_file, "exec"), obj.__dict__)
+    for part in spec.qualname.split("."):
+        obj = getattr(obj, part)
+    while not isinstance(obj, JITFunction):  # under @triton.autotune / @triton.heuristics
+        obj = obj.fn
+    if obj.cache_key != spec.source_key:
+        raise RuntimeError(f"{spec.module}.{spec.qualname}: the child's source differs from the engine's")
+    return obj
+
+
+def _as_tuple(v: Any) -> Any:
+    return tuple(_as_tuple(x) for x in v) if isinstance(v, list) else v
+
+
+def _constant(value: Any) -> Any:
+    import triton.language as tl
+
+    if isinstance(value, str) and tl.dtype.is_dtype(value):
+        return tl.dtype(value)
+    if isinstance(value, dict) and "constexpr" in value:
+        return tl.constexpr(_as_tuple(value["constexpr"]))
+    return _as_tuple(value)
+
+
+def compile_in_child(spec: KernelSpec, target: Any) -> float:
+    """Compile one specialization into Triton's cache; returns seconds. Mirrors Triton's own
+    ``JITFunction.preload``, without its device look-up (the child has no GPU)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    t0 = time.perf_counter()
+    fn = _jit_function(spec)
+    d = json.loads(spec.specialization)
+    constexprs = {tuple(k): _constant(v) for k, v in zip(d["constant_keys"], d["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"])}
+    signature = {k: _as_tuple(v) for k, v in d["signature"].items()}
+    options = {k: _as_tuple(v) for k, v in d["options"].items()}
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+    return time.perf_counter() - t0
+
+
+# --- the pool ----------------------------------------------------------------------------------
+
+def default_processes() -> int:
+    """Half the host's cores, at most 8: the engine process keeps the rest."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+class CompileChildren:
+    """A pool of compiler processes, started once in the background (their imports take seconds)
+    and kept; until it is up, ``ready`` is False and the caller compiles in-process."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._starting = False
+        self.start_error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def start(self) -> None:
+        """Spawn the children in a background thread; ``ready`` turns True once each has imported
+        Triton and the engine's kernel modules."""
+        with self._lock:
+            if self._starting:
+                return
+            self._starting = True
+        threading.Thread(target=self._spawn, name="anneal-compile-children", daemon=True).start()
+
+    def _spawn(self) -> None:
+        import multiprocessing
+
+        from triton import knobs
+
+        modules = sorted(m for m in list(sys.modules) if m.startswith("anneal.engine.kernels."))
+        try:
+            pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_child_init, initargs=(knobs.cache.dir, modules))
+            for fut in [pool.submit(_ready) for _ in range(self.processes)]:
+                fut.result()
+        except Exception as e:  # noqa: BLE001 - compile-ahead goes on in-process
+            log.warning("compile-ahead child processes did not start: %s: %s", type(e).__name__, e)
+            self.start_error = f"{type(e).__name__}: {e}"
+            return
+        with self._lock:
+            self._pool = pool
+        self._ready.set()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._ready.wait(timeout_s)
+
+    def compile(self, specs: list[KernelSpec], target: Any) -> dict[str, Any]:
+        """Compile each distinct spec once across the children; wait for all of them. Returns
+        ``{"kernels": compiled, "s": wall seconds, "cpu_s": summed compile seconds, "errors": [...]}``."""
+        t0 = time.perf_counter()
+        report: dict[str, Any] = {"kernels": 0, "cpu_s": 0.0, "errors": []}
+        distinct = list(dict.fromkeys(specs))
+        if distinct:
+            if not self.ready:
+                raise RuntimeError("the compile children have not started")
+            futures = {self._pool.submit(compile_in_child, s, target): s for s in distinct}
+            broken = False
+            for fut, spec in futures.items():
+                try:
+                    report["cpu_s"] += fut.result()
+                    report["kernels"] += 1
+                except Exception as e:  # noqa: BLE001 - the in-process pass compiles it instead
+                    broken |= isinstance(e, BrokenProcessPool)
+                    report["errors"].append(f"{spec.module}.{spec.qualname}: {type(e).__name__}: {e}")
+            if broken:  # a child died (killed, out of memory): start a fresh pool for later batches
+                self.close()
+                self.start()
+        report["s"] = time.perf_counter() - t0
+        return report
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._ready.clear()
+            self._starting = False
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def current_target() -> Any:
+    """The GPU target the engine's kernels compile for (what the children must name)."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_target()

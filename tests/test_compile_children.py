@@ -1,0 +1,144 @@
+"""Compile-ahead's child processes: they compile what the engine's thread recorded into Triton's
+disk cache, where the engine process then finds it; what they cannot build comes back as an error."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import threading
+import types
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from anneal.engine import compile_children  # noqa: E402
+from anneal.engine.compile_ahead import CompileAhead  # noqa: E402
+from anneal.engine.compile_children import CompileChildren, KernelSpec, recording_launches  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+SOURCE = textwrap.dedent('''
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def scale(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=m) * alpha, mask=m)
+''')
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    """A run-time kernel module (as an agent's kernel is: a file no import finds) and a fresh cache;
+    compiled, not interpreted (the children inherit the environment)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    path = tmp_path / "scale_kernel.py"
+    path.write_text(SOURCE)
+    mod = types.ModuleType("anneal_test_scale_kernel")
+    mod.__file__ = str(path)
+    exec(compile(SOURCE, str(path), "exec"), mod.__dict__)
+    return mod.scale, str(path)
+
+
+def _spec(fn, path, block: int, source_key: str | None = None) -> KernelSpec:
+    data = {"name": "scale", "signature": {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "alpha": "fp32",
+                                           "BLOCK": "constexpr"},
+            "constant_keys": [[4]], "constant_vals": [block],
+            "attrs_keys": [[0], [1]], "attrs_vals": [[["tt.divisibility", 16]], [["tt.divisibility", 16]]],
+            "options": {"num_warps": 4}, "key": "test"}
+    return KernelSpec(module="anneal_test_scale_kernel", qualname="scale", module_file=path,
+                      source_key=source_key or fn.cache_key, specialization=json.dumps(data))
+
+
+@pytest.fixture
+def children():
+    pool = CompileChildren(1)
+    pool.start()
+    assert pool.wait_ready(120), pool.start_error
+    yield pool
+    pool.close()
+
+
+def test_a_child_compiles_what_the_engine_process_then_finds_on_disk(kernel, children):
+    fn, path = kernel
+    report = children.compile([_spec(fn, path, 128), _spec(fn, path, 128), _spec(fn, path, 256)], HOPPER)
+    assert report["kernels"] == 2 and not report["errors"]  # duplicates compile once
+    hits: list[bool] = []
+    triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+    try:
+        for block in (128, 256):
+            data = json.loads(_spec(fn, path, block).specialization)
+            src = ASTSource(fn, data["signature"], {(4,): block},
+                            {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])})
+            triton.compile(src, target=HOPPER, options={"num_warps": 4})
+    finally:
+        triton.knobs.compilation.listener = None
+    assert hits == [True, True], "the engine process compiled again what a child had compiled"
+
+
+def test_a_kernel_the_child_cannot_build_comes_back_as_an_error(kernel, children):
+    fn, path = kernel
+    stale = _spec(fn, path, 128, source_key="not-this-source")
+    missing = KernelSpec(module="anneal_no_such_module", qualname="k", module_file=None, source_key="x",
+                         specialization="{}")
+    report = children.compile([stale, missing, _spec(fn, path, 64)], HOPPER)
+    assert report["kernels"] == 1
+    assert len(report["errors"]) == 2
+    assert "source differs" in report["errors"][0] and "ModuleNotFoundError" in report["errors"][1]
+
+
+def test_only_the_recording_thread_records():
+    """The hook records (and skips Triton's compile) for the thread inside ``recording_launches``;
+    another thread's compile goes on, through a hook installed before ours; ours leaves after."""
+    before = []
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: before.append(kw["key"])
+    jf = types.SimpleNamespace(module=__name__, fn=types.SimpleNamespace(__qualname__="k"), cache_key="src")
+
+    def call(key):
+        return triton.knobs.runtime.jit_cache_hook(
+            key=key, repr="k", fn=types.SimpleNamespace(jit_function=jf),
+            compile={"key": key, "specialization_data": json.dumps({"key": key})},
+            is_manual_warmup=True, already_compiled=False)
+
+    other: list = []
+    try:
+        with recording_launches() as specs:
+            assert call("mine") is True
+            t = threading.Thread(target=lambda: other.append(call("theirs")))
+            t.start()
+            t.join()
+        assert [json.loads(s.specialization)["key"] for s in specs] == ["mine"]
+        assert specs[0].module == __name__ and specs[0].source_key == "src"
+        assert other == [None] and before == ["theirs"]
+        assert call("after") is None and before == ["theirs", "after"]  # the earlier hook is back
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+
+
+def test_a_failing_child_path_leaves_the_plan_to_the_in_process_pass(monkeypatch):
+    """The record pass runs, the children cannot be used (here: the target look-up fails), and the
+    in-process pass that follows still runs every bucket; the failure is in the plan's report."""
+    from test_compile_ahead import _plan, _Runner
+
+    def no_target():
+        raise RuntimeError("no GPU driver")
+
+    monkeypatch.setattr(compile_children, "current_target", no_target)
+    runner = _Runner()
+    ahead = CompileAhead(runner, processes=1)
+    assert ahead.start_children(wait_s=120), ahead.status()["processes"]
+    assert ahead.submit([_plan(2)]) == 1
+    assert ahead.wait(60)
+    ahead.close()
+    done = ahead.status()["done"][_plan(2).hash]
+    assert "no GPU driver" in done["child_error"] and "error" not in done
+    assert "in_process" not in done
+    assert sorted(runner.ran) == [(2, 1), (2, 1), (2, 2), (2, 2)]  # the record pass, then the real one
