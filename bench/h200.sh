@@ -13,7 +13,7 @@
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
 #   iteration-parallel-jit          the same with `serve --parallel-jit` (kernels compiled in parallel)
 #   iteration-ahead                 12 candidates, each one's kernels compiled ahead (POST /admin/prepare)
-#                                   in the server's child processes
+#                                   in 4 child processes started with the server
 #   iteration-ahead-threads         the same, compiled on a thread of the server process
 #   gpu-tests                       pytest -m gpu
 set -uo pipefail
@@ -109,7 +109,7 @@ for s in "$@"; do
       ;;
     iteration-ahead)  # the next candidate's kernels compiled while the current one runs; empty cache
       stage iteration-ahead 360 $py bench/iteration.py --shape llama-3.1-8b --compile-ahead --cold-jit-cache \
-        --candidates 12 --name iteration-ahead-cold-jit --out "$OUT"
+        --candidates 12 --compile-ahead-processes 4 --name iteration-ahead-cold-jit --out "$OUT"
       ;;
     iteration-ahead-threads)  # the same, compiled on a thread of the server process (session 5's way)
       stage iteration-ahead-threads 360 $py bench/iteration.py --shape llama-3.1-8b --compile-ahead --cold-jit-cache \

@@ -95,7 +95,7 @@ def recording_launches() -> Iterator[list[KernelSpec]]:
 
 # --- compiling, in the children -----------------------------------------------------------------
 
-def _child_init(cache_dir: str | None, modules: list[str]) -> None:
+def _child_init(cache_dir: str | None, modules: list[str], target: Any) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # compile for the named target; never open a context
     if cache_dir:
         os.environ["TRITON_CACHE_DIR"] = cache_dir
@@ -103,6 +103,25 @@ def _child_init(cache_dir: str | None, modules: list[str]) -> None:
     for name in modules:  # the engine's kernel modules, so a first compile does not import them
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+    if target is not None:
+        # A process's first Triton compile costs ~1 s more than later ones (measured on the H200
+        # host: 1.01 s for a kernel the engine process compiles in ~0.4 s); pay it at start.
+        with contextlib.suppress(Exception):
+            _warm_compiler(target)
+
+
+def _warm_compiler(target: Any) -> None:
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def fill(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.full((BLOCK,), 1.0, tl.float32), mask=i < n)
+
+    triton.compile(ASTSource(fill, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {(2,): 64}),
+                   target=target)
 
 
 def _ready() -> int:
@@ -167,16 +186,18 @@ def compile_in_child(spec: KernelSpec, target: Any) -> float:
 # --- the pool ----------------------------------------------------------------------------------
 
 def default_processes() -> int:
-    """Half the host's cores, at most 8: the engine process keeps the rest."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    """A quarter of the host's cores, at most 4: a candidate brings a few new kernels (1-6 per
+    batch of 4 plans on the H200 runs), and each child costs its imports in memory."""
+    return max(1, min(4, (os.cpu_count() or 4) // 4))
 
 
 class CompileChildren:
     """A pool of compiler processes, started once in the background (their imports take seconds)
     and kept; until it is up, ``ready`` is False and the caller compiles in-process."""
 
-    def __init__(self, processes: int) -> None:
+    def __init__(self, processes: int, target: Any = None) -> None:
         self.processes = processes
+        self.target = target  # what the children warm their compiler for; None: the engine's GPU
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -202,9 +223,13 @@ class CompileChildren:
         from triton import knobs
 
         modules = sorted(m for m in list(sys.modules) if m.startswith("anneal.engine.kernels."))
+        target = self.target
+        if target is None:
+            with contextlib.suppress(Exception):  # no driver: the children start with a cold compiler
+                target = current_target()
         try:
             pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_child_init, initargs=(knobs.cache.dir, modules))
+                                       initializer=_child_init, initargs=(knobs.cache.dir, modules, target))
             for fut in [pool.submit(_ready) for _ in range(self.processes)]:
                 fut.result()
         except Exception as e:  # noqa: BLE001 - compile-ahead goes on in-process

@@ -41,7 +41,8 @@ class EngineArgs(BaseModel):
                                                   "warm-up (engine/parallel_jit.py); off: no gain measured on the H200")
     compile_ahead_processes: int | None = Field(
         None, ge=0, description="child processes that compile queued plans' kernels (POST /admin/prepare); "
-                                "None: half the cores, at most 8; 0: a thread of the engine process compiles them")
+                                "None: a quarter of the cores, at most 4, started by the first prepare; N > 0: "
+                                "started with the engine; 0: a thread of the engine process compiles them")
     seed: int = 0
     plan: Plan = Field(default_factory=Plan)
 
@@ -146,6 +147,8 @@ class Engine:
         self.runner.parallel_jit = args.parallel_jit
         # kernels of plans the compiler will try next
         self.compile_ahead = CompileAhead(self.runner, processes=args.compile_ahead_processes)
+        if args.compile_ahead_processes and self.device.type == "cuda":
+            self.compile_ahead.start_children()  # asked for by name: ready before the first prepare
         self.scheduler = Scheduler(self.plan.scheduler, self.blocks, self.max_model_len)
         kv_s = time.perf_counter() - t0
         if self.device.type == "cuda":

@@ -257,7 +257,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--compile-ahead-processes", type=int, default=None, metavar="N",
         help="child processes that compile the kernels of plans queued with POST /admin/prepare "
-             "(default: half the cores, at most 8; 0: a thread of the server process compiles them)",
+             "(default: a quarter of the cores, at most 4, started by the first prepare; N > 0: started "
+             "with the server; 0: a thread of the server process compiles them)",
     )
     parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0,

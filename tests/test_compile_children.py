@@ -95,6 +95,19 @@ def test_a_kernel_the_child_cannot_build_comes_back_as_an_error(kernel, children
     assert "source differs" in report["errors"][0] and "ModuleNotFoundError" in report["errors"][1]
 
 
+def test_each_child_warms_its_compiler_for_the_target_at_start(tmp_path, monkeypatch):
+    """A process's first Triton compile is the slow one: each child pays it before it is ready."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pool = CompileChildren(1, target=HOPPER)
+    pool.start()
+    try:
+        assert pool.wait_ready(120), pool.start_error
+    finally:
+        pool.close()
+    assert list(tmp_path.glob("*/fill.json")), "the child compiled no warm-up kernel into the cache"
+
+
 def test_only_the_recording_thread_records():
     """The hook records (and skips Triton's compile) for the thread inside ``recording_launches``;
     another thread's compile goes on, through a hook installed before ours; ours leaves after."""

@@ -127,8 +127,11 @@ def test_applying_a_prepared_plan_compiles_no_kernel(cuda, processes, tmp_path, 
     import triton
     from triton.runtime.jit import JITFunction
 
-    ops = {**TRITON, "attention_decode": {"impl": "triton_splitk",  # parameters no other test uses
-                                          "params": {"split_k": 16, "block_n": 32, "num_warps": 2}}}
+    # parameters no other test uses, and a different set per variant (a worker process keeps the
+    # kernels an earlier variant compiled in memory)
+    ops = {**TRITON, "attention_decode": {"impl": "triton_splitk",
+                                          "params": {"split_k": 16, "block_n": 32, "num_warps": 2,
+                                                     "num_stages": 3 if processes else 2}}}
     plan = Plan.model_validate({"ops": ops, "cuda_graph_batch_sizes": [1, 2, 4, 8, 16]})
     eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=700, max_model_len=512,
                             compile_ahead_processes=processes))
