@@ -109,11 +109,11 @@ for s in "$@"; do
       ;;
     iteration-ahead)  # the next candidate's kernels compiled while the current one runs; empty cache
       stage iteration-ahead 360 $py bench/iteration.py --shape llama-3.1-8b --compile-ahead --cold-jit-cache \
-        --candidates 12 --compile-ahead-processes 4 --name iteration-ahead-cold-jit --out "$OUT"
+        --candidates 12 --compile-ahead-processes 4 --name "iteration-ahead-cold-jit${ITER_TAG:-}" --out "$OUT"
       ;;
     iteration-ahead-threads)  # the same, compiled on a thread of the server process (session 5's way)
       stage iteration-ahead-threads 360 $py bench/iteration.py --shape llama-3.1-8b --compile-ahead --cold-jit-cache \
-        --candidates 12 --compile-ahead-processes 0 --name iteration-ahead-threads-cold-jit --out "$OUT"
+        --candidates 12 --compile-ahead-processes 0 --name "iteration-ahead-threads-cold-jit${ITER_TAG:-}" --out "$OUT"
       ;;
     spread)
       stage "spread-steps${SPREAD_STEPS:-20}" 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 \

@@ -157,6 +157,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
         return {"plan_hash": report.plan_hash,
                 "timings": {"build_s": report.build_s, "warmup_s": report.warmup_s,
                             "capture_s": report.capture_s, "total_s": report.total_s,
+                            **({"ahead_wait_s": report.ahead_wait_s} if report.ahead_wait_s else {}),
                             **({"parallel_jit_s": report.parallel_jit_s,
                                 "parallel_jit_kernels": report.parallel_jit_kernels}
                                if report.parallel_jit_s is not None else {})}}

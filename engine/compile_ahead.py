@@ -105,6 +105,19 @@ class CompileAhead:
             time.sleep(0.01)
         return False
 
+    def wait_for(self, plan_hash: str, timeout_s: float = 30.0) -> float:
+        """If ``plan_hash`` is compiling now, wait (up to ``timeout_s``) until its batch is done;
+        returns the seconds waited. A plan still queued behind the batch is not waited for."""
+        t0, waited = time.perf_counter(), False
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with self._lock:
+                if plan_hash not in self._busy:
+                    break
+            waited = True
+            time.sleep(0.005)
+        return time.perf_counter() - t0 if waited else 0.0
+
     def _work(self) -> None:
         while True:
             batch = [self._queue.get()]  # then everything queued behind it: compiled together
@@ -156,7 +169,10 @@ class CompileAhead:
         from anneal.engine.compile_children import current_target, recording_launches
 
         t0 = time.perf_counter()
+        children = self._children
         try:
+            target = current_target()
+            submitted: dict = {}
             with recording_launches() as specs:
                 for plan in plans:
                     before, recorded = len(specs), {}
@@ -164,8 +180,9 @@ class CompileAhead:
                     results[plan.hash]["child_kernels"] = len(specs) - before
                     if "error" in recorded:
                         results[plan.hash]["child_error"] = recorded["error"]
+                    children.submit(specs[before:], target, submitted)  # compiles while the next records
             record_s = time.perf_counter() - t0
-            report = self._children.compile(specs, current_target())
+            report = children.collect(submitted)
         except Exception as e:  # noqa: BLE001 - the in-process pass compiles instead
             log.warning("compile-ahead in child processes failed, compiling in-process: %s: %s",
                         type(e).__name__, e)
@@ -173,7 +190,7 @@ class CompileAhead:
                 r["child_error"] = f"{type(e).__name__}: {e}"
             return
         for r in results.values():
-            r.update(record_s=record_s, child_s=report["s"], child_cpu_s=report["cpu_s"],
+            r.update(record_s=record_s, child_s=time.perf_counter() - t0, child_cpu_s=report["cpu_s"],
                      batch_child_kernels=report["kernels"])
             if report["errors"]:
                 r["child_errors"] = report["errors"][:8]

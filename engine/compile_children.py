@@ -27,7 +27,7 @@ import types
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One specialization of one ``@triton.jit`` function, as Triton serializes it for preload."""
+    """One specialization of one ``@triton.jit`` function: what the engine's ``_do_compile`` would
+    have built its ``ASTSource`` from. The signature, constants and attributes travel as Triton's
+    own objects (pickled): its preload JSON cannot tell a string constexpr from a dtype name
+    ("bf16" came back as ``tl.bfloat16``), and a different constant is a different cache key, so
+    the engine would compile the kernel again (the H200 GPU test caught it)."""
 
     module: str  # the function's module, imported by name in the child
     qualname: str
     module_file: str | None  # for a run-time (agent-written) kernel's module, which no import finds
     source_key: str  # JITFunction.cache_key: the child refuses a function whose source differs
-    specialization: str  # Triton's serialize_specialization_data JSON (signature, constants, options)
+    specialization: str  # Triton's serialize_specialization_data JSON: identity, and the options
+    signature: dict = field(compare=False, hash=False, default_factory=dict)
+    constants: dict = field(compare=False, hash=False, default_factory=dict)
+    attrs: dict = field(compare=False, hash=False, default_factory=dict)
 
 
 # --- recording, in the engine process ---------------------------------------------------------
@@ -62,7 +69,9 @@ def _record_hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled, 
     mod = sys.modules.get(jf.module)
     specs.append(KernelSpec(module=jf.module, qualname=jf.fn.__qualname__,
                             module_file=getattr(mod, "__file__", None), source_key=jf.cache_key,
-                            specialization=compile["specialization_data"]))
+                            specialization=compile["specialization_data"],
+                            signature=dict(compile["signature"]), constants=dict(compile["constants"]),
+                            attrs=dict(compile["configs"][0])))
     return True  # Triton skips the compile; the launch was compile-only already
 
 
@@ -156,30 +165,17 @@ def _as_tuple(v: Any) -> Any:
     return tuple(_as_tuple(x) for x in v) if isinstance(v, list) else v
 
 
-def _constant(value: Any) -> Any:
-    import triton.language as tl
-
-    if isinstance(value, str) and tl.dtype.is_dtype(value):
-        return tl.dtype(value)
-    if isinstance(value, dict) and "constexpr" in value:
-        return tl.constexpr(_as_tuple(value["constexpr"]))
-    return _as_tuple(value)
-
-
 def compile_in_child(spec: KernelSpec, target: Any) -> float:
-    """Compile one specialization into Triton's cache; returns seconds. Mirrors Triton's own
-    ``JITFunction.preload``, without its device look-up (the child has no GPU)."""
+    """Compile one specialization into Triton's cache; returns seconds. What the engine's
+    ``JITFunction._do_compile`` would run, for the target the engine names (the child has no GPU)."""
     import triton
     from triton.compiler import ASTSource
 
     t0 = time.perf_counter()
     fn = _jit_function(spec)
-    d = json.loads(spec.specialization)
-    constexprs = {tuple(k): _constant(v) for k, v in zip(d["constant_keys"], d["constant_vals"])}
-    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"])}
-    signature = {k: _as_tuple(v) for k, v in d["signature"].items()}
-    options = {k: _as_tuple(v) for k, v in d["options"].items()}
-    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+    # JSON turned the options' tuples into lists; Triton's preload turns them back the same way
+    options = {k: _as_tuple(v) for k, v in json.loads(spec.specialization)["options"].items()}
+    triton.compile(ASTSource(fn, spec.signature, spec.constants, spec.attrs), target=target, options=options)
     return time.perf_counter() - t0
 
 
@@ -243,27 +239,37 @@ class CompileChildren:
     def wait_ready(self, timeout_s: float) -> bool:
         return self._ready.wait(timeout_s)
 
-    def compile(self, specs: list[KernelSpec], target: Any) -> dict[str, Any]:
-        """Compile each distinct spec once across the children; wait for all of them. Returns
-        ``{"kernels": compiled, "s": wall seconds, "cpu_s": summed compile seconds, "errors": [...]}``."""
-        t0 = time.perf_counter()
+    def submit(self, specs: list[KernelSpec], target: Any, submitted: dict | None = None) -> dict:
+        """Start compiling each spec not in ``submitted`` (spec -> future; updated and returned)."""
+        submitted = {} if submitted is None else submitted
+        for spec in specs:
+            if spec not in submitted:
+                if not self.ready:
+                    raise RuntimeError("the compile children have not started")
+                submitted[spec] = self._pool.submit(compile_in_child, spec, target)
+        return submitted
+
+    def collect(self, submitted: dict) -> dict[str, Any]:
+        """Wait for every future of ``submit``. Returns ``{"kernels": compiled, "cpu_s": summed
+        compile seconds, "errors": [...]}``; a dead child restarts the pool for later batches."""
         report: dict[str, Any] = {"kernels": 0, "cpu_s": 0.0, "errors": []}
-        distinct = list(dict.fromkeys(specs))
-        if distinct:
-            if not self.ready:
-                raise RuntimeError("the compile children have not started")
-            futures = {self._pool.submit(compile_in_child, s, target): s for s in distinct}
-            broken = False
-            for fut, spec in futures.items():
-                try:
-                    report["cpu_s"] += fut.result()
-                    report["kernels"] += 1
-                except Exception as e:  # noqa: BLE001 - the in-process pass compiles it instead
-                    broken |= isinstance(e, BrokenProcessPool)
-                    report["errors"].append(f"{spec.module}.{spec.qualname}: {type(e).__name__}: {e}")
-            if broken:  # a child died (killed, out of memory): start a fresh pool for later batches
-                self.close()
-                self.start()
+        broken = False
+        for spec, fut in submitted.items():
+            try:
+                report["cpu_s"] += fut.result()
+                report["kernels"] += 1
+            except Exception as e:  # noqa: BLE001 - the in-process pass compiles it instead
+                broken |= isinstance(e, BrokenProcessPool)
+                report["errors"].append(f"{spec.module}.{spec.qualname}: {type(e).__name__}: {e}")
+        if broken:  # a child died (killed, out of memory): start a fresh pool for later batches
+            self.close()
+            self.start()
+        return report
+
+    def compile(self, specs: list[KernelSpec], target: Any) -> dict[str, Any]:
+        """``submit`` then ``collect``, with the wall seconds under ``"s"``."""
+        t0 = time.perf_counter()
+        report = self.collect(self.submit(specs, target))
         report["s"] = time.perf_counter() - t0
         return report
 

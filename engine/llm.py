@@ -71,6 +71,7 @@ class ApplyReport:
     total_s: float
     parallel_jit_s: float | None = None  # of warmup_s, with EngineArgs.parallel_jit
     parallel_jit_kernels: int | None = None
+    ahead_wait_s: float = 0.0  # of build_s: waiting for this plan's compile-ahead to finish
 
 
 def graph_sizes(plan: Plan) -> list[int]:
@@ -283,6 +284,9 @@ class Engine:
         t0 = time.perf_counter()
         old_plan, old_ops = self.plan, self.runner.model.ops
         Scheduler.check_knobs(plan.scheduler, self.max_model_len)
+        # A plan whose kernels compile ahead right now: let that finish rather than compile the
+        # same kernels a second time here, on the engine thread, competing with it.
+        ahead_wait_s = self.compile_ahead.wait_for(plan.hash)
         register_plan_kernels(plan)
         ops = OpTable.from_plan(plan, self.device.type)  # validates everything before any swap
         t1 = time.perf_counter()
@@ -305,6 +309,7 @@ class Engine:
             total_s=time.perf_counter() - t0,
             parallel_jit_s=timings.get("parallel_jit_s"),
             parallel_jit_kernels=timings.get("parallel_jit_kernels"),
+            ahead_wait_s=ahead_wait_s,
         )
 
     # ---- offline ----------------------------------------------------------------------------------

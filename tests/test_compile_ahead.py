@@ -149,3 +149,24 @@ def test_the_worker_outlives_a_batch_that_breaks_outside_the_passes(monkeypatch)
     ahead.submit([_plan(4)])
     assert ahead.wait(30)
     assert ahead.status()["done"][_plan(4).hash] == {"kernels": 1, "s": 0.1}
+
+
+def test_an_apply_waits_for_its_plans_compile_in_progress_not_for_a_queued_one():
+    runner = _Runner()
+    release, started = threading.Event(), threading.Event()
+    passes = runner.ahead_passes
+
+    def slow(ops, batch_sizes):
+        started.set()
+        release.wait(30)
+        return passes(ops, batch_sizes)
+
+    runner.ahead_passes = slow
+    ahead = CompileAhead(runner, processes=0)
+    ahead.submit([_plan(2)])
+    assert started.wait(30)
+    ahead.submit([_plan(4)])  # queued behind the batch compiling now
+    assert ahead.wait_for(_plan(4).hash, timeout_s=5) == 0.0
+    threading.Timer(0.2, release.set).start()
+    waited = ahead.wait_for(_plan(2).hash, timeout_s=30)
+    assert 0.1 < waited < 10 and _plan(2).hash in ahead.status()["done"]

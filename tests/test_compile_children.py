@@ -27,10 +27,13 @@ SOURCE = textwrap.dedent('''
 
 
     @triton.jit
-    def scale(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr):
+    def scale(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
-        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=m) * alpha, mask=m)
+        x = tl.load(x_ptr + i, mask=m)
+        if PRECISION == "bf16":  # a string constexpr that is also a dtype's name
+            x = x.to(tl.bfloat16).to(tl.float32)
+        tl.store(y_ptr + i, x * alpha, mask=m)
 ''')
 
 
@@ -48,14 +51,23 @@ def kernel(tmp_path, monkeypatch):
     return mod.scale, str(path)
 
 
+SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "alpha": "fp32", "BLOCK": "constexpr",
+             "PRECISION": "constexpr"}
+ATTRS = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+
+
+def _source(fn, block: int) -> ASTSource:
+    return ASTSource(fn, SIGNATURE, {(4,): block, (5,): "bf16"}, ATTRS)
+
+
 def _spec(fn, path, block: int, source_key: str | None = None) -> KernelSpec:
-    data = {"name": "scale", "signature": {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "alpha": "fp32",
-                                           "BLOCK": "constexpr"},
-            "constant_keys": [[4]], "constant_vals": [block],
-            "attrs_keys": [[0], [1]], "attrs_vals": [[["tt.divisibility", 16]], [["tt.divisibility", 16]]],
-            "options": {"num_warps": 4}, "key": "test"}
+    """As the engine's hook records it: Triton's JSON (identity and options) and its own objects."""
+    data = {"name": "scale", "signature": SIGNATURE, "constant_keys": [[4], [5]], "constant_vals": [block, "bf16"],
+            "attrs_keys": [[0], [1]], "attrs_vals": list(ATTRS.values()), "options": {"num_warps": 4},
+            "key": "test"}
     return KernelSpec(module="anneal_test_scale_kernel", qualname="scale", module_file=path,
-                      source_key=source_key or fn.cache_key, specialization=json.dumps(data))
+                      source_key=source_key or fn.cache_key, specialization=json.dumps(data),
+                      signature=SIGNATURE, constants={(4,): block, (5,): "bf16"}, attrs=ATTRS)
 
 
 @pytest.fixture
@@ -74,11 +86,8 @@ def test_a_child_compiles_what_the_engine_process_then_finds_on_disk(kernel, chi
     hits: list[bool] = []
     triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
     try:
-        for block in (128, 256):
-            data = json.loads(_spec(fn, path, block).specialization)
-            src = ASTSource(fn, data["signature"], {(4,): block},
-                            {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])})
-            triton.compile(src, target=HOPPER, options={"num_warps": 4})
+        for block in (128, 256):  # as the engine's JIT would: a string constant stays a string
+            triton.compile(_source(fn, block), target=HOPPER, options={"num_warps": 4})
     finally:
         triton.knobs.compilation.listener = None
     assert hits == [True, True], "the engine process compiled again what a child had compiled"
@@ -118,7 +127,8 @@ def test_only_the_recording_thread_records():
     def call(key):
         return triton.knobs.runtime.jit_cache_hook(
             key=key, repr="k", fn=types.SimpleNamespace(jit_function=jf),
-            compile={"key": key, "specialization_data": json.dumps({"key": key})},
+            compile={"key": key, "specialization_data": json.dumps({"key": key}), "signature": {"x": "i32"},
+                     "constants": {(1,): "bf16"}, "configs": [{}]},
             is_manual_warmup=True, already_compiled=False)
 
     other: list = []
@@ -130,6 +140,7 @@ def test_only_the_recording_thread_records():
             t.join()
         assert [json.loads(s.specialization)["key"] for s in specs] == ["mine"]
         assert specs[0].module == __name__ and specs[0].source_key == "src"
+        assert specs[0].constants == {(1,): "bf16"} and specs[0].signature == {"x": "i32"}
         assert other == [None] and before == ["theirs"]
         assert call("after") is None and before == ["theirs", "after"]  # the earlier hook is back
     finally:
@@ -137,8 +148,8 @@ def test_only_the_recording_thread_records():
 
 
 def test_a_failing_child_path_leaves_the_plan_to_the_in_process_pass(monkeypatch):
-    """The record pass runs, the children cannot be used (here: the target look-up fails), and the
-    in-process pass that follows still runs every bucket; the failure is in the plan's report."""
+    """The children cannot be used (here: the target look-up fails), and the in-process pass
+    still runs every bucket; the failure is in the plan's report."""
     from test_compile_ahead import _plan, _Runner
 
     def no_target():
@@ -154,4 +165,4 @@ def test_a_failing_child_path_leaves_the_plan_to_the_in_process_pass(monkeypatch
     done = ahead.status()["done"][_plan(2).hash]
     assert "no GPU driver" in done["child_error"] and "error" not in done
     assert "in_process" not in done
-    assert sorted(runner.ran) == [(2, 1), (2, 1), (2, 2), (2, 2)]  # the record pass, then the real one
+    assert sorted(runner.ran) == [(2, 1), (2, 2)]

@@ -133,9 +133,9 @@ def test_applying_a_prepared_plan_compiles_no_kernel(cuda, processes, tmp_path, 
                                           "params": {"split_k": 16, "block_n": 32, "num_warps": 2,
                                                      "num_stages": 3 if processes else 2}}}
     plan = Plan.model_validate({"ops": ops, "cuda_graph_batch_sizes": [1, 2, 4, 8, 16]})
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))  # before the children start
     eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=700, max_model_len=512,
                             compile_ahead_processes=processes))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
     if processes:
         assert eng.compile_ahead.start_children(wait_s=180), eng.compile_ahead.status()["processes"]
     compiles: list[tuple[str, str]] = []
