@@ -26,8 +26,15 @@ stage() {  # stage NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
   echo "=== $name (limit ${limit}s) $(date +%T)"
   local t0=$SECONDS
-  timeout --signal=TERM --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local tag="anneal-stage-$$-$name"
+  ANNEAL_STAGE="$tag" timeout --signal=TERM --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
+  # What the stage left running: engines start in sessions of their own, so a compile killed at its
+  # limit orphans them (session 6: they kept GPU 0 and their log growing, and the next stage failed).
+  local p
+  for p in /proc/[0-9]*; do
+    grep -qsz "^ANNEAL_STAGE=$tag\$" "$p/environ" && { echo "=== killing ${p#/proc/}, left by $name"; kill -9 "${p#/proc/}"; }
+  done
   echo "=== $name rc=$rc in $((SECONDS - t0))s"
   tail -n 25 "$OUT/$name.log"
 }

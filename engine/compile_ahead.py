@@ -105,7 +105,7 @@ class CompileAhead:
             time.sleep(0.01)
         return False
 
-    def wait_for(self, plan_hash: str, timeout_s: float = 30.0) -> float:
+    def wait_for(self, plan_hash: str, timeout_s: float = 10.0) -> float:
         """If ``plan_hash`` is compiling now, wait (up to ``timeout_s``) until its batch is done;
         returns the seconds waited. A plan still queued behind the batch is not waited for."""
         t0, waited = time.perf_counter(), False

@@ -25,12 +25,14 @@ import threading
 import time
 import types
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 120.0  # for one batch's kernels in the children (a kernel compiles in ~0.5 s)
 
 
 @dataclass(frozen=True)
@@ -249,19 +251,26 @@ class CompileChildren:
                 submitted[spec] = self._pool.submit(compile_in_child, spec, target)
         return submitted
 
-    def collect(self, submitted: dict) -> dict[str, Any]:
-        """Wait for every future of ``submit``. Returns ``{"kernels": compiled, "cpu_s": summed
-        compile seconds, "errors": [...]}``; a dead child restarts the pool for later batches."""
+    def collect(self, submitted: dict, timeout_s: float = COMPILE_TIMEOUT_S) -> dict[str, Any]:
+        """Wait for every future of ``submit``, ``timeout_s`` at most. Returns ``{"kernels":
+        compiled, "cpu_s": summed compile seconds, "errors": [...]}``. A dead or hung child
+        restarts the pool for later batches: a compile-ahead batch never waits without bound."""
         report: dict[str, Any] = {"kernels": 0, "cpu_s": 0.0, "errors": []}
-        broken = False
+        _, late = wait(list(submitted.values()), timeout=timeout_s)
+        restart = bool(late)
         for spec, fut in submitted.items():
+            name = f"{spec.module}.{spec.qualname}"
+            if fut in late:
+                report["errors"].append(f"{name}: not compiled within {timeout_s:.0f} s")
+                continue
             try:
                 report["cpu_s"] += fut.result()
                 report["kernels"] += 1
             except Exception as e:  # noqa: BLE001 - the in-process pass compiles it instead
-                broken |= isinstance(e, BrokenProcessPool)
-                report["errors"].append(f"{spec.module}.{spec.qualname}: {type(e).__name__}: {e}")
-        if broken:  # a child died (killed, out of memory): start a fresh pool for later batches
+                restart |= isinstance(e, BrokenProcessPool)
+                report["errors"].append(f"{name}: {type(e).__name__}: {e}")
+        if restart:
+            log.warning("compile-ahead children restarted: %s", "; ".join(report["errors"][:3]))
             self.close()
             self.start()
         return report
@@ -279,6 +288,11 @@ class CompileChildren:
             self._ready.clear()
             self._starting = False
         if pool is not None:
+            # shutdown() leaves a child that is still compiling running; a hung one must go too
+            # (ProcessPoolExecutor has no public way to end its workers before Python 3.14)
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                with contextlib.suppress(Exception):
+                    proc.terminate()
             pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -166,3 +166,29 @@ def test_a_failing_child_path_leaves_the_plan_to_the_in_process_pass(monkeypatch
     assert "no GPU driver" in done["child_error"] and "error" not in done
     assert "in_process" not in done
     assert sorted(runner.ran) == [(2, 1), (2, 2)]
+
+
+def _sleep(s: float) -> float:
+    import time
+
+    time.sleep(s)
+    return s
+
+
+def test_a_hung_compile_times_out_and_the_children_restart():
+    """A batch never waits without bound: a child that does not answer is reported and replaced
+    (terminated, not left compiling), and the next batch gets a working pool."""
+    pool = CompileChildren(1)
+    pool.start()
+    assert pool.wait_ready(120), pool.start_error
+    try:
+        hung_child = list(pool._pool._processes.values())[0]
+        spec = KernelSpec(module="m", qualname="k", module_file=None, source_key="x", specialization="{}")
+        report = pool.collect({spec: pool._pool.submit(_sleep, 60)}, timeout_s=1)
+        assert report["kernels"] == 0 and "not compiled within 1 s" in report["errors"][0]
+        hung_child.join(10)
+        assert not hung_child.is_alive(), "the hung child was left running"
+        assert pool.wait_ready(120), pool.start_error
+        assert pool._pool.submit(_sleep, 0.01).result(30) == 0.01
+    finally:
+        pool.close()
