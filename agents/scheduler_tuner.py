@@ -1,7 +1,7 @@
 """Scheduler knobs against a latency objective: the most tokens/s whose p90 ITL and TTFT stay in bounds.
 
-Why a workload and not a step: max_num_seqs, the token budget, chunked and mixed prefill only show in how
-a stream of requests is scheduled, so each setting replays the traffic shape's workload on the
+Why a workload and not a step: max_num_seqs, the token budget, chunked and mixed prefill and overlap
+scheduling only show in how a stream of requests is scheduled, so each setting replays the traffic shape's workload on the
 fast tier. Settings are tried in a seeded random order (a resumed run retries the same ones) and
 the grid is small, so no exhaustive sweep is needed to stay within budget.
 """
@@ -28,12 +28,19 @@ class SchedulerTuner:
         rng = setting.rng(self.name)
         grid = setting.space.scheduler_grid(limit_seqs=max(setting.batch_dist, default=64))
         rng.shuffle(grid)
-        grid = [setting.base.scheduler, *[g for g in grid if g != setting.base.scheduler]]
+        base = setting.base.scheduler
+        # The base, then the base with overlap scheduling flipped; the grid's settings then take
+        # whichever of those two scored better (overlap is orthogonal to the other knobs).
+        flipped = base.model_copy(update={"overlap": not base.overlap})
+        grid = [base, flipped, *[g for g in grid if g.model_copy(update={"overlap": base.overlap}) != base]]
         spec = setting.workload_spec()
         best = None
         ok: list[tuple[float, object]] = []
+        scores: dict[bool, float] = {}
         try:
-            for knobs in grid[: self.max_settings or len(grid)]:
+            for i, knobs in enumerate(grid[: self.max_settings or len(grid)]):
+                if i >= 2:
+                    knobs = knobs.model_copy(update={"overlap": max(scores, key=scores.get, default=base.overlap)})
                 plan = setting.base.model_copy(update={"scheduler": knobs, "name": None})
                 exp = lab.measure(Candidate(plan=plan, agent=self.name, note=_label(knobs)), spec)
                 m = exp.measurement
@@ -43,6 +50,8 @@ class SchedulerTuner:
                     board.note(f"scheduler {_label(knobs)}: outside latency bounds "
                                f"(itl p90 {m.itl_p90_ms}, ttft p90 {m.ttft_p90_ms})")
                     continue
+                if i < 2:
+                    scores[knobs.overlap] = score(m)
                 ok.append((score(m), knobs))
                 if best is None or score(m) > best[0]:
                     best = (score(m), knobs)
@@ -57,4 +66,4 @@ class SchedulerTuner:
 
 def _label(k) -> str:
     return (f"max_num_seqs={k.max_num_seqs} max_batched_tokens={k.max_num_batched_tokens} "
-            f"chunked={k.chunked_prefill} mixed={k.mixed_prefill}")
+            f"chunked={k.chunked_prefill} mixed={k.mixed_prefill} overlap={k.overlap}")

@@ -177,9 +177,10 @@ class CandidateSpace:
         return big or (self.max_model_len,)
 
     def mutate_scheduler(self, s: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:
-        knob = rng.choice(["max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "mixed_prefill"])
-        if knob == "mixed_prefill":
-            return s.model_copy(update={"mixed_prefill": not s.mixed_prefill})
+        knob = rng.choice(["max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "mixed_prefill",
+                           "overlap"])
+        if knob in ("mixed_prefill", "overlap"):
+            return s.model_copy(update={knob: not getattr(s, knob)})
         if knob == "chunked_prefill":
             chunked = not s.chunked_prefill
             budgets = self.token_budgets(chunked)

@@ -5,6 +5,7 @@
 # stage never costs the others their device time.
 #   compile-chat, compile-agentic   issue 5: `anneal compile` for the 8B shape (budget $BUDGET s)
 #   plans                           issue 5: reference vs hand-set vs compiled plans, both shapes
+#   overlap                         issue 5: hand-set plan with and without scheduler.overlap (8B, 1B)
 #   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
@@ -57,6 +58,14 @@ for s in "$@"; do
       done
       stage plans "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "$plans" --traffic "${TRAFFIC:-chat,agentic}" \
         --rounds 2 --out "$OUT"
+      ;;
+    overlap)  # issue 5: the hand-set plan with and without overlap scheduling, side by side
+      stage plans-overlap-8b 420 $py bench/plans.py --model random:llama-3.1-8b \
+        --plans bench/plans/triton.json,bench/plans/triton-overlap.json --traffic chat,agentic --rounds 2 \
+        --name plans-overlap-llama-3.1-8b --out "$OUT"
+      stage plans-overlap-1b 300 $py bench/plans.py --model random:llama-3.2-1b \
+        --plans bench/plans/triton.json,bench/plans/triton-overlap.json --traffic chat --rounds 2 \
+        --name plans-overlap-llama-3.2-1b --out "$OUT"
       ;;
     serving)
       stage serving 480 $py bench/serving.py --serve "$py -m anneal.cli serve --model random:llama-3.1-8b \

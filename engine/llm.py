@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from anneal.engine.block_manager import BlockManager
 from anneal.engine.compile_ahead import CompileAhead
+from anneal.engine.overlap import OverlapStepper
 from anneal.engine.config import ModelConfig
 from anneal.engine.op_table import OpTable
 from anneal.engine.plan import Plan
@@ -159,6 +160,7 @@ class Engine:
         self.startup = {"config_s": t0 - t_init - self.load_s, "weights_s": self.load_s, "kv_cache_s": kv_s,
                         "warmup_s": captured["warmup_s"], "capture_s": captured["capture_s"]}
         self._rng = random.Random(args.seed)
+        self._overlap = OverlapStepper(self)  # scheduler.overlap: the decode step in flight
         self._requests: dict[str, Sequence] = {}
         self._steps = 0
         self._last = (0, 0, False)
@@ -206,11 +208,16 @@ class Engine:
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._overlap.inflight is not None
 
     # ---- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.plan.scheduler.overlap or self._overlap.inflight is not None:
+            return self._overlap.step()
+        return self._step_plain()
+
+    def _step_plain(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
@@ -242,13 +249,16 @@ class Engine:
         self._last = (len(batch), batch.num_tokens, batch.decode_only)
         return outputs
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, length: int | None = None) -> str | None:
+        """Why ``seq`` ends with ``token``, if it does; ``length``: its length with that token
+        (overlap scheduling may have appended the next step's placeholder already)."""
         p = seq.params
         if not p.ignore_eos and token in self.config.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+        n = len(seq) if length is None else length
+        if n - seq.num_prompt_tokens >= p.max_tokens or n >= self.max_model_len:
             return "length"
         return None
 

@@ -72,6 +72,17 @@ class SchedulerKnobs(_Strict):
         "while both have work",
     )
     enable_prefix_caching: bool = True
+    overlap: bool = Field(
+        False,
+        description="launch the next decode step before the host has read this one's tokens (greedy "
+        "decode-only steps with nothing waiting; engine/overlap.py), so the host's per-step work "
+        "runs while the GPU computes",
+    )
+
+
+# Knobs added after plans were stored and hashed (ledgers, CompiledPlans): left out of the hash
+# while they hold their default.
+_HASHED_WHEN_SET = (("scheduler", "overlap"),)
 
 
 class Parallelism(_Strict):
@@ -135,6 +146,9 @@ class Plan(_Strict):
         """The hashed content: defaults made explicit, the label left out."""
         data = self.model_dump(mode="json", exclude={"name"})
         data["ops"] = {op: self.choice(op).model_dump(mode="json") for op in OP_NAMES}
+        for group, knob in _HASHED_WHEN_SET:  # so plans written before the knob keep their hash
+            if data[group][knob] == type(getattr(self, group)).model_fields[knob].default:
+                del data[group][knob]
         return data
 
     def canonical_json(self) -> str:

@@ -118,6 +118,19 @@ class ModelRunner:
             return self._finish(items, sample_rows, seqs_sampling, logits, greedy)
         return self._finish(items, list(range(len(seqs))), seqs, logits, greedy)
 
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One greedy decode step of ``seqs``, left running on the device: returns its tokens as a
+        device tensor of their own (the graph's output buffer belongs to the next replay). ``ids``
+        (on the device, one per row) stands in for the rows' last tokens when the host does not
+        know them yet: overlap scheduling (engine/overlap.py) feeds a step's tokens to the next."""
+        if self.graphs and len(seqs) <= max(self.graphs):
+            logits, greedy = self._replay(seqs, ids)
+        else:
+            logits, greedy, _ = self.extend([(s, 1) for s in seqs], decode_only=True, ids=ids)
+        tokens = greedy if greedy is not None else self.ops.argmax(logits)
+        return tokens.clone()
+
     def _finish(self, items, rows, seqs, logits, greedy) -> StepResult:
         out: list[int | None] = [None] * len(items)
         lps: list[TokenLogprobs | None] = [None] * len(items)
@@ -147,13 +160,15 @@ class ModelRunner:
                 )
         return StepResult(out, lps)
 
-    def extend(self, items: list[tuple[Sequence, int]], decode_only: bool = False):
-        """Varlen pass over each item's next ``n`` tokens; logits of the items that finish their chunk."""
-        ids, pos, slots, cu = [], [], [], [0]
+    def extend(self, items: list[tuple[Sequence, int]], decode_only: bool = False,
+               ids: torch.Tensor | None = None):
+        """Varlen pass over each item's next ``n`` tokens; logits of the items that finish their chunk.
+        ``ids``: the token ids on the device instead of the sequences' (decode steps only)."""
+        host_ids, pos, slots, cu = [], [], [], [0]
         sample_rows, last_idx = [], []
         for i, (s, n) in enumerate(items):
             start = s.num_computed_tokens
-            ids += s.token_ids[start : start + n]
+            host_ids += s.token_ids[start : start + n]
             pos += range(start, start + n)
             slots += self._slots(s, start, start + n)
             cu.append(cu[-1] + n)
@@ -173,8 +188,10 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=d),
             max_seqlen_q=max(n for _, n in items),
         )
+        if ids is None:
+            ids = torch.tensor(host_ids, dtype=torch.int64, device=d)
         hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.int64, device=d),
+            ids,
             torch.tensor(pos, dtype=torch.int64, device=d),
             ctx,
             self.kv,
@@ -307,7 +324,7 @@ class ModelRunner:
             timings.update(parallel_jit_s=jit["s"], parallel_jit_kernels=jit["kernels"])
         return timings
 
-    def _replay(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(seqs)
         bs = min(b for b in self.graphs if b >= n)
         b = self._bufs
@@ -322,6 +339,8 @@ class ModelRunner:
         host[3, n:] = 0
         dev = host.to(self.device, non_blocking=True)
         b["ids"][:bs].copy_(dev[0])
+        if ids is not None:  # last tokens still on the device (overlap scheduling)
+            b["ids"][:n].copy_(ids)
         b["positions"][:bs].copy_(dev[1])
         b["slot_mapping"][:bs].copy_(dev[2])
         b["context_lens"][:bs].copy_(dev[3].to(torch.int32))
