@@ -48,7 +48,9 @@ class OverlapStepper:
         self.inflight: Launched | None = None
 
     def step(self) -> list[RequestOutput]:
-        prev = self.inflight
+        # Taken before anything can raise: a failed step (the server aborts what was in flight)
+        # must not leave a launch that every later step tries to complete again.
+        prev, self.inflight = self.inflight, None
         nxt = None
         if self._pipelinable(prev):
             batch = self.engine.scheduler.schedule()  # exactly the running decodes (see _pipelinable)

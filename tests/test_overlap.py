@@ -149,3 +149,20 @@ def test_the_knob_leaves_existing_plan_hashes_alone():
     assert Plan().hash == Plan.model_validate({"scheduler": {"overlap": False}}).hash
     assert Plan().hash != Plan.model_validate({"scheduler": {"overlap": True}}).hash
     assert "overlap" not in Plan().canonical()["scheduler"]
+
+
+def test_a_workload_replay_with_overlap_delivers_every_token():
+    """The benchmark's workload replay (what the compiler ranks scheduler knobs on) with the knob:
+    the same output tokens as without, and nothing left in flight afterwards."""
+    from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
+    from anneal.engine.traffic import load_traffic
+
+    shape = load_traffic("chat").scaled(60).model_copy(update={"concurrency": 3.0})
+    req = BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"), num_requests=6,
+                           steps=1, warmup=0)
+    got = {}
+    for overlap in (False, True):
+        eng = engine(overlap, max_model_len=128, blocks=256)
+        got[overlap] = run_benchmark(eng, req).extra["output_tokens"]
+        assert not eng.has_unfinished_requests()
+    assert got[True] == got[False] > 0
