@@ -76,7 +76,7 @@ class SchedulerKnobs(_Strict):
         False,
         description="launch the next decode step before the host has read this one's tokens (greedy "
         "decode-only steps with nothing waiting; engine/overlap.py), so the host's per-step work "
-        "runs while the GPU computes",
+        "runs while the GPU computes; no gain on the CPU, whose steps run synchronously",
     )
 
 
