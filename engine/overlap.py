@@ -14,8 +14,10 @@ more step in flight: its row's token is dropped. The KV that step writes is its 
 into blocks it freed; any later user of them (a prefix-cache hit, a new allocation) runs after that
 step on the same stream.
 
-It only pipelines what it can do exactly: greedy decode-only steps, nothing waiting for admission,
-and a free block for every sequence's next token (no preemption while a step is in flight).
+It only pipelines what it can do exactly: decode-only steps without log-probs (greedy or sampled:
+the sampler is seeded per sequence and position, so the tokens do not depend on when the host
+looks), nothing waiting for admission, and a free block for every sequence's next token (no
+preemption while a step is in flight).
 Anything else completes the step in flight and takes the plain path; the tokens are the same
 either way (tests/test_overlap.py).
 """
@@ -73,7 +75,7 @@ class OverlapStepper:
         need = 0
         for s in sched.running:
             p = s.params
-            if s.in_prefill or p.temperature != 0 or p.logprobs is not None:
+            if s.in_prefill or p.logprobs is not None:  # log-probs are read on the host, per step
                 return False
             if in_prev is not None and id(s) not in in_prev:
                 return False

@@ -74,8 +74,8 @@ class SchedulerKnobs(_Strict):
     enable_prefix_caching: bool = True
     overlap: bool = Field(
         False,
-        description="launch the next decode step before the host has read this one's tokens (greedy "
-        "decode-only steps with nothing waiting; engine/overlap.py), so the host's per-step work "
+        description="launch the next decode step before the host has read this one's tokens (decode-"
+        "only steps without log-probs, nothing waiting; engine/overlap.py), so the host's per-step work "
         "runs while the GPU computes; no gain on the CPU, whose steps run synchronously",
     )
 

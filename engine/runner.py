@@ -120,15 +120,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One greedy decode step of ``seqs``, left running on the device: returns its tokens as a
-        device tensor of their own (the graph's output buffer belongs to the next replay). ``ids``
-        (on the device, one per row) stands in for the rows' last tokens when the host does not
-        know them yet: overlap scheduling (engine/overlap.py) feeds a step's tokens to the next."""
+        """One decode step of ``seqs`` (greedy or sampled, no log-probs), left running on the
+        device: returns its tokens as a device tensor of their own (the graph's output buffer
+        belongs to the next replay). ``ids`` (on the device, one per row) stands in for the rows'
+        last tokens when the host does not know them yet: overlap scheduling (engine/overlap.py)
+        feeds a step's tokens to the next. The tokens are the ones ``run`` would pick."""
         if self.graphs and len(seqs) <= max(self.graphs):
             logits, greedy = self._replay(seqs, ids)
         else:
             logits, greedy, _ = self.extend([(s, 1) for s in seqs], decode_only=True, ids=ids)
-        tokens = greedy if greedy is not None else self.ops.argmax(logits)
+        if all(s.params.temperature == 0 for s in seqs):
+            tokens = greedy if greedy is not None else self.ops.argmax(logits)
+        else:  # as _finish samples: every row through the sampler, seeded per sequence and step
+            if isinstance(logits, _LazyLogits):
+                logits = logits.compute()
+            tokens = self.ops.sample(logits, **self._sampling_tensors(seqs))
         return tokens.clone()
 
     def _finish(self, items, rows, seqs, logits, greedy) -> StepResult:

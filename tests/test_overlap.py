@@ -114,7 +114,20 @@ def test_an_abort_and_a_new_request_while_a_step_is_in_flight():
     assert plain["r1"][:2] == (plain["r1"][0][:5], None) and len(plain["late"][0]) == 6
 
 
-def test_sampled_and_logprob_requests_take_the_plain_path_with_the_same_results():
+def test_sampled_requests_pipeline_too_and_draw_the_same_tokens():
+    """The sampler is seeded per sequence and position, so a sampled token does not depend on when
+    the host reads it; stops cut rows at different steps, so rows come and go mid-pipeline."""
+    ps = prompts(4, seed=2)
+    sampled = [SamplingParams(max_tokens=n, temperature=t, top_p=0.9, seed=7 + i, ignore_eos=True)
+               for i, (n, t) in enumerate(((12, 0.8), (5, 1.0), (20, 0.6), (9, 0.0)))]
+    jobs = list(zip(ps, sampled))
+    eng = engine(True)
+    launches = counting_launches(eng)
+    assert run(eng, jobs) == run(engine(False), jobs)
+    assert sum(launches) >= 8, f"only {sum(launches)} of {len(launches)} launches were pipelined"
+
+
+def test_log_prob_requests_take_the_plain_path_with_the_same_results():
     ps = prompts(3, seed=2)
     jobs = [(ps[0], greedy(12)), (ps[1], SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)),
             (ps[2], SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True))]
