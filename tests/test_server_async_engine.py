@@ -15,9 +15,12 @@ from anneal.engine.sampling_params import SamplingParams
 PLAN = Plan(scheduler=SchedulerKnobs(max_num_seqs=2), cuda_graph_batch_sizes=[])
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return Engine(EngineArgs(model="random:tiny", device="cpu", plan=PLAN, max_model_len=512,
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
+def engine(request):
+    """Every test twice: the plain scheduler, and overlap scheduling (a decode step in flight while
+    the engine thread hands out the previous one's tokens, takes aborts and swaps plans)."""
+    plan = PLAN.model_copy(update={"scheduler": PLAN.scheduler.model_copy(update={"overlap": request.param})})
+    return Engine(EngineArgs(model="random:tiny", device="cpu", plan=plan, max_model_len=512,
                              num_kv_blocks=128))
 
 
