@@ -251,13 +251,14 @@ class CompileChildren:
                 submitted[spec] = self._pool.submit(compile_in_child, spec, target)
         return submitted
 
-    def collect(self, submitted: dict, timeout_s: float = COMPILE_TIMEOUT_S) -> dict[str, Any]:
-        """Wait for every future of ``submit``, ``timeout_s`` at most. Returns ``{"kernels":
-        compiled, "cpu_s": summed compile seconds, "errors": [...]}``. A dead or hung child
-        restarts the pool for later batches: a compile-ahead batch never waits without bound."""
+    def collect(self, submitted: dict, timeout_s: float = COMPILE_TIMEOUT_S, restart: bool = True) -> dict[str, Any]:
+        """Wait for every future of ``submit`` (or a subset), ``timeout_s`` at most. Returns
+        ``{"kernels": compiled, "cpu_s": summed compile seconds, "errors": [...], "broken": a child
+        died or hung}``. With ``restart`` a broken pool is replaced for later batches (else the
+        caller calls ``restart()``): a compile-ahead batch never waits without bound."""
         report: dict[str, Any] = {"kernels": 0, "cpu_s": 0.0, "errors": []}
-        _, late = wait(list(submitted.values()), timeout=timeout_s)
-        restart = bool(late)
+        _, late = wait(list(submitted.values()), timeout=max(0.0, timeout_s))
+        broken = bool(late)
         for spec, fut in submitted.items():
             name = f"{spec.module}.{spec.qualname}"
             if fut in late:
@@ -267,13 +268,17 @@ class CompileChildren:
                 report["cpu_s"] += fut.result()
                 report["kernels"] += 1
             except Exception as e:  # noqa: BLE001 - the in-process pass compiles it instead
-                restart |= isinstance(e, BrokenProcessPool)
+                broken |= isinstance(e, BrokenProcessPool)
                 report["errors"].append(f"{name}: {type(e).__name__}: {e}")
-        if restart:
-            log.warning("compile-ahead children restarted: %s", "; ".join(report["errors"][:3]))
-            self.close()
-            self.start()
+        report["broken"] = broken
+        if broken and restart:
+            self.restart("; ".join(report["errors"][:3]))
         return report
+
+    def restart(self, why: str) -> None:
+        log.warning("compile-ahead children restarted: %s", why)
+        self.close()
+        self.start()
 
     def compile(self, specs: list[KernelSpec], target: Any) -> dict[str, Any]:
         """``submit`` then ``collect``, with the wall seconds under ``"s"``."""

@@ -4,6 +4,7 @@ what the engine serves; failures are recorded against the plan, never raised."""
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import pytest
@@ -170,3 +171,68 @@ def test_an_apply_waits_for_its_plans_compile_in_progress_not_for_a_queued_one()
     threading.Timer(0.2, release.set).start()
     waited = ahead.wait_for(_plan(2).hash, timeout_s=30)
     assert 0.1 < waited < 10 and _plan(2).hash in ahead.status()["done"]
+
+
+def test_with_children_each_plan_is_released_as_soon_as_its_own_kernels_are_in(monkeypatch):
+    """The children compile a batch; the first plan's apply must not wait for the last plan's
+    kernels (stand-ins here for the children and Triton's recording hook)."""
+    import contextlib
+    from concurrent.futures import Future, wait
+
+    from anneal.engine import compile_children
+
+    recording: dict = {"specs": None}
+
+    @contextlib.contextmanager
+    def fake_recording():
+        recording["specs"] = []
+        try:
+            yield recording["specs"]
+        finally:
+            recording["specs"] = None
+
+    class Children:
+        ready, start_error = True, None
+
+        def __init__(self):
+            self.futures: dict = {}
+
+        def start(self):
+            pass
+
+        def submit(self, specs, target, submitted):
+            for s in specs:
+                submitted.setdefault(s, self.futures.setdefault(s, Future()))
+            return submitted
+
+        def collect(self, subset, timeout_s, restart=True):
+            wait(list(subset.values()), timeout_s)
+            return {"kernels": len(subset), "cpu_s": 0.0, "errors": [], "broken": False}
+
+    monkeypatch.setattr(compile_children, "recording_launches", fake_recording)
+    monkeypatch.setattr(compile_children, "current_target", lambda: "sm_90")
+    runner = _Runner()
+    passes = runner.ahead_passes
+
+    def recorded_passes(ops, batch_sizes):
+        split_k = ops.choices["attention_decode"][1]["split_k"]
+        if recording["specs"] is not None:  # the record pass: one kernel per plan
+            recording["specs"].append(("decode_split", split_k))
+        return passes(ops, batch_sizes)
+
+    runner.ahead_passes = recorded_passes
+    ahead = CompileAhead(runner, processes=1)
+    children = ahead._children = Children()
+    ahead.submit([_plan(2), _plan(4)])
+    end = time.monotonic() + 30
+    while len(children.futures) < 2 and time.monotonic() < end:  # both recorded and submitted
+        time.sleep(0.01)
+    assert ahead.wait_for(_plan(2).hash, timeout_s=0.2) >= 0.1  # its kernel is not in yet
+    children.futures[("decode_split", 2)].set_result(0.5)
+    assert ahead.wait_for(_plan(2).hash, timeout_s=10) < 5
+    status = ahead.status()
+    assert _plan(2).hash in status["done"] and status["compiling"] == [_plan(4).hash]
+    children.futures[("decode_split", 4)].set_result(0.5)
+    assert ahead.wait(30)
+    done = ahead.status()["done"]
+    assert done[_plan(2).hash]["child_kernels"] == 1 and "error" not in done[_plan(4).hash]
