@@ -6,6 +6,7 @@
 #   compile-chat, compile-agentic   issue 5: `anneal compile` for the 8B shape (budget $BUDGET s)
 #   plans                           issue 5: reference vs hand-set vs compiled plans, both shapes
 #   overlap                         issue 5: hand-set plan with and without scheduler.overlap (8B, 1B)
+#   l2-prefetch                     issue 4: o_proj weights streamed into L2 during attention (bench/l2_prefetch.py)
 #   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
@@ -66,6 +67,9 @@ for s in "$@"; do
       stage plans-overlap-1b 300 $py bench/plans.py --model random:llama-3.2-1b \
         --plans bench/plans/triton.json,bench/plans/triton-overlap.json --traffic chat --rounds 2 \
         --name plans-overlap-llama-3.2-1b --out "$OUT"
+      ;;
+    l2-prefetch)  # issue 4: can o_proj read its weights from L2, streamed in during attention?
+      stage l2-prefetch 120 $py bench/l2_prefetch.py --out "$OUT"
       ;;
     serving)
       stage serving 480 $py bench/serving.py --serve "$py -m anneal.cli serve --model random:llama-3.1-8b \
