@@ -47,6 +47,7 @@ class CompileAhead:
         self._pending: set[str] = set()
         self._done: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._busy: set[str] = set()  # hashes of the batch compiling now
+        self._in_children: set[str] = set()  # of those, compiling in the children, not yet loaded
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -106,13 +107,15 @@ class CompileAhead:
         return False
 
     def wait_for(self, plan_hash: str, timeout_s: float = 10.0) -> float:
-        """If ``plan_hash`` is compiling now, wait (up to ``timeout_s``) until its batch is done;
-        returns the seconds waited. A plan still queued behind the batch is not waited for."""
+        """If ``plan_hash``'s kernels are compiling in the children now, wait (up to ``timeout_s``)
+        until they are in; returns the seconds waited. Not for a plan still queued, nor for one
+        compiling in-process: that batch releases its plans together, and the swarm's batches can
+        hold dozens of kernels of other plans (the apply compiles its own beside it instead)."""
         t0, waited = time.perf_counter(), False
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             with self._lock:
-                if plan_hash not in self._busy:
+                if plan_hash not in self._in_children:
                     break
             waited = True
             time.sleep(0.005)
@@ -130,6 +133,8 @@ class CompileAhead:
                 for plan in batch:
                     self._pending.discard(plan.hash)
                 self._busy = {p.hash for p in batch}
+                if self._children is not None and self._children.ready:  # what an apply may wait for
+                    self._in_children = set(self._busy)
             try:
                 results = self._compile(batch)
             except Exception as e:  # noqa: BLE001 - the worker must outlive any batch
@@ -139,7 +144,7 @@ class CompileAhead:
                 self._done.update(results)
                 while len(self._done) > _KEEP:
                     self._done.popitem(last=False)
-                self._busy = set()
+                self._busy, self._in_children = set(), set()
 
     def _compile(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
         """One collecting pass per plan, the compiles of all of them in one pool: the compile time of
@@ -151,7 +156,10 @@ class CompileAhead:
         results: dict[str, dict[str, Any]] = {p.hash: {} for p in plans}
         if self._children is not None and self._children.ready:
             futures = self._compile_in_children(plans, results)
-            if futures is not None:
+            if futures is None:
+                with self._lock:
+                    self._in_children = set()
+            else:
                 self._load_each(plans, results, futures, t0)
                 return results
         else:
@@ -227,6 +235,7 @@ class CompileAhead:
         with self._lock:
             self._done[plan_hash] = dict(result)
             self._busy.discard(plan_hash)
+            self._in_children.discard(plan_hash)
 
     def _collect(self, plan: Plan, result: dict[str, Any]) -> None:
         """Launch (compile-only) every kernel of ``plan``'s decode buckets; a failure is recorded
