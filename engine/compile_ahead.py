@@ -14,9 +14,11 @@ and a failure is recorded against the plan, never raised.
 Compiling on the worker thread cost the engine thread ~0.1-0.2 s of each candidate's apply and
 benchmark call in GIL and CPU (session 5). So by default the worker only records what the passes
 would compile, child processes compile it into Triton's disk cache (``compile_children``), and a
-second compile-only pass loads the binaries into the engine process. ``processes=0`` keeps the
-in-process compile. The swarm, whose candidates mostly hit the JIT cache, leaves compile-ahead off
-by default.
+second compile-only pass loads the binaries into the engine process, plan by plan: each is
+released as soon as its own kernels are in, and only then does an apply of it stop waiting
+(``wait_for``). ``processes=0`` keeps the in-process compile, whose batch releases its plans
+together and which an apply never waits for. The swarm, whose candidates mostly hit the JIT cache,
+leaves compile-ahead off by default.
 """
 
 from __future__ import annotations
@@ -147,8 +149,8 @@ class CompileAhead:
                 self._busy, self._in_children = set(), set()
 
     def _compile(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
-        """One collecting pass per plan, the compiles of all of them in one pool: the compile time of
-        a candidate's kernels (~0.5 s on the H200 host) is longer than a candidate's apply and
+        """All queued plans at once (children, or one in-process pool): the compile time of a
+        candidate's kernels (~0.5 s on the H200 host) is longer than a candidate's apply and
         benchmark, so plans compiled one after the other would only keep the queue behind."""
         from anneal.engine.parallel_jit import precompile
 
