@@ -134,6 +134,7 @@ _SPLIT_ROWS = (
     ("decode_step_ms", "decode step, mean", "ms"), ("prefill_ms", "steps with prompt tokens", "ms"),
     ("prefill_steps", "steps with prompt tokens, count", ""), ("between_steps_ms", "between steps", "ms"),
     ("drain_ms", "drain (after the last admission)", "ms"),
+    ("pipelined_steps", "steps launched ahead (overlap scheduling)", ""),
 )
 
 

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{res.extra['itl_p90_ms']:7.2f} ms  ttft p90 {res.extra['ttft_p90_ms']:8.1f} ms  "
               + "wall split: decode {decode_ms:.0f} ({decode_steps} steps, batch {decode_mean_batch:.1f}), "
                 "prefill {prefill_ms:.0f} ({prefill_steps} steps), between {between_steps_ms:.0f}, "
-                "drain {drain_ms:.0f} ms".format(**res.extra["time_split"]),
+                "drain {drain_ms:.0f} ms, pipelined {pipelined_steps}/{engine_steps} steps".format(
+                    **{"pipelined_steps": 0, "engine_steps": 0, **res.extra["time_split"]}),
               file=sys.stderr, flush=True)
 
     table = {}

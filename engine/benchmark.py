@@ -262,7 +262,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         _sync(engine)
         t0 = time.perf_counter()
         n_out = 0
-        split = _TimeSplit()
+        split = _TimeSplit(engine.stats())
         admit(0.0)
         while pending or engine.has_unfinished_requests():
             if not engine.has_unfinished_requests():  # idle until the next Poisson arrival
@@ -287,7 +287,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
             admit(now - t0)
         _sync(engine)  # whatever the last steps left on the device counts
         total = time.perf_counter() - t0
-        runs.append((total, n_out, sorted(first.values()), itl, split.summary(total)))
+        runs.append((total, n_out, sorted(first.values()), itl, split.summary(total, engine.stats())))
     if req.warmup and len(runs) > 1:
         runs = runs[1:]
     totals = [r[0] for r in runs]
@@ -313,7 +313,8 @@ class _TimeSplit:
     it came after the last request was admitted (the drain, where fewer requests are in flight).
     Says which part of a plan's tokens/s a kernel, a scheduler knob or the workload itself sets."""
 
-    def __init__(self) -> None:
+    def __init__(self, start) -> None:
+        self.start = start  # the engine's stats when the replay began
         self.decode_s = self.prefill_s = self.drain_s = 0.0
         self.decode_steps = self.prefill_steps = self.decode_seqs = self.prompt_tokens = 0
 
@@ -329,8 +330,12 @@ class _TimeSplit:
         if draining:
             self.drain_s += dt
 
-    def summary(self, total_s: float) -> dict[str, float]:
+    def summary(self, total_s: float, end) -> dict[str, float]:
         return {
+            # engine steps, and how many launched before the previous one's tokens were read
+            # (overlap scheduling; the step() calls above count differently when it pipelines)
+            "engine_steps": end.steps - self.start.steps,
+            "pipelined_steps": end.pipelined_steps - self.start.pipelined_steps,
             "total_ms": total_s * 1e3,
             "decode_ms": self.decode_s * 1e3, "decode_steps": self.decode_steps,
             "decode_mean_batch": self.decode_seqs / max(1, self.decode_steps),

@@ -61,6 +61,7 @@ class EngineStats:
     num_preemptions: int
     steps: int
     last_decode_only: bool = False  # the last step carried no prompt tokens
+    pipelined_steps: int = 0  # decode steps launched before the last one's tokens were read (overlap)
 
 
 @dataclass
@@ -276,6 +277,7 @@ class Engine:
             num_preemptions=s.num_preemptions,
             steps=self._steps,
             last_decode_only=self._last[2],
+            pipelined_steps=self._overlap.pipelined,
         )
 
     # ---- plans ------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ class OverlapStepper:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.inflight: Launched | None = None
+        self.pipelined = 0  # launches that took their ids from a step still in flight
 
     def step(self) -> list[RequestOutput]:
         # Taken before anything can raise: a failed step (the server aborts what was in flight)
@@ -93,6 +94,7 @@ class OverlapStepper:
             ids = prev.tokens if idx == list(range(len(prev.seqs))) else \
                 prev.tokens[torch.tensor(idx, device=prev.tokens.device)]
         tokens = e.runner.launch_decode(seqs, ids)
+        self.pipelined += prev is not None
         cuda = tokens.device.type == "cuda"
         host = torch.empty(len(seqs), dtype=tokens.dtype, pin_memory=cuda)
         host.copy_(tokens, non_blocking=cuda)

@@ -173,9 +173,12 @@ def test_a_workload_replay_with_overlap_delivers_every_token():
     shape = load_traffic("chat").scaled(60).model_copy(update={"concurrency": 3.0})
     req = BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"), num_requests=6,
                            steps=1, warmup=0)
-    got = {}
+    got, split = {}, {}
     for overlap in (False, True):
         eng = engine(overlap, max_model_len=128, blocks=256)
-        got[overlap] = run_benchmark(eng, req).extra["output_tokens"]
+        extra = run_benchmark(eng, req).extra
+        got[overlap], split[overlap] = extra["output_tokens"], extra["time_split"]
         assert not eng.has_unfinished_requests()
     assert got[True] == got[False] > 0
+    assert split[False]["pipelined_steps"] == 0
+    assert 0 < split[True]["pipelined_steps"] < split[True]["engine_steps"]  # the report says it engaged
