@@ -222,7 +222,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
-        result = self.runner.run(batch.items, batch.decode_only)
+        # Read before the step: afterwards a sequence that finished has had its blocks freed
+        # (num_computed_tokens 0), and the property would call the step a prefill.
+        decode_only = batch.decode_only
+        result = self.runner.run(batch.items, decode_only)
         outputs = []
         for (seq, n), token, lp in zip(batch.items, result.token_ids, result.logprobs):
             seq.num_computed_tokens += n
@@ -247,7 +250,7 @@ class Engine:
                 )
             )
         self._steps += 1
-        self._last = (len(batch), batch.num_tokens, batch.decode_only)
+        self._last = (len(batch), batch.num_tokens, decode_only)
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int, length: int | None = None) -> str | None:

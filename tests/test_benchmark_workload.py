@@ -84,3 +84,24 @@ def test_decode_benchmark_without_graph_replays_ranks_on_the_wall_clock(eng):
     assert res.extra["timing"].startswith("wall")
     assert res.median_ms == res.extra["wall_median_ms"] > 0
     assert len(res.samples_ms) == 5 and "host_median_ms" not in res.extra
+
+
+def test_time_split_counts_a_step_that_finishes_a_request_as_decode():
+    """A decode step in which a request ends frees its blocks; the step must still count as a
+    decode step (it did: as one carrying prompt tokens, so session 5's chat split overstated the
+    prefill share)."""
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", max_model_len=2048, num_kv_blocks=2048))
+    schedule = eng.scheduler.schedule
+    with_prompt = []
+
+    def counting():
+        batch = schedule()
+        if batch.items and not batch.decode_only:
+            with_prompt.append(batch.num_tokens)
+        return batch
+
+    eng.scheduler.schedule = counting
+    res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic="chat", num_requests=8, steps=1, warmup=0))
+    split = res.extra["time_split"]
+    assert split["prefill_steps"] == len(with_prompt) > 0
+    assert split["tokens_in_prefill_steps"] == sum(with_prompt)
