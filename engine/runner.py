@@ -129,27 +129,27 @@ class ModelRunner:
             logits, greedy = self._replay(seqs, ids)
         else:
             logits, greedy, _ = self.extend([(s, 1) for s in seqs], decode_only=True, ids=ids)
-        if all(s.params.temperature == 0 for s in seqs):
-            tokens = greedy if greedy is not None else self.ops.argmax(logits)
-        else:  # as _finish samples: every row through the sampler, seeded per sequence and step
-            if isinstance(logits, _LazyLogits):
-                logits = logits.compute()
-            tokens = self.ops.sample(logits, **self._sampling_tensors(seqs))
-        return tokens.clone()
+        return self._pick(seqs, logits, greedy)[0].clone()
+
+    def _pick(self, seqs: list[Sequence], logits, greedy, need_logits: bool = False):
+        """The tokens of ``seqs`` (on the device) and their logits, materialized when sampling or
+        ``need_logits`` asks: the graph's argmax (or one argmax kernel, no sort over the
+        vocabulary) when every row is greedy, else every row through the sampler, seeded per
+        sequence and step."""
+        all_greedy = all(s.params.temperature == 0 for s in seqs)
+        if isinstance(logits, _LazyLogits) and (not all_greedy or need_logits):
+            logits = logits.compute()
+        if all_greedy:
+            return (greedy if greedy is not None else self.ops.argmax(logits)), logits
+        return self.ops.sample(logits, **self._sampling_tensors(seqs)), logits
 
     def _finish(self, items, rows, seqs, logits, greedy) -> StepResult:
         out: list[int | None] = [None] * len(items)
         lps: list[TokenLogprobs | None] = [None] * len(items)
         if not rows:
             return StepResult(out, lps)
-        all_greedy = all(s.params.temperature == 0 for s in seqs)
         want_lp = [s.params.logprobs is not None for s in seqs]
-        if isinstance(logits, _LazyLogits) and (not all_greedy or any(want_lp)):
-            logits = logits.compute()
-        if all_greedy:  # the graph's argmax, or one argmax kernel (no sort over the vocabulary)
-            tokens = greedy if greedy is not None else self.ops.argmax(logits)
-        else:
-            tokens = self.ops.sample(logits, **self._sampling_tensors(seqs))
+        tokens, logits = self._pick(seqs, logits, greedy, need_logits=any(want_lp))
         if any(want_lp):
             lp = torch.log_softmax(logits.float(), dim=-1)
             n_top = max(s.params.logprobs or 0 for s in seqs)
