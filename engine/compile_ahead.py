@@ -44,7 +44,7 @@ class CompileAhead:
 
         self.runner = runner
         self.processes = default_processes() if processes is None else processes
-        self._children = None  # CompileChildren, started with the first batch
+        self._children = None  # CompileChildren: started by the first submit (or start_children)
         self._queue: queue.Queue[Plan] = queue.Queue()
         self._pending: set[str] = set()
         self._done: OrderedDict[str, dict[str, Any]] = OrderedDict()

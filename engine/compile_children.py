@@ -280,13 +280,6 @@ class CompileChildren:
         self.close()
         self.start()
 
-    def compile(self, specs: list[KernelSpec], target: Any) -> dict[str, Any]:
-        """``submit`` then ``collect``, with the wall seconds under ``"s"``."""
-        t0 = time.perf_counter()
-        report = self.collect(self.submit(specs, target))
-        report["s"] = time.perf_counter() - t0
-        return report
-
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None

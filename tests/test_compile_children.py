@@ -82,7 +82,8 @@ def children():
 
 def test_a_child_compiles_what_the_engine_process_then_finds_on_disk(kernel, children):
     fn, path = kernel
-    report = children.compile([_spec(fn, path, 128), _spec(fn, path, 128), _spec(fn, path, 256)], HOPPER)
+    report = children.collect(children.submit([_spec(fn, path, 128), _spec(fn, path, 128), _spec(fn, path, 256)],
+                                               HOPPER))
     assert report["kernels"] == 2 and not report["errors"]  # duplicates compile once
     hits: list[bool] = []
     triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
@@ -99,7 +100,7 @@ def test_a_kernel_the_child_cannot_build_comes_back_as_an_error(kernel, children
     stale = _spec(fn, path, 128, source_key="not-this-source")
     missing = KernelSpec(module="anneal_no_such_module", qualname="k", module_file=None, source_key="x",
                          specialization="{}")
-    report = children.compile([stale, missing, _spec(fn, path, 64)], HOPPER)
+    report = children.collect(children.submit([stale, missing, _spec(fn, path, 64)], HOPPER))
     assert report["kernels"] == 1
     assert len(report["errors"]) == 2
     assert "source differs" in report["errors"][0] and "ModuleNotFoundError" in report["errors"][1]
