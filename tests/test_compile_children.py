@@ -181,7 +181,7 @@ def _ended(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as f:
             return any(line.split()[1] == "Z" for line in f if line.startswith("State:"))
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before, or while, /proc was read
         return True
 
 
