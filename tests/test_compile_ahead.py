@@ -43,6 +43,22 @@ class _Runner:
         return [lambda bs=bs: run(bs) for bs in sorted(batch_sizes, reverse=True)]
 
 
+def _hold_passes(runner: _Runner, split_k: int | None = None) -> tuple[threading.Event, threading.Event]:
+    """Make the runner's passes (for plans of ``split_k``, or all) block until ``release`` is set;
+    ``started`` is set when one is blocked."""
+    started, release = threading.Event(), threading.Event()
+    passes = runner.ahead_passes
+
+    def held(ops, batch_sizes):
+        if split_k is None or ops.choices["attention_decode"][1]["split_k"] == split_k:
+            started.set()
+            release.wait(30)
+        return passes(ops, batch_sizes)
+
+    runner.ahead_passes = held
+    return started, release
+
+
 def test_each_plan_is_compiled_once_on_the_worker_thread():
     runner = _Runner()
     ahead = CompileAhead(runner, processes=0)
@@ -111,16 +127,7 @@ def test_the_ahead_view_leaves_the_engine_kv_cache_and_buffers_alone():
 
 def test_plans_queued_behind_a_compile_are_compiled_together():
     runner = _Runner()
-    release, started = threading.Event(), threading.Event()
-    passes = runner.ahead_passes
-
-    def slow_first(ops, batch_sizes):
-        if ops.choices["attention_decode"][1]["split_k"] == 1:
-            started.set()
-            release.wait(30)
-        return passes(ops, batch_sizes)
-
-    runner.ahead_passes = slow_first
+    started, release = _hold_passes(runner, split_k=1)
     ahead = CompileAhead(runner, processes=0)
     ahead.submit([_plan(1)])
     assert started.wait(30)
@@ -156,15 +163,7 @@ def test_an_apply_does_not_wait_for_an_in_process_batch():
     """In-process, a batch releases its plans together, and the swarm's batches hold other plans'
     kernels too: the apply compiles its own beside it rather than wait for all of them."""
     runner = _Runner()
-    release, started = threading.Event(), threading.Event()
-    passes = runner.ahead_passes
-
-    def slow(ops, batch_sizes):
-        started.set()
-        release.wait(30)
-        return passes(ops, batch_sizes)
-
-    runner.ahead_passes = slow
+    started, release = _hold_passes(runner)
     ahead = CompileAhead(runner, processes=0)
     ahead.submit([_plan(2)])
     assert started.wait(30)

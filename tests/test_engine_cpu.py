@@ -12,16 +12,9 @@ import torch
 from anneal.engine.llm import Engine, EngineArgs
 from anneal.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MAX_LEN = 96
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model's ops are too small to split; threads only fight on a loaded CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -7,20 +7,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from anneal.engine.llm import Engine, EngineArgs
 from anneal.engine.overlap import PLACEHOLDER
 from anneal.engine.plan import Plan
 from anneal.engine.sampling_params import SamplingParams
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def engine(overlap: bool, **kw) -> Engine:

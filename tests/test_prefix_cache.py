@@ -12,25 +12,17 @@ import functools
 import random
 
 import pytest
-import torch
 
 from anneal.engine.llm import Engine, EngineArgs
 from anneal.engine.plan import Plan, SchedulerKnobs
 from anneal.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MODELS = ["random:tiny", "random:tiny-qwen3"]
 MAX_MODEL_LEN = 160
 NEW_TOKENS = 10
 LOGPROB_TOL = 2e-4  # fp32; paths differ only in summation order
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model's ops are too small to split; threads only fight on a loaded CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def workload(seed: int):

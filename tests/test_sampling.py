@@ -17,14 +17,7 @@ from anneal.engine.llm import Engine, EngineArgs
 from anneal.engine.ops.reference import sample
 from anneal.engine.sampling_params import SamplingParams
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model's ops are too small to split; threads only fight on a loaded CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def call(logits, temperature, top_p=None, top_k=None, seeds=None, steps=None):

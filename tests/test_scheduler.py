@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from anneal.engine.block_manager import BlockManager
 from anneal.engine.llm import Engine, EngineArgs
@@ -18,6 +17,8 @@ from anneal.engine.plan import Plan, SchedulerKnobs
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.scheduler import Scheduler
 from anneal.engine.sequence import Sequence, Status
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_seq(rid: str, tokens: list[int], max_tokens: int = 4) -> Sequence:
@@ -358,16 +359,6 @@ def test_no_chunked_prefill_needs_budget_for_a_whole_context():
 
 
 # ---- through the real engine -----------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model's ops are too small to split; threads only fight on a loaded CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 
 def tiny_engine(num_kv_blocks: int, **knobs) -> Engine:
