@@ -319,13 +319,21 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         out, compiled, baseline, ledger.experiments(), t0=t0_wall, wall_s=wall,
         spec_key=setting.decode_spec.key(), per_op=per_op, base_m=promo.baseline_m, win_m=promo.winner_m,
         rejected=promo.rejected, notes=board.notes, calibration=cost.calibrations() if cost else {},
-        tp_choice=tp_choice, cross=cross,
+        tp_choice=tp_choice, cross=cross, roofline=_slow_roofline(slow_state),
     )
     gain = next((g.ratio for g in promo.gains if g.metric == "tokens_per_s"), None)
     publish_result(settings.report_to, compiled)
     report_progress(settings.report_to, phase="Done", experiments=len(ledger), best_speedup=gain,
             best_plan_hash=compiled.plan.hash, message=f"done in {wall:.0f}s")
     return compiled
+
+
+def _slow_roofline(state) -> CostModel | None:
+    """The slow tier's cost model (all its layers, its measured bandwidth): the report's headroom."""
+    try:
+        return CostModel.from_state(state)
+    except ValueError:
+        return None
 
 
 def _read_baseline(path: str) -> Plan:

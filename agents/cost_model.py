@@ -59,23 +59,28 @@ def shape_from_state(state: EngineState) -> ModelShape:
         except ImportError:
             cfg = {}
     if cfg:
-        H = int(cfg.get("hidden_size"))
-        heads = int(cfg.get("num_attention_heads", cfg.get("num_heads", 1)))
-        return ModelShape(
-            hidden_size=H,
-            num_layers=int(cfg.get("num_hidden_layers", cfg.get("num_layers", state.num_layers_total or 1))),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads", cfg.get("num_kv_heads", heads))),
-            head_dim=int(cfg.get("head_dim") or H // heads),
-            intermediate_size=int(cfg.get("intermediate_size")),
-            vocab_size=int(cfg.get("vocab_size")),
-            dtype_bytes=dtype_bytes,
-        )
+        return shape_from_config(cfg, dtype_bytes, default_layers=state.num_layers_total or 1)
     if name in MODEL_SHAPES:
         return MODEL_SHAPES[name].model_copy(update={"dtype_bytes": dtype_bytes})
     raise ValueError(
         f"no shape for model {state.model!r}: the engine reports no config and it is not one of "
         f"{sorted(MODEL_SHAPES)}"
+    )
+
+
+def shape_from_config(cfg: dict[str, Any], dtype_bytes: int = 2, default_layers: int = 1) -> ModelShape:
+    """A ModelShape from a Hugging Face-style config dict (the engine's ``config``)."""
+    H = int(cfg.get("hidden_size"))
+    heads = int(cfg.get("num_attention_heads", cfg.get("num_heads", 1)))
+    return ModelShape(
+        hidden_size=H,
+        num_layers=int(cfg.get("num_hidden_layers", cfg.get("num_layers", default_layers))),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", cfg.get("num_kv_heads", heads))),
+        head_dim=int(cfg.get("head_dim") or H // heads),
+        intermediate_size=int(cfg.get("intermediate_size")),
+        vocab_size=int(cfg.get("vocab_size")),
+        dtype_bytes=dtype_bytes,
     )
 
 
@@ -106,15 +111,19 @@ class OpCost:
 
 def op_costs(shape: ModelShape, spec: BenchSpec, tp: int = 1) -> dict[str, OpCost]:
     """Bytes moved and FLOPs of each op for one step of ``spec`` (per layer for the layer ops)."""
+    if spec.mode == "prefill":  # causal: each query sees half the prompt on average
+        B, L = spec.batch_size, spec.prompt_len
+        return _costs(shape, tokens=L * B, rows=B, keys=L / 2, tp=tp)
+    return _costs(shape, tokens=spec.batch_size, rows=spec.batch_size, keys=spec.context_len, tp=tp)
+
+
+def _costs(shape: ModelShape, tokens: float, rows: float, keys: float, tp: int) -> dict[str, OpCost]:
+    """``tokens`` through the layers, ``rows`` sequences, each attending ``keys`` positions (floats:
+    a replay's mean batch and context give its decode steps' summed bytes exactly)."""
     b = shape.dtype_bytes
     H, D, I, V = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size
     Hq, Hkv = shape.num_heads / tp, max(1.0, shape.num_kv_heads / tp)
-    if spec.mode == "prefill":
-        T, B, L = spec.prompt_len * spec.batch_size, spec.batch_size, spec.prompt_len
-        attn_keys = L / 2  # causal: each query sees half the prompt on average
-    else:
-        B, L = spec.batch_size, spec.context_len
-        T, attn_keys = B, L
+    T, B = tokens, rows
 
     def linear(n_out: float, k_in: float) -> OpCost:
         return OpCost(bytes=b * (n_out * k_in + T * (n_out + k_in)), flops=2.0 * T * n_out * k_in)
@@ -126,8 +135,8 @@ def op_costs(shape: ModelShape, spec: BenchSpec, tp: int = 1) -> dict[str, OpCos
         "qkv_proj": linear(qkv_out, H),
         "qk_rope_store": OpCost(bytes=b * T * qkv_out * 2, flops=6.0 * T * (Hq + Hkv) * D),
         "attention": OpCost(
-            bytes=b * (2.0 * B * attn_keys * Hkv * D + 2 * T * Hq * D),
-            flops=4.0 * T * Hq * attn_keys * D,
+            bytes=b * (2.0 * B * keys * Hkv * D + 2 * T * Hq * D),
+            flops=4.0 * T * Hq * keys * D,
         ),
         "o_proj": linear(H, Hq * D),
         "gate_up_proj": linear(2 * I / tp, H),
@@ -226,6 +235,18 @@ class CostModel:
                     total *= step.factor
                     corrected = True
         return Prediction(ms=total, per_op_ms=per_op, corrected=corrected)
+
+    def roofline_step_ms(self, tokens: float, rows: float, keys: float) -> float:
+        """One step of ``tokens`` from ``rows`` sequences, each token attending ``keys`` positions,
+        at the roofline alone: every op at the larger of its bytes / copy bandwidth and FLOPs /
+        matmul rate, no launch cost, no fitted correction. What no plan's kernels can beat without
+        reading less or computing less. A decode step: ``tokens == rows``."""
+        layers = self.layers or self.shape.num_layers
+        total = 0.0
+        for op, c in _costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1).items():
+            ms = 1e3 * max(c.bytes / (self.hw.mem_gbps * 1e9), c.flops / (self.hw.matmul_tflops * 1e12))
+            total += ms * (layers if op in PER_LAYER_OPS else 1)
+        return total
 
     def allreduce_ms(self, spec: BenchSpec, tp: int) -> float:
         """Two ring all-reduces of the hidden state per layer under tensor parallelism."""
@@ -346,3 +367,31 @@ def _delta_key(op: str, plan: Plan, spec: BenchSpec) -> str:
 
 def _step_key(mode: str) -> str:
     return f"step/{mode}"
+
+
+def replay_headroom(split: dict[str, float], model: CostModel) -> dict[str, float] | None:
+    """How much faster a workload replay (``time_split`` of a slow-tier benchmark) could get from
+    plan changes that keep its tokens: every step at the roofline (``roofline_step_ms`` at the
+    steps' mean tokens, rows and positions attended), nothing between steps.
+
+    Bytes and FLOPs are linear in those, so the mean step gives max(summed bytes time, summed FLOPs
+    time) per op, never more than the steps' own rooflines summed: ``bound`` is an upper bound on
+    the tokens/s any plan can multiply this replay's by without reading or computing less per token
+    (quantization, speculative decoding). None when the split lacks what it needs (an engine from
+    before it reported the positions attended)."""
+    need = ("total_ms", "decode_ms", "decode_steps", "decode_mean_batch", "decode_mean_context",
+            "prefill_ms", "prefill_steps", "tokens_in_prefill_steps", "prefill_mean_rows", "prefill_mean_context")
+    if not split or any(k not in split for k in need) or not split["decode_steps"]:
+        return None
+    rows = split["decode_mean_batch"]
+    decode = model.roofline_step_ms(rows, rows, split["decode_mean_context"])
+    prefill = 0.0
+    if split["prefill_steps"]:
+        per_step = split["tokens_in_prefill_steps"] / split["prefill_steps"]
+        prefill = split["prefill_steps"] * model.roofline_step_ms(
+            per_step, split["prefill_mean_rows"], split["prefill_mean_context"])
+    step = split["decode_ms"] / split["decode_steps"]
+    best = prefill + split["decode_steps"] * decode
+    return {"roofline_step_ms": decode, "decode_step_ms": step, "of_roofline": decode / step,
+            "prefill_roofline_ms": prefill, "prefill_ms": split["prefill_ms"],
+            "bound_ms": best, "bound": split["total_ms"] / best if best > 0 else math.inf}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from anneal.engine.plan import CompiledPlan, Plan
+from anneal.agents.cost_model import CostModel, replay_headroom
 from anneal.agents.types import Experiment, Measurement
 
 
@@ -157,12 +158,43 @@ def time_split_table(base: list[Measurement], win: list[Measurement]) -> list[st
     return L
 
 
+def headroom_table(base: list[Measurement], win: list[Measurement], model: CostModel | None) -> list[str]:
+    """Report lines: how far each replay's decode steps are from the bandwidth roofline, and the
+    most any plan that keeps the tokens could gain on this workload (``replay_headroom``). Says
+    whether a gain target is still open, or only reachable by reading fewer bytes per token."""
+    def med(ms: list[Measurement]) -> dict[str, float] | None:
+        rows = [h for m in ms if (h := replay_headroom(m.time_split or {}, model)) is not None]
+        return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else None
+
+    if model is None:
+        return []
+    b, w = med(base), med(win)
+    if b is None or w is None:
+        return []
+    return [
+        "", f"## Headroom: the replay at the roofline ({model.hw.mem_gbps:.0f} GB/s copy bandwidth)", "",
+        "| | baseline | compiled |", "|---|---|---|",
+        f"| decode step at the roofline (its batch and context) | {b['roofline_step_ms']:.3f} ms "
+        f"| {w['roofline_step_ms']:.3f} ms |",
+        f"| decode step, measured (host time included) | {b['decode_step_ms']:.3f} ms | {w['decode_step_ms']:.3f} ms |",
+        f"| share of the roofline | {b['of_roofline']:.1%} | {w['of_roofline']:.1%} |",
+        f"| steps with prompt tokens: measured / at the roofline | {b['prefill_ms']:.4g} / "
+        f"{b['prefill_roofline_ms']:.4g} ms | {w['prefill_ms']:.4g} / {w['prefill_roofline_ms']:.4g} ms |",
+        f"| replay at the bound (every step at the roofline, nothing between steps) | {b['bound_ms']:.4g} ms "
+        f"| {w['bound_ms']:.4g} ms |",
+        f"| most tokens/s any plan could add to this replay | x{b['bound']:.3f} | x{w['bound']:.3f} |",
+        "",
+        f"No plan that keeps the tokens and reads and computes as much per token (no quantization, no "
+        f"speculative decoding) can beat the baseline's replay by more than x{b['bound']:.3f}.",
+    ]
+
+
 def write_report(
     out: Path, compiled: CompiledPlan, baseline: Plan, exps: list[Experiment], *, t0: float,
     wall_s: float, spec_key: str, per_op: tuple[dict[str, float], dict[str, float], str] | None,
     base_m: list[Measurement], win_m: list[Measurement], rejected: list[tuple[str, str]],
     notes: list[str], calibration: dict[str, Any], tp_choice: tuple[int, dict[int, float]] | None,
-    cross: dict[str, Any] | None = None,
+    cross: dict[str, Any] | None = None, roofline: CostModel | None = None,
 ) -> Path:
     plot_progress(out / "search_progress.png", exps, spec_key, t0)
     if per_op:
@@ -193,6 +225,7 @@ def write_report(
     if compiled.plan.hash == baseline.hash:
         L += ["", "No candidate beat the baseline and passed every gate: the baseline plan is kept."]
     L += time_split_table(base_m, win_m)
+    L += headroom_table(base_m, win_m, roofline)
     L += ["", "## What changed", ""] + [f"- {line}" for line in plan_diff(baseline, compiled.plan)]
     L += ["", "## Verification", ""]
     checks = compiled.verification.get("checks", [])

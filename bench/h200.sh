@@ -54,7 +54,10 @@ for s in "$@"; do
       # The reference plan's decode attention gathers max_model_len-wide block tables (it exists
       # for verification), so a replay of it at 8192 context takes minutes: opt in with REFERENCE=1.
       plans=$([ "${REFERENCE:-0}" = 1 ] && echo reference,)bench/plans/triton.json
-      for d in "$OUT" "${PLANS_DIR:-/nonexistent}"; do
+      # PLANS_DIR: more folders (colon-separated) holding compile-chat/ and compile-agentic/, e.g.
+      # the lanes' own ($OUT/gpu0:$OUT/gpu1) when this runs after them
+      IFS=: read -ra dirs <<< "$OUT:${PLANS_DIR:-}"
+      for d in "${dirs[@]}"; do
         for c in compile-chat compile-agentic; do [ -f "$d/$c/plan.json" ] && plans="$plans,$d/$c/plan.json"; done
       done
       stage plans "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "$plans" --traffic "${TRAFFIC:-chat,agentic}" \

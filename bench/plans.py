@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
+    from anneal.agents.cost_model import CostModel, replay_headroom, shape_from_config
     from anneal.agents.setting import gpu_requests
+    from anneal.agents.types import HardwareSpec
+    from anneal.engine.hardware import measure
     from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
     from anneal.engine.llm import Engine, EngineArgs
     from anneal.engine.traffic import load_traffic
@@ -67,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     eng = Engine(EngineArgs(model=args.model, device=device))
     start_s = time.perf_counter() - t0
+    hw = measure(eng.device)  # the roofline each replay's decode steps are placed against
+    roofline = CostModel(
+        shape=shape_from_config(eng.config.model_dump(), eng.dtype.itemsize),
+        hw=HardwareSpec(name=str(eng.device), mem_gbps=hw["copy_gbps"], matmul_tflops=hw["matmul_tflops"],
+                        memory_gb=hw.get("memory_gb") or 1))
     shapes = []
     for name in args.traffic.split(","):
         t = load_traffic(name)
@@ -93,13 +101,18 @@ def main(argv: list[str] | None = None) -> int:
                                                   num_requests=n, steps=1, warmup=1, seed=r))
         row = {"round": r, "tokens_per_s": res.tokens_per_s, "wall_ms": res.median_ms,
                "apply_s": rep.total_s, **res.extra}
+        head = replay_headroom(res.extra["time_split"], roofline)
+        if head:
+            row["headroom"] = head
         runs.setdefault((label, sname), []).append(row)
         print(f"round {r} {label:>24} on {sname:<8} {res.tokens_per_s:9.1f} tok/s  itl p90 "
               f"{res.extra['itl_p90_ms']:7.2f} ms  ttft p90 {res.extra['ttft_p90_ms']:8.1f} ms  "
               + "wall split: decode {decode_ms:.0f} ({decode_steps} steps, batch {decode_mean_batch:.1f}), "
                 "prefill {prefill_ms:.0f} ({prefill_steps} steps), between {between_steps_ms:.0f}, "
                 "drain {drain_ms:.0f} ms, pipelined {pipelined_steps}/{engine_steps} steps".format(
-                    **{"pipelined_steps": 0, "engine_steps": 0, **res.extra["time_split"]}),
+                    **{"pipelined_steps": 0, "engine_steps": 0, **res.extra["time_split"]})
+              + (f"; decode steps at {head['of_roofline']:.1%} of the roofline, bound x{head['bound']:.3f}"
+                 if head else ""),
               file=sys.stderr, flush=True)
 
     table = {}
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(args.name or f"plans-{args.model.removeprefix('random:')}", {
         "benchmark": "plans side by side (workload replay, closed loop at the shape's concurrency)",
         "environment": environment(), "model": args.model, "device": device, "engine_start_s": start_s,
+        "hardware": hw,
         "plans": {label: plan.model_dump(mode="json") for label, plan in plans},
         "shapes": {s: {"traffic": t.model_dump(mode="json"), "num_requests": n} for s, t, n in shapes},
         "results": table,

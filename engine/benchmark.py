@@ -317,16 +317,21 @@ class _TimeSplit:
         self.start = start  # the engine's stats when the replay began
         self.decode_s = self.prefill_s = self.drain_s = 0.0
         self.decode_steps = self.prefill_steps = self.decode_seqs = self.prompt_tokens = 0
+        self.decode_context = 0  # KV positions the decode steps' rows attended, summed
+        self.prefill_rows = self.prefill_context = 0  # the same for the steps with prompt tokens
 
     def add(self, stats, dt: float, draining: bool) -> None:
         if stats.last_decode_only:
             self.decode_s += dt
             self.decode_steps += 1
             self.decode_seqs += stats.last_batch_size
+            self.decode_context += stats.last_context_tokens
         else:
             self.prefill_s += dt
             self.prefill_steps += 1
             self.prompt_tokens += stats.last_num_tokens
+            self.prefill_rows += stats.last_batch_size
+            self.prefill_context += stats.last_context_tokens
         if draining:
             self.drain_s += dt
 
@@ -340,8 +345,12 @@ class _TimeSplit:
             "decode_ms": self.decode_s * 1e3, "decode_steps": self.decode_steps,
             "decode_mean_batch": self.decode_seqs / max(1, self.decode_steps),
             "decode_step_ms": self.decode_s * 1e3 / max(1, self.decode_steps),
+            # with the batch, what the decode steps had to read: the roofline headroom in reports
+            "decode_mean_context": self.decode_context / max(1, self.decode_seqs),
             "prefill_ms": self.prefill_s * 1e3, "prefill_steps": self.prefill_steps,
             "tokens_in_prefill_steps": self.prompt_tokens,
+            "prefill_mean_rows": self.prefill_rows / max(1, self.prefill_steps),
+            "prefill_mean_context": self.prefill_context / max(1, self.prompt_tokens),  # per token
             "between_steps_ms": (total_s - self.decode_s - self.prefill_s) * 1e3,
             "drain_ms": self.drain_s * 1e3,
         }

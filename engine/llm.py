@@ -62,6 +62,7 @@ class EngineStats:
     steps: int
     last_decode_only: bool = False  # the last step carried no prompt tokens
     pipelined_steps: int = 0  # decode steps launched before the last one's tokens were read (overlap)
+    last_context_tokens: int = 0  # KV positions the last step's tokens attend, summed (its KV reads)
 
 
 @dataclass
@@ -164,7 +165,7 @@ class Engine:
         self._overlap = OverlapStepper(self)  # scheduler.overlap: the decode step in flight
         self._requests: dict[str, Sequence] = {}
         self._steps = 0
-        self._last = (0, 0, False)
+        self._last = (0, 0, False, 0)  # batch, tokens, decode-only, tokens attended (see stats)
 
     # ---- sizing -----------------------------------------------------------------------------------
 
@@ -225,6 +226,8 @@ class Engine:
         # Read before the step: afterwards a sequence that finished has had its blocks freed
         # (num_computed_tokens 0), and the property would call the step a prefill.
         decode_only = batch.decode_only
+        # positions the step's tokens attend (a chunk of n after c computed: c+1 ... c+n)
+        attended = sum(n * seq.num_computed_tokens + n * (n + 1) // 2 for seq, n in batch.items)
         result = self.runner.run(batch.items, decode_only)
         outputs = []
         for (seq, n), token, lp in zip(batch.items, result.token_ids, result.logprobs):
@@ -250,7 +253,7 @@ class Engine:
                 )
             )
         self._steps += 1
-        self._last = (len(batch), batch.num_tokens, decode_only)
+        self._last = (len(batch), batch.num_tokens, decode_only, attended)
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int, length: int | None = None) -> str | None:
@@ -280,6 +283,7 @@ class Engine:
             num_preemptions=s.num_preemptions,
             steps=self._steps,
             last_decode_only=self._last[2],
+            last_context_tokens=self._last[3],
             pipelined_steps=self._overlap.pipelined,
         )
 

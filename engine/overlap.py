@@ -103,12 +103,13 @@ class OverlapStepper:
             event = torch.cuda.Event()
             event.record()
         index = []
+        attended = sum(len(s) for s in seqs)  # each row attends its whole sequence, this token included
         for s in seqs:
             index.append(len(s.token_ids))
             s.token_ids.append(PLACEHOLDER)
             s.num_computed_tokens += 1
         e._steps += 1
-        e._last = (len(seqs), len(seqs), True)
+        e._last = (len(seqs), len(seqs), True, attended)
         return Launched(seqs, tokens, host, event, index)
 
     def _complete(self, launched: Launched) -> list[RequestOutput]:

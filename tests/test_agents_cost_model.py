@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from anneal.engine.plan import OpChoice, Plan
-from anneal.agents.cost_model import CostModel, shape_from_state
+from anneal.agents.cost_model import CostModel, replay_headroom, shape_from_state
 from anneal.agents.types import BenchSpec, EngineState, HardwareInfo, HardwareSpec, Measurement
 
 H200 = EngineState(model="random:llama-3.1-8b", device="cuda", gpu_name="NVIDIA H200", dtype="bfloat16",
@@ -146,3 +146,52 @@ def test_lab_prunes_a_combination_of_known_losers_without_per_op_timings(tmp_pat
             led.close()
     finally:
         srv.shutdown()
+
+
+def test_decode_roofline_reads_the_weights_once_and_each_row_its_kv():
+    """A decode step at the roofline reads every linear weight once (the embedding table only by
+    row) and each row's KV; more rows add KV and activations, never weights again."""
+    cm = CostModel.from_state(H200)
+    s, bw = cm.shape, cm.hw.mem_gbps * 1e9
+    embedding = s.vocab_size * s.hidden_size * s.dtype_bytes
+    weights_ms = (s.weight_bytes - embedding) / bw * 1e3
+    one = cm.roofline_step_ms(1, 1, 1)
+    assert one == pytest.approx(weights_ms, rel=0.01)
+    kv_per_pos = 2 * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype_bytes
+    assert cm.roofline_step_ms(1, 1, 4097) - one == pytest.approx(4096 * kv_per_pos / bw * 1e3, rel=0.01)
+    assert cm.roofline_step_ms(16, 16, 1) < 1.05 * one  # weights dominate a small batch
+
+
+def test_a_long_prompt_step_is_bound_by_the_matmul_rate():
+    cm = CostModel.from_state(H200)
+    T = 8192
+    flops_ms = 2 * T * (cm.shape.weight_bytes / cm.shape.dtype_bytes - 2 * cm.shape.vocab_size
+                        * cm.shape.hidden_size) / (cm.hw.matmul_tflops * 1e12) * 1e3
+    ms = cm.roofline_step_ms(T, 1, T / 2)
+    assert ms > flops_ms and ms > 3 * cm.roofline_step_ms(1, 1, 1)
+
+
+def test_replay_headroom_is_a_bound_from_the_steps_means():
+    """Bytes and FLOPs are linear in tokens, rows and positions attended: the steps' means give
+    their summed roofline exactly when every step is bound by the same resource, and never more
+    than the per-step rooflines summed; prompt steps count at their roofline too."""
+    cm = CostModel.from_state(H200)
+    steps = [(1, 300), (4, 900), (9, 4000), (2, 50)]  # (rows, positions attended per row)
+    rows = sum(b for b, _ in steps)
+    ctx = sum(b * c for b, c in steps) / rows
+    exact = sum(cm.roofline_step_ms(b, b, c) for b, c in steps)
+    prompts = [(2048, 1, 1024.5), (512, 3, 300.0)]  # (tokens, rows, positions per token)
+    p_tokens = sum(t for t, _, _ in prompts)
+    p_exact = sum(cm.roofline_step_ms(*p) for p in prompts)
+    split = {"total_ms": 400.0, "decode_ms": 30.0, "decode_steps": 4, "decode_mean_batch": rows / 4,
+             "decode_mean_context": ctx, "prefill_ms": 300.0, "prefill_steps": 2,
+             "tokens_in_prefill_steps": p_tokens, "prefill_mean_rows": 2.0,
+             "prefill_mean_context": sum(t * c for t, _, c in prompts) / p_tokens}
+    head = replay_headroom(split, cm)
+    assert 4 * head["roofline_step_ms"] == pytest.approx(exact, rel=1e-9)  # all memory-bound
+    assert head["decode_step_ms"] == 7.5 and head["of_roofline"] == pytest.approx(exact / 4 / 7.5)
+    assert 0 < head["prefill_roofline_ms"] <= p_exact * (1 + 1e-9)
+    assert head["bound_ms"] == pytest.approx(head["prefill_roofline_ms"] + exact)
+    assert head["bound"] == pytest.approx(400.0 / head["bound_ms"]) and head["bound"] > 1
+    assert replay_headroom({k: v for k, v in split.items() if k != "decode_mean_context"}, cm) is None
+    assert replay_headroom({**split, "decode_steps": 0}, cm) is None

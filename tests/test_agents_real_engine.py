@@ -161,6 +161,7 @@ def test_anneal_compile_on_tiny_cpu_as_the_readme_runs_it(tmp_path):
     assert (out / "report.md").exists() and (out / "search_progress.png").exists()
     report = (out / "report.md").read_text()
     assert "Where the replay's time went" in report and "decode-only steps" in report
+    assert "Headroom: the replay at the roofline" in report and "most tokens/s any plan could add" in report
     led = Ledger(out / "ledger.sqlite")
     assert len(led) >= 5
     led.close()

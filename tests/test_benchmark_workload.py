@@ -105,3 +105,43 @@ def test_time_split_counts_a_step_that_finishes_a_request_as_decode():
     split = res.extra["time_split"]
     assert split["prefill_steps"] == len(with_prompt) > 0
     assert split["tokens_in_prefill_steps"] == sum(with_prompt)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_time_split_reports_the_positions_decode_rows_attend(overlap):
+    """``decode_mean_context`` (with the batch, what the decode steps read: the report's roofline
+    headroom) is the mean over decode rows of the positions each attends, its new token included;
+    ``prefill_mean_context`` the same per token of the steps with prompt tokens (a chunk of n after
+    c computed attends c+1 ... c+n)."""
+    from anneal.engine.plan import Plan, SchedulerKnobs
+
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", max_model_len=512, num_kv_blocks=512))
+    eng.apply_plan(Plan(scheduler=SchedulerKnobs(overlap=overlap)))
+    schedule = eng.scheduler.schedule
+    rows: list[int] = []
+    prompt_steps: list[tuple[int, int]] = []  # (tokens, positions attended)
+
+    def counting():
+        batch = schedule()
+        if batch.items and batch.decode_only:
+            rows.extend(len(s) for s, _ in batch.items)
+        elif batch.items:
+            prompt_steps.append((batch.num_tokens, sum(sum(range(s.num_computed_tokens + 1,
+                                                                 s.num_computed_tokens + n + 1))
+                                                       for s, n in batch.items)))
+        return batch
+
+    eng.scheduler.schedule = counting
+    shape = load_traffic("chat").scaled(200).model_copy(update={"concurrency": 3.0})
+    res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                              num_requests=6, steps=1, warmup=0))
+    split = res.extra["time_split"]
+    assert rows and split["decode_mean_context"] > 1
+    if overlap:  # a step() that only completes the step in flight is counted with that step's rows
+        assert split["decode_mean_context"] == pytest.approx(sum(rows) / len(rows), rel=0.1)
+    else:
+        assert split["decode_mean_context"] == pytest.approx(sum(rows) / len(rows))
+        assert split["decode_mean_batch"] * split["decode_steps"] == pytest.approx(len(rows))
+    tokens = sum(t for t, _ in prompt_steps)
+    assert split["tokens_in_prefill_steps"] == tokens
+    assert split["prefill_mean_context"] == pytest.approx(sum(a for _, a in prompt_steps) / tokens)

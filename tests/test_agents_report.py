@@ -1,0 +1,36 @@
+"""report.md's headroom section: the replay's decode steps placed against the roofline."""
+
+from __future__ import annotations
+
+from anneal.agents.cost_model import CostModel, replay_headroom
+from anneal.agents.report import headroom_table
+from anneal.agents.types import EngineState, Measurement
+
+H200 = EngineState(model="random:llama-3.1-8b", device="cuda", gpu_name="NVIDIA H200", dtype="bfloat16",
+                   num_layers_total=32, num_layers_loaded=32)
+SPLIT = {"total_ms": 9745.0, "decode_ms": 8938.0, "decode_steps": 1669, "decode_mean_batch": 10.6,
+         "decode_mean_context": 800.0, "prefill_ms": 758.0, "prefill_steps": 47,
+         "tokens_in_prefill_steps": 30000, "prefill_mean_rows": 9.0, "prefill_mean_context": 400.0}
+
+
+def _m(split: dict | None) -> Measurement:
+    return Measurement(median_ms=9745.0, tokens_per_s=1900.0, time_split=split)
+
+
+def test_headroom_table_states_the_most_any_plan_can_gain():
+    cm = CostModel.from_state(H200)
+    faster = {**SPLIT, "total_ms": 9000.0, "decode_ms": 8200.0}
+    lines = headroom_table([_m(SPLIT), _m(SPLIT)], [_m(faster)], cm)
+    text = "\n".join(lines)
+    base, win = replay_headroom(SPLIT, cm), replay_headroom(faster, cm)
+    assert f"x{base['bound']:.3f}" in text and f"x{win['bound']:.3f}" in text
+    assert f"{base['of_roofline']:.1%}" in text and base["bound"] > win["bound"] > 1
+    assert "can beat the baseline's replay by more than" in text
+
+
+def test_no_headroom_section_without_the_numbers():
+    cm = CostModel.from_state(H200)
+    old = {k: v for k, v in SPLIT.items() if k != "decode_mean_context"}  # an engine from before
+    assert headroom_table([_m(old)], [_m(old)], cm) == []
+    assert headroom_table([_m(SPLIT)], [_m(SPLIT)], None) == []
+    assert headroom_table([_m(None)], [_m(SPLIT)], cm) == []
