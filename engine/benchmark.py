@@ -243,6 +243,11 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         first, last, starts = {}, {}, {}
         itl: list[float] = []
         pending = list(enumerate(warm if req.warmup and rep == 0 else wl.requests))
+        # Every replay starts with a cold prefix cache: the same requests replayed again would hit
+        # every prompt the last replay (or the warm-up) left cached (session 7: an agentic replay
+        # read 1 prompt step instead of 18, and the search lost sight of prefill). Prefix sharing
+        # within the workload is the traffic shape's own and still hits.
+        engine.blocks.reset_prefix_cache()
         in_flight: set[str] = set()
 
         def admit(now_s: float) -> None:

@@ -145,3 +145,20 @@ def test_time_split_reports_the_positions_decode_rows_attend(overlap):
     tokens = sum(t for t, _ in prompt_steps)
     assert split["tokens_in_prefill_steps"] == tokens
     assert split["prefill_mean_context"] == pytest.approx(sum(a for _, a in prompt_steps) / tokens)
+
+
+def test_a_replay_does_not_hit_the_prompts_the_last_replay_cached():
+    """Replaying the same requests again (the next repetition, the next plan's measurement) must
+    not find their prompts cached: each replay sees only the prefix sharing its traffic has."""
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", max_model_len=1024, num_kv_blocks=4096))
+    shape = load_traffic("agentic").scaled(800)
+    hits = []
+    for _ in range(2):
+        before = eng.blocks.hit_tokens
+        run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                            num_requests=4, steps=1, warmup=0, seed=3))
+        hits.append(eng.blocks.hit_tokens - before)
+    assert hits[0] == hits[1]
+    res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                              num_requests=4, steps=2, warmup=1, seed=3))
+    assert res.extra["time_split"]["prefill_steps"] >= 1  # the timed replay still prefills its prompts
