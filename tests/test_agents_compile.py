@@ -104,6 +104,27 @@ def test_promotion_rejects_unverified_and_inconsistent_winners(tmp_path, fakes):
     led.close()
 
 
+def test_promotion_judges_consistency_against_the_baseline_on_the_same_request_sample(tmp_path, fakes):
+    """Each round replays another request sample, which moves every plan's tokens/s alike (the H200
+    agentic baseline read 359-674 tok/s over four samples); a winner that is faster on each of
+    them by the same factor is consistent, however much the samples differ."""
+    from anneal.engine.plan import OpChoice, Plan
+
+    fast_plan = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4}))
+    spec = BenchSpec(mode="workload", num_requests=4, repeats=3)
+    _, url = fakes(noise=0.0, sample_spread=0.45)
+    led = Ledger(tmp_path / "s.sqlite")
+    with EngineClient(url, "tok") as slow:
+        promo = promote(Lab(ledger=led, engines={"slow": slow}), [Candidate(plan=fast_plan, agent="t")],
+                        Plan(), spec, rounds=3, max_spread=0.3)
+    base = [m.tokens_per_s for m in promo.baseline_m]
+    assert (max(base) - min(base)) / min(base) > 0.3  # the samples alone differ past the limit
+    assert promo.winner == fast_plan and not promo.rejected
+    ratios = {round(w.tokens_per_s / b.tokens_per_s, 6) for w, b in zip(promo.winner_m, promo.baseline_m)}
+    assert len(ratios) == 1 and ratios.pop() > 1
+    led.close()
+
+
 def test_promotion_rounds_set_how_often_winner_and_baseline_are_remeasured(tmp_path, fakes):
     """`anneal compile --rounds N`: N interleaved slow-tier re-measurements of each after the first."""
     from anneal.agents.types import CompileSettings

@@ -48,8 +48,10 @@ def fake_per_op(plan: Plan, batch: int) -> dict[str, float]:
 class FakeEngine:
     def __init__(self, token: str = "tok", layers: int = 1, noise: float = 0.02, model: str = "random:tiny",
                  bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu",
-                 per_op: bool = True):
+                 per_op: bool = True, sample_spread: float = 0.0):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
+        # workload replays: each seed's request sample scales every plan's time alike, by up to this
+        self.sample_spread = sample_spread
         self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
         self.per_op = per_op  # the real engine reports no per-op times yet
         self.plan = Plan()
@@ -96,6 +98,7 @@ class FakeEngine:
             s = plan.scheduler
             eff = min(1.0, s.max_num_seqs / 16) * (1.05 if s.chunked_prefill else 1.0)
             step = step / max(eff, 0.2)
+            step *= 1 + self.sample_spread * (int(body.get("seed") or 0) % 3 - 1)
         samples = [step * (1 + self.noise * rng.uniform(-1, 1)) for _ in range(int(body.get("repeats", 5)))]
         samples.sort()
         med = samples[len(samples) // 2]
