@@ -5,7 +5,8 @@ process on the same GPU — the reference plan, the best hand-set plan, and plan
 traffic shapes (what a plan loses off its own shape). One engine with all layers (the slow tier)
 hot-swaps each plan and replays each shape's synthetic workload exactly as `anneal compile`'s
 promotion does (closed loop at the shape's concurrency, lengths scaled to the engine's context),
-interleaved over rounds so drift in clocks or temperature hits every plan alike.
+interleaved over rounds so drift in clocks or temperature hits every plan alike. Each round is its own
+request sample; a plan's ratio to another is the median over rounds of the ratio on the same sample.
 
     python bench/plans.py --model random:llama-3.1-8b --traffic chat,agentic \
         --plans reference,bench/plans/triton.json,out-chat/plan.json,out-agentic/plan.json
@@ -129,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             base = per.get(ref)
             for label, m in per.items():
                 if base and label != ref:
-                    m[f"x_vs_{ref}"] = round(m["tokens_per_s"] / base["tokens_per_s"], 3)
+                    # paired by round: a round's request sample moves every plan's tokens/s alike
+                    by_round = {x["round"]: x["tokens_per_s"] for x in base["rounds"]}
+                    m[f"x_vs_{ref}"] = round(statistics.median(
+                        x["tokens_per_s"] / by_round[x["round"]] for x in m["rounds"]), 3)
                     m[f"itl_p90_vs_{ref}"] = round(m["itl_p90_ms"] / base["itl_p90_ms"], 3)
     print("\nshape     plan                      tok/s   itl p90 ms  ttft p90 ms  ratios", file=sys.stderr)
     for sname, per in table.items():
