@@ -10,6 +10,7 @@
 #   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
+#   profile-batch12                 issue 5: the same for the 8B decode step the chat replay runs (bs 12)
 #   kernels-bs1, decode-bs1, variants  issue 2/4: bs=1 GEMV sweep, bs=1 plans side by side, one-change variants
 #   greedy-fp32                     issue 4: greedy tokens vs the reference over 256 steps, in fp32
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
@@ -115,6 +116,10 @@ for s in "$@"; do
         --plans "${PROFILE_PLANS:-triton,triton+gemv}" --name profile-step-1b --out "$OUT"
       stage profile-8b 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 1 --context 1024 \
         --plans triton --name profile-step-8b --out "$OUT"
+      ;;
+    profile-batch12)  # issue 5: where the chat replay's decode step goes (mean batch 11-12, context ~800)
+      stage profile-8b-bs12 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 12 --context 800 \
+        --plans "${PROFILE_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json}" --name profile-step-8b-bs12 --out "$OUT"
       ;;
     greedy-fp32)
       stage greedy-fp32 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
