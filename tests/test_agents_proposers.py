@@ -51,6 +51,30 @@ def test_kernel_tuner_finds_each_ops_best_declared_config(env):
     assert ("rmsnorm", setting.long_context_len) not in ctx
 
 
+def test_kernel_tuner_spreads_a_short_budget_over_the_ops_and_keeps_what_it_found(env, monkeypatch):
+    """Descending one op to the end before the next spent a whole H200 budget on gate_up: the ops
+    take turns, and when the budget runs out each offers the best config it has timed."""
+    from anneal.agents.lab import BudgetExhausted
+
+    lab, setting, board = env
+    measure, calls = lab.measure, []
+
+    def budgeted(cand, spec, *a, **kw):
+        if len(calls) >= 40:
+            raise BudgetExhausted()
+        calls.append(cand.note.split("=")[0])
+        return measure(cand, spec, *a, **kw)
+
+    monkeypatch.setattr(lab, "measure", budgeted)
+    KernelTuner().run(lab, setting, board)
+    ops = setting.space.tunable_ops()
+    assert len(ops) >= 3 and set(calls) == set(ops)  # every op timed, not the first one's descent
+    assert set(board.best_ops) == set(ops)  # each offers its best so far
+    assert any("(budget spent)" in n for n in board.notes)
+    # The fake's best elementwise config is one step from the defaults: found within the budget.
+    assert board.best_ops["rmsnorm"][0] == OpChoice(impl="triton", params={"block": 128})
+
+
 def test_plan_search_improves_without_enumerating(env):
     lab, setting, board = env
     PlanSearch(max_children=25).run(lab, setting, board)
