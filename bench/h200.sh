@@ -98,7 +98,7 @@ for s in "$@"; do
       ;;
     decode-bs1)
       stage decode-bs1 300 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
-        --plans "${DECODE_PLANS:-triton,bench/plans/gemv-pdl-rope.json,bench/plans/gemv-pdl-rope-gu.json,bench/plans/gemv-pdl-rope-gu-silu.json}" \
+        --plans "${DECODE_PLANS:-triton,bench/plans/gemv-pdl-rope.json,bench/plans/gemv-pdl-rope-gu.json,bench/plans/gemv-pdl-rope-gu-stats.json}" \
         --no-hf --steps 50 --greedy-check 0 --name decode-bs1 --out "$OUT"
       ;;
     variants)
@@ -119,7 +119,8 @@ for s in "$@"; do
       ;;
     profile-batch12)  # issue 5: where the chat replay's decode step goes (mean batch 11-12, context ~800)
       stage profile-8b-bs12 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 12 --context 800 \
-        --plans "${PROFILE_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json}" --name profile-step-8b-bs12 --out "$OUT"
+        --plans "${PROFILE_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json,bench/plans/gemv-pdl-rope-gu-stats.json}" \
+        --name profile-step-8b-bs12 --out "$OUT"
       ;;
     greedy-fp32)
       stage greedy-fp32 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \

@@ -9,7 +9,9 @@ plan fusion replaces.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
+
+import torch
 
 
 def _gemv_params(choice: tuple[str, dict]) -> tuple[dict, int]:
@@ -42,6 +44,11 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
         elif name == "norm_linear":
             for proj in ("qkv_proj", "gate_up_proj"):
                 out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *_gemv_params(choices[proj]))
+        elif name == "norm_stats":
+            for proj in ("o_proj", "down_proj"):
+                out[f"{proj}_add_stats"] = _add_stats(gemv, fns, proj, *_gemv_params(choices[proj]))
+            out["norm_stats_qkv"] = _norm_stats_qkv(gemv, fns, out, *_gemv_params(choices["qkv_proj"]))
+            out["norm_stats_gate_up"] = _norm_stats_gate_up(gemv, fns, out, *_gemv_params(choices["gate_up_proj"]))
     return out
 
 
@@ -115,3 +122,77 @@ def _norm_linear(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m:
         return gemv.add_rmsnorm_linear(x, residual, norm_w, eps, w, **params)
 
     return norm_proj
+
+
+class NormInput(NamedTuple):
+    """The input of an RMSNorm not applied yet (``norm_stats``): ``x`` plus ``residual`` when one is
+    given (above the GEMV's ``max_m`` rows: the unfused add_rmsnorm, one kernel), else ``x`` is the
+    sum already and ``ss`` its rows' sums of squares per tile (the next GEMV normalises as it loads)."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    ss: torch.Tensor | None
+
+
+def _add_stats(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m: int) -> Callable:
+    """``proj(x, w) + residual`` and its statistics as a ``NormInput``; above ``max_m`` rows
+    (prefill) the projection alone, the add left to the norm's own kernel."""
+    linear = fns[proj]
+
+    def proj_add_stats(x, w, residual) -> NormInput:
+        if x.shape[0] > max_m:
+            return NormInput(linear(x, w), residual, None)
+        summed, ss = gemv.linear_add_stats(x, w, residual, **params)
+        return NormInput(summed, None, ss)
+
+    return proj_add_stats
+
+
+def _normed(fns: dict[str, Callable], pending: NormInput, norm_w, eps):
+    """``(rmsnorm(x [+ residual]), x [+ residual])`` by the plan's norm kernels (the unfused path)."""
+    if pending.residual is None:
+        return fns["rmsnorm"](pending.x, norm_w, eps), pending.x
+    return fns["add_rmsnorm"](pending.x, pending.residual, norm_w, eps)
+
+
+def _norm_stats_qkv(gemv, fns: dict[str, Callable], fused: dict[str, Callable], params: dict, max_m: int) -> Callable:
+    """``(q, summed)`` from a ``NormInput``: with statistics the qkv GEMV normalises as it loads, with
+    RoPE and the cache store in its epilogue when the plan fuses ``qkv_rope`` and the heads allow;
+    without them the plan's norm kernel, then its qkv path."""
+    qkv_proj, rope = fns["qkv_proj"], fns["qk_rope_store"]
+    block_n = params.get("block_n", 64)
+
+    def norm_stats_qkv(pending: NormInput, norm_w, eps, w, positions, cos_sin, k_cache, v_cache, slots, H, Hkv,
+                       q_norm, k_norm, rope_eps):
+        rope_args = (positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm, k_norm, rope_eps)
+        fused_rope = fused.get("qkv_rope_store")  # looked up per call: the fusions are built in any order
+        x, ss = pending.x, pending.ss
+        if ss is None or x.shape[0] > max_m:
+            h, summed = _normed(fns, pending, norm_w, eps)
+            q = fused_rope(h, w, *rope_args) if fused_rope is not None else rope(qkv_proj(h, w), *rope_args)
+            return q, summed
+        if fused_rope is not None and q_norm is None and gemv.rope_fusable(block_n, cos_sin.shape[-1], H, Hkv):
+            return gemv.qkv_rope_store(x, w, positions, cos_sin, k_cache, v_cache, slots, H, Hkv,
+                                       norm_stats=(ss, norm_w, eps), **params), x
+        return rope(gemv.norm_stats_linear(x, ss, norm_w, eps, w, **params), *rope_args), x
+
+    return norm_stats_qkv
+
+
+def _norm_stats_gate_up(gemv, fns: dict[str, Callable], fused: dict[str, Callable], params: dict,
+                        max_m: int) -> Callable:
+    """``(act, None, summed)`` when the plan fuses ``gate_up_silu``, else ``(None, gate_up, summed)``,
+    from a ``NormInput`` (the norm applied as the GEMV loads when it has statistics)."""
+    gate_up = fns["gate_up_proj"]
+
+    def norm_stats_gate_up(pending: NormInput, norm_w, eps, w):
+        fused_silu = fused.get("gate_up_silu")
+        x, ss = pending.x, pending.ss
+        if ss is None or x.shape[0] > max_m:
+            h, summed = _normed(fns, pending, norm_w, eps)
+            return (fused_silu(h, w), None, summed) if fused_silu is not None else (None, gate_up(h, w), summed)
+        if fused_silu is not None:
+            return gemv.gate_up_silu(x, w, norm_stats=(ss, norm_w, eps), **params), None, x
+        return None, gemv.norm_stats_linear(x, ss, norm_w, eps, w, **params), x
+
+    return norm_stats_gate_up

@@ -15,7 +15,8 @@ from anneal.engine.plan import Plan
 
 class OpTable:
     FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj", "qkv_rope_store",
-             "o_proj_add_rmsnorm", "down_proj_add_rmsnorm", "gate_up_silu")
+             "o_proj_add_rmsnorm", "down_proj_add_rmsnorm", "gate_up_silu", "o_proj_add_stats",
+             "down_proj_add_stats", "norm_stats_qkv", "norm_stats_gate_up")
     # Fused entry points, None unless the plan enables them.
     lm_head_argmax: Callable | None = None
     silu_mul_down: Callable | None = None
@@ -25,6 +26,11 @@ class OpTable:
     o_proj_add_rmsnorm: Callable | None = None  # (x, w, residual, norm_w, eps) -> (normed, summed)
     down_proj_add_rmsnorm: Callable | None = None
     gate_up_silu: Callable | None = None  # (h, w) -> silu_and_mul(gate_up_proj(h, w))
+    # norm_stats: (x, w, residual) -> NormInput (x @ w.T + residual with its rows' sums of squares)
+    o_proj_add_stats: Callable | None = None
+    down_proj_add_stats: Callable | None = None
+    norm_stats_qkv: Callable | None = None  # (NormInput, norm_w, eps, w, *qk_rope_store args) -> (q, summed)
+    norm_stats_gate_up: Callable | None = None  # (NormInput, norm_w, eps, w) -> (act | None, gate_up | None, summed)
 
     def __init__(self, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
                  fusions: dict[str, Callable] | None = None):

@@ -41,6 +41,9 @@ FUSIONS = {
     "linear_norm": "o_proj / down_proj + the add_rmsnorm after it (the GEMV's last tile normalises the row)",
     "gate_up_silu": "gate_up_proj + silu_and_mul (the activation in the GEMV's epilogue)",
     "qkv_rope": "qkv_proj + qk_rope_store (RoPE and the KV-cache store in the GEMV's epilogue; Llama)",
+    "norm_stats": "o_proj / down_proj + the add_rmsnorm after them: each tile adds the residual and leaves its "
+                  "share of the row's sum of squares, and the next GEMV (qkv, gate_up) normalises as it loads "
+                  "(no norm kernel, no row pass; before linear_norm and norm_linear)",
 }
 
 DEFAULT_GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]

@@ -160,16 +160,31 @@ def _last_tile_add_norm(y_ptr, r_ptr, nw_ptr, sum_ptr, h_ptr, cnt_ptr, M, N, str
 
 
 @triton.jit
+def _add_stats_epilogue(total, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stride_om, stride_rm, ss_tiles,
+                        DT: tl.constexpr):
+    """o_proj / down_proj for the ``norm_stats`` fusion: the tile's finished rows, rounded as the
+    projection's output is, plus the residual, rounded as ``add_rmsnorm`` rounds its sum, stored as
+    the new residual stream; and the tile's share of each row's sum of squares (the RMSNorm
+    statistic) to ``ss[row, tile]``, which the next GEMV adds up in tile order (deterministic)."""
+    mask = mm[:, None] & nm[None, :]
+    r = tl.load(r_ptr + m.to(tl.int64)[:, None] * stride_rm + n[None, :], mask=mask, other=0.0)
+    summed = (total.to(DT).to(tl.float32) + r.to(tl.float32)).to(DT)
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], summed, mask=mask)
+    sf = tl.where(mask, summed.to(tl.float32), 0.0)
+    tl.store(ss_ptr + m * ss_tiles + pid_n, tl.sum(sf * sf, axis=1), mask=mm)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr, r_ptr, nw_ptr, sum_ptr, cnt_ptr,
     pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, h_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_sm, k_per_split, eps,
-    stride_cs, QD, KD, stride_hm,
+    stride_cs, QD, KD, stride_hm, ss_ptr, ss_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, TICKET: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
     HEAD_D: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1,
-    SILU_OUT: tl.constexpr = False,
+    SILU_OUT: tl.constexpr = False, ADD_SS: tl.constexpr = False, BLOCK_SS: tl.constexpr = 1,
 ):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -213,11 +228,18 @@ def _gemv_kernel(
 
     # NORM 1: x -> rmsnorm(x); NORM 2: x -> rmsnorm(x + residual), and x + residual is written out
     # (by the programs of the first N tile, each for its K range). Every program first computes
-    # the full-row statistics, rounding where the reference rounds.
+    # the full-row statistics, rounding where the reference rounds. NORM 3: x -> rmsnorm(x) with
+    # the statistics the previous GEMV left per tile in ``ss[row, tile]`` (the ``norm_stats``
+    # fusion): no program rereads the row.
     r_rows = r_ptr + m.to(tl.int64)[:, None] * stride_rm
     s_rows = sum_ptr + m.to(tl.int64)[:, None] * stride_sm
     rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM > 0:
+    if NORM == 3:
+        t = tl.arange(0, BLOCK_SS)
+        parts = tl.load(ss_ptr + m[:, None] * ss_tiles + t[None, :], mask=mm[:, None] & (t < ss_tiles)[None, :],
+                        other=0.0)
+        rstd = tl.rsqrt(tl.sum(parts, axis=1) / K + eps)
+    elif NORM > 0:
         ss = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -273,6 +295,8 @@ def _gemv_kernel(
         tiles = tl.num_programs(0)
         tl.store(val_ptr + m * tiles + pid_n, best, mask=mm)
         tl.store(idx_ptr + m * tiles + pid_n, arg, mask=mm)
+    elif SPLIT_K == 1 and ADD_SS:
+        _add_stats_epilogue(acc, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stride_om, stride_rm, ss_tiles, DT)
     elif SPLIT_K == 1 and not ROPE and not SILU_OUT:
         tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
@@ -300,8 +324,12 @@ def _gemv_kernel(
                     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     for s2 in tl.static_range(SPLIT_K):
                         total += tl.load(ws_tile + s2 * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
-                             total.to(out_ptr.dtype.element_ty), mask=omask)
+                    if ADD_SS:
+                        _add_stats_epilogue(total, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stride_om,
+                                            stride_rm, ss_tiles, DT)
+                    else:
+                        tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
+                                 total.to(out_ptr.dtype.element_ty), mask=omask)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
                 if ADD_NORM:
                     _last_tile_add_norm(out_ptr, r_ptr, nw_ptr, sum_ptr, h_ptr, cnt_ptr, M, N, stride_om,
@@ -351,11 +379,16 @@ def small_m_gemm(
     block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
+    norm_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None, add_stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
-    ``rmsnorm(x [+ residual])`` and the result is ``(y, x + residual)`` when residual is given."""
-    name = "silu_mul_down_proj" if silu_mul_input else "norm_linear" if norm is not None else "linear"
+    ``rmsnorm(x [+ residual])`` and the result is ``(y, x + residual)`` when residual is given.
+    The ``norm_stats`` fusion: ``add_stats=residual`` returns ``(y + residual, ss)``
+    with ``ss[M, tiles]`` each tile's share of the rows' sums of squares; ``norm_stats=(ss,
+    norm_weight, eps)`` normalises x (such a sum) with them as it loads it."""
+    name = ("silu_mul_down_proj" if silu_mul_input else "norm_linear" if norm is not None or norm_stats is not None
+            else "linear_add_stats" if add_stats is not None else "linear")
     M = x.shape[0]
     K = weight.shape[1] if weight.dim() == 2 else -1
     if silu_mul_input and (x.dim() != 2 or x.shape[1] != 2 * K):
@@ -370,6 +403,17 @@ def small_m_gemm(
             raise KernelInputError(f"{name}: norm weight must be [{K}] of {x.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
         if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
             raise KernelInputError(f"{name}: residual must match x {tuple(x.shape)} {x.dtype}, contiguous in K")
+    ss = None
+    if norm_stats is not None:  # (ss[M, tiles] from a GEMV with add_stats, norm weight, eps)
+        if norm is not None or add_stats is not None:
+            raise KernelInputError(f"{name}: norm_stats takes the place of norm (and not with add_stats)")
+        ss, norm_w, eps = norm_stats
+        norm_w = norm_w.contiguous()
+        check_device(name, ss, norm_w)
+        if norm_w.shape != (K,) or norm_w.dtype != x.dtype:
+            raise KernelInputError(f"{name}: norm weight must be [{K}] of {x.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
+        if ss.dim() != 2 or ss.shape[0] != M or ss.dtype != torch.float32 or not ss.is_contiguous():
+            raise KernelInputError(f"{name}: statistics must be float32 [{M}, tiles], got {tuple(ss.shape)} {ss.dtype}")
     # rope = (positions, cos_sin, k_cache, v_cache, slot_mapping, stride_cs, q_width, q+k width,
     # head_dim) from `qkv_rope_store`: only q is written out, k and v go to the cache.
     if silu_out and (N % 2 or block_n < 2):
@@ -386,6 +430,17 @@ def small_m_gemm(
         summed, h = torch.empty_like(out), torch.empty_like(out)
         if M == 0 or N == 0:
             return h, summed
+    if add_stats is not None:  # the residual this GEMV's output is added to (``norm_stats`` producer)
+        if silu_out or rope or silu_mul_input or add_norm is not None:
+            raise KernelInputError(f"{name}: add_stats is for a plain projection (o_proj, down_proj)")
+        residual = add_stats
+        check_device(name, residual)
+        if residual.shape != (M, N) or residual.dtype != x.dtype or residual.stride(-1) != 1:
+            raise KernelInputError(f"{name}: residual must be [{M}, {N}] of {x.dtype}, contiguous in N, got "
+                                   f"{tuple(residual.shape)} {residual.dtype}")
+        ss = torch.empty((M, triton.cdiv(N, block_n)), dtype=torch.float32, device=x.device)
+        if M == 0 or N == 0:
+            return residual.clone(), ss.zero_()
     if M == 0 or N == 0:
         if summed is not None and M > 0:
             summed.copy_(x + residual)  # no N tile writes it
@@ -402,7 +457,7 @@ def small_m_gemm(
     paired = bool(rope) or silu_out  # epilogues that pair rows: through the workspace, at the last arrival
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 or paired else out
     # the paired epilogues run at a tile's last arrival; the add-norm one at the grid's
-    ticket = (split_k > 1 and (reduce == "ticket" or add_norm is not None)) or paired
+    ticket = (split_k > 1 and (reduce == "ticket" or add_norm is not None or add_stats is not None)) or paired
     counters = tile_counters(x.device, tiles + 1) if ticket or add_norm is not None else out
     if BLOCK_M > 1:  # the M == 1 path keeps its tiles in registers (no shared-memory pipeline)
         x_cols = 2 * block_k if silu_mul_input else block_k
@@ -415,16 +470,20 @@ def small_m_gemm(
         x, weight, out, ws, out, out, r, norm_w if norm_w is not None else x, sm, counters,
         *(rope[:5] if rope else (x,) * 5), hn,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), sm.stride(0), k_per_split, float(eps),
-        *(rope[5:8] if rope else (0, 0, 0)), hn.stride(0),
+        *(rope[5:8] if rope else (0, 0, 0)), hn.stride(0), ss if ss is not None else x,
+        ss.shape[1] if ss is not None else 0,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
-        NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=False,
+        NORM=3 if norm_stats is not None else 0 if norm is None else 1 if residual is None else 2, ARGMAX=False,
         TICKET=ticket, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
         BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
+        ADD_SS=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if add_norm is not None:
         return h, summed
+    if add_stats is not None:
+        return out, ss
     if split_k > 1 and not ticket:
         BLOCK = min(1024, pow2(N))
         _splitk_sum_kernel[(M, triton.cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK,
@@ -595,7 +654,7 @@ def lm_head_argmax(
         x, weight, vals, vals, vals, idxs, r, norm_w if norm_w is not None else x, summed, x,
         x, x, x, x, x, x,
         M, N, K, x.stride(0), weight.stride(0), 0, r.stride(0), summed.stride(0),
-        triton.cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0,
+        triton.cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0, x, 0,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False,
         NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=True, TICKET=False,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
@@ -614,3 +673,24 @@ def norm_lm_head_argmax(
     lm_head GEMV and the argmax in one pass (plus the small argmax merge); ``params`` from
     ``LM_HEAD_ARGMAX_PARAMS``."""
     return lm_head_argmax(x, weight, norm=(residual, norm_weight, eps), **params)
+
+
+def linear_add_stats(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, **params,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(x, weight) + residual, ss)``: o_proj / down_proj for the ``norm_stats`` fusion.
+    Each tile's finishing program adds the residual to its tile (rounded as ``add_rmsnorm`` rounds
+    the sum) and writes its share of each row's sum of squares to ``ss[M, tiles]`` (float32), so
+    the next GEMV can normalise the row without a norm kernel and without rereading it
+    (``norm_stats_linear``); ``params`` from ``KERNEL_PARAMS``."""
+    return small_m_gemm(x, weight, add_stats=residual, **params)
+
+
+def norm_stats_linear(
+    x: torch.Tensor, ss: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, **params,
+) -> torch.Tensor:
+    """``linear(rmsnorm(x, norm_weight, eps), weight)`` with the row statistics from
+    ``linear_add_stats`` (summed in tile order: deterministic): the normalisation is applied as the
+    GEMV loads x, rounded as the reference rounds it; ``params`` from ``KERNEL_PARAMS``. Also takes
+    ``rope=``/``silu_out=`` through ``qkv_rope_store`` and ``gate_up_silu``."""
+    return small_m_gemm(x, weight, norm_stats=(ss, norm_weight, eps), **params)

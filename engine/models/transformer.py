@@ -65,13 +65,17 @@ class Transformer:
         x = ops.embedding(ids, self.w.embed)
         residual = None
         h = None  # the next layer's normed input, when a fused GEMV epilogue already computed it
+        pending = None  # norm_stats: the next norm's input (NormInput), applied by the GEMV that loads it
         layers = self.w.layers
         for i, L in enumerate(layers):
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             rope_args = (positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping, H, Hkv,
                          L.q_norm, L.k_norm, eps)
-            if h is None and ops.norm_qkv_proj is not None:  # fused: the norm in the GEMV's prologue
+            if pending is not None:
+                q, residual = ops.norm_stats_qkv(pending, L.input_norm, eps, L.qkv, *rope_args)
+                pending = None
+            elif h is None and ops.norm_qkv_proj is not None:  # fused: the norm in the GEMV's prologue
                 qkv, residual = ops.norm_qkv_proj(x, residual, L.input_norm, eps, L.qkv)
                 q = ops.qk_rope_store(qkv, *rope_args)
             else:
@@ -94,19 +98,26 @@ class Transformer:
                     q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale
                 )
             a = a.reshape(T, H * D)
-            gu = None  # gate_up output, when a fusion produced it instead of the normed h
-            if ops.o_proj_add_rmsnorm is not None:  # fused: the norm in the GEMV's last tile
+            gu = act = None  # gate_up output / activation, when a fusion produced it instead of the normed h
+            stats_down = ops.down_proj_add_stats is not None and i + 1 < len(layers)
+            if ops.o_proj_add_stats is not None:  # fused: the sum and its statistics; the norm in gate_up's load
+                act, gu, residual = ops.norm_stats_gate_up(ops.o_proj_add_stats(a, L.o, residual), L.post_norm,
+                                                           eps, L.gate_up)
+            elif ops.o_proj_add_rmsnorm is not None:  # fused: the norm in the GEMV's last tile
                 h, residual = ops.o_proj_add_rmsnorm(a, L.o, residual, L.post_norm, eps)
             elif ops.norm_gate_up_proj is not None:
                 gu, residual = ops.norm_gate_up_proj(ops.o_proj(a, L.o), residual, L.post_norm, eps, L.gate_up)
             else:
                 h, residual = ops.add_rmsnorm(ops.o_proj(a, L.o), residual, L.post_norm, eps)
-            if gu is None and ops.gate_up_silu is not None:  # fused: the activation in the GEMV's epilogue
+            if act is None and gu is None and ops.gate_up_silu is not None:  # fused: activation in the epilogue
                 act = ops.gate_up_silu(h, L.gate_up)
-            else:
+            elif act is None:
                 gu = ops.gate_up_proj(h, L.gate_up) if gu is None else gu
-                keep_gu = ops.silu_mul_down is not None and ops.down_proj_add_rmsnorm is None
+                keep_gu = ops.silu_mul_down is not None and ops.down_proj_add_rmsnorm is None and not stats_down
                 act = None if keep_gu else ops.silu_and_mul(gu)
+            if stats_down:  # the next layer's norm: its qkv GEMV normalises with these statistics
+                pending, h = ops.down_proj_add_stats(act, L.down, residual), None
+                continue
             if ops.down_proj_add_rmsnorm is not None:  # the next layer's (or the final) norm fused
                 h, residual = ops.down_proj_add_rmsnorm(act, L.down, residual, next_norm, eps)
                 continue

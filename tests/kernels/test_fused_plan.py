@@ -28,7 +28,8 @@ def fused_plan(device: str, fusions: tuple[str, ...]) -> Plan:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3"])
-@pytest.mark.parametrize("fusions", [("norm_linear", "silu_mul_down"), ("qkv_rope", "linear_norm", "gate_up_silu")])
+@pytest.mark.parametrize("fusions", [("norm_linear", "silu_mul_down"), ("qkv_rope", "linear_norm", "gate_up_silu"),
+                                     ("norm_stats", "qkv_rope", "gate_up_silu"), ("norm_stats", "silu_mul_down")])
 def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
     params = SamplingParams(max_tokens=12 if device == "cpu" else 48, temperature=0, ignore_eos=True)
     eng = Engine(EngineArgs(model=model, device=device, dtype="float32", num_kv_blocks=128, max_model_len=256))
@@ -46,6 +47,11 @@ def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
     norm_calls = []
     fused_norm = gemv.linear_add_rmsnorm
     monkeypatch.setattr(gemv, "linear_add_rmsnorm", lambda *a, **k: norm_calls.append(1) or fused_norm(*a, **k))
+    stats_calls, stats_used = [], []
+    add_stats, small = gemv.linear_add_stats, gemv.small_m_gemm
+    monkeypatch.setattr(gemv, "linear_add_stats", lambda *a, **k: stats_calls.append(1) or add_stats(*a, **k))
+    monkeypatch.setattr(gemv, "small_m_gemm", lambda *a, **k: stats_used.append(k.get("norm_stats") is not None)
+                        or small(*a, **k))
     report = eng.apply_plan(fused_plan(device, fusions))
     assert report is not None
     ops = eng.runner.ops
@@ -55,6 +61,8 @@ def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
         assert ops.o_proj_add_rmsnorm is not None and ops.down_proj_add_rmsnorm is not None
     if "gate_up_silu" in fusions:
         assert ops.gate_up_silu is not None
+    if "norm_stats" in fusions:
+        assert ops.o_proj_add_stats is not None and ops.norm_stats_gate_up is not None
     got = eng.generate(prompts, params)
     if "qkv_rope" in fusions:  # decode rows of Llama take the fused kernel; Qwen3 (q/k norm) never does
         assert bool(calls) == (model == "random:tiny"), len(calls)
@@ -62,5 +70,7 @@ def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
         assert norm_calls
     if "gate_up_silu" in fusions:
         assert silu_calls
+    if "norm_stats" in fusions:  # every decode step: both producers, and consumers normalising from them
+        assert stats_calls and sum(stats_used) >= len(stats_calls)
     agree = sum(a == b for r, o in zip(ref, got) for a, b in zip(r, o)) / sum(len(r) for r in ref)
     assert agree > 0.98, (agree, ref, got)

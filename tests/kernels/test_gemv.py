@@ -252,3 +252,74 @@ def test_gate_up_silu(device, dtype):
             w = randn(2 * I, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
             want = ref.silu_and_mul(get_op("gate_up_proj").reference(x, w))
             assert_close(gate_up_silu(x, w, **p), want, TOL_ACC, what=f"{p} {M}x{I}x{K} {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_stats_pair(device, dtype):
+    """The ``norm_stats`` fusion: o_proj/down_proj adding the residual and leaving each tile's share
+    of the rows' sums of squares, then the next GEMV normalising as it loads == linear, add_rmsnorm,
+    linear; also into the fused qkv + RoPE and gate_up + SiLU epilogues; bit-identical on a rerun."""
+    from anneal.engine.kernels.gemv import gate_up_silu, linear_add_stats, norm_stats_linear, qkv_rope_store
+
+    lin = get_op("o_proj").reference
+    if device == "cpu":
+        shapes = [(1, 48, 40), (3, 64, 96)]  # M, N (hidden), K (producer input)
+        producer = [{"block_n": 16, "block_k": 16, "m1": "fma", "split_k": 2},
+                    {"block_n": 32, "block_k": 32, "split_k": 1}]
+        consumer = [{"block_n": 16, "block_k": 16, "m1": "fma", "split_k": 2}, {"block_n": 32, "block_k": 16}]
+        H, Hkv, D = 2, 1, 16
+    else:
+        shapes = [(1, 4096, 4096), (12, 2048, 8192), (5, 4096, 14336)]
+        producer = [{"block_n": 128, "block_k": 64, "m1": "fma", "reduce": "ticket", "pdl": True},
+                    {"split_k": 1, "block_n": 64, "pdl": True}]
+        consumer = [{"block_n": 128, "block_k": 64, "m1": "fma", "reduce": "ticket", "pdl": True},
+                    {"split_k": 1, "block_n": 32, "block_k": 256, "pdl": True}]
+        H, Hkv, D = 16, 8, 128
+    for pi, (pp, cp) in enumerate(zip(producer, consumer)):
+        for i, (M, N, K) in enumerate(shapes):
+            g = gen(9000 + 10 * pi + i, device)
+            x = randn(M, K, dtype=dtype, device=device, g=g)
+            wo = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+            r = randn(M, N, dtype=dtype, device=device, g=g)
+            nw = randn(N, dtype=dtype, device=device, g=g)
+            wn = randn(3 * N, N, dtype=dtype, device=device, g=g, scale=N ** -0.5)
+            what = f"{pp} / {cp} {M}x{N}x{K} {dtype}"
+            summed, ss = linear_add_stats(x, wo, r, **pp)
+            normed, esummed = ref.add_rmsnorm(lin(x, wo), r, nw, 1e-5)
+            assert_close(summed, esummed, TOL_ACC, what=f"summed {what}")
+            assert ss.dtype == torch.float32 and ss.shape[0] == M
+            assert_close(ss.sum(1), summed.float().pow(2).sum(1), what=f"sums of squares {what}")
+            y = norm_stats_linear(summed, ss, nw, 1e-5, wn, **cp)
+            assert_close(y, lin(ref.rmsnorm(summed, nw, 1e-5), wn), TOL_ACC, what=f"normed linear {what}")
+            again = linear_add_stats(x, wo, r, **pp)
+            assert torch.equal(again[0], summed) and torch.equal(again[1], ss)
+            assert torch.equal(norm_stats_linear(*again, nw, 1e-5, wn, **cp), y)
+            act = gate_up_silu(summed, wn[: 2 * N], norm_stats=(ss, nw, 1e-5), **cp)
+            assert_close(act, ref.silu_and_mul(lin(ref.rmsnorm(summed, nw, 1e-5), wn[: 2 * N])), TOL_ACC,
+                         what=f"gate_up_silu {what}")
+            if i == 0:  # qkv + RoPE + cache store, the norm from the statistics
+                wq = randn((H + 2 * Hkv) * D, N, dtype=dtype, device=device, g=g, scale=N ** -0.5)
+                cs = _cos_sin(32, D, g, device)
+                pos = torch.randint(0, 32, (M,), generator=g).to(device)
+                slots = torch.randperm(8, generator=g)[:M].to(device)
+                kc = randn(2, 4, Hkv, D, dtype=dtype, device=device, g=g)
+                vc = randn(2, 4, Hkv, D, dtype=dtype, device=device, g=g)
+                kc_ref, vc_ref = kc.clone(), vc.clone()
+                qp = {**cp, "block_n": D} if device == "cpu" else cp
+                q = qkv_rope_store(summed, wq, pos, cs, kc, vc, slots, H, Hkv, norm_stats=(ss, nw, 1e-5), **qp)
+                q_ref = ref.qk_rope_store(lin(ref.rmsnorm(summed, nw, 1e-5), wq), pos, cs, kc_ref, vc_ref, slots,
+                                          H, Hkv, None, None, 1e-6)
+                assert_close(q, q_ref, TOL_ACC, what=f"qkv_rope q {what}")
+                assert_close(kc, kc_ref, TOL_ACC, what=f"qkv_rope k cache {what}")
+
+
+def test_norm_stats_rejects_bad_statistics():
+    from anneal.engine.kernels._common import KernelInputError
+    from anneal.engine.kernels.gemv import linear_add_stats, norm_stats_linear
+
+    x, w, nw = torch.zeros(2, 8), torch.zeros(4, 8), torch.ones(8)
+    with pytest.raises(KernelInputError, match="float32"):
+        norm_stats_linear(x, torch.zeros(3, 2), nw, 1e-5, w)
+    with pytest.raises(KernelInputError, match="residual"):
+        linear_add_stats(x, w, torch.zeros(2, 5))
