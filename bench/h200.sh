@@ -11,6 +11,7 @@
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
 #   profile-batch12                 issue 5: the same for the 8B decode step the chat replay runs (bs 12)
+#   profile-mixed                   issue 5: one eager step with a prompt chunk, wall vs kernels (the replay's prompt steps)
 #   kernels-bs1, decode-bs1, variants  issue 2/4: bs=1 GEMV sweep, bs=1 plans side by side, one-change variants
 #   greedy-fp32                     issue 4: greedy tokens vs the reference over 256 steps, in fp32
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
@@ -121,6 +122,11 @@ for s in "$@"; do
       stage profile-8b-bs12 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 12 --context 800 \
         --plans "${PROFILE_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json,bench/plans/gemv-pdl-rope-gu-stats.json}" \
         --name profile-step-8b-bs12 --out "$OUT"
+      ;;
+    profile-mixed)  # issue 5: the chat replay's steps with prompt tokens (~400-token chunk + 15 decode rows,
+      # 24-25 ms each against ~8 ms at the matmul roofline): host-bound, or which kernels?
+      stage profile-8b-mixed 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 15 --context 550 \
+        --mixed 400 --replays 10 --plans "${PROFILE_PLANS:-triton}" --name profile-step-8b-mixed --out "$OUT"
       ;;
     greedy-fp32)
       stage greedy-fp32 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \

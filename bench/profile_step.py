@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from common import copy_bandwidth_gbps, environment, write_result  # noqa: E402
 from decode import bench_plans, decode_items, plan_key  # noqa: E402
 
 from anneal.engine.llm import Engine, EngineArgs  # noqa: E402
+from anneal.engine.sampling_params import SamplingParams  # noqa: E402
+from anneal.engine.sequence import Sequence  # noqa: E402
 
 
 def kernel_events(prof) -> list[tuple[str, float, float]]:
@@ -77,6 +80,46 @@ def profile_plan(engine: Engine, bs: int, context: int, replays: int) -> dict:
             "kernels": table}
 
 
+def profile_mixed(engine: Engine, bs: int, context: int, prompt: int, reps: int) -> dict:
+    """One eager step of a ``prompt``-token prefill chunk with ``bs`` decode rows riding along (the
+    replay's steps with prompt tokens): its wall time (host included), the kernels' sum and span, and
+    the kernels by name. Wall far above the span says the step is host-bound (launches, Python)."""
+    items = decode_items(engine, bs, context, seed=bs)
+    V = engine.config.vocab_size
+    g = torch.Generator().manual_seed(prompt)
+    chunk = Sequence("prefill", torch.randint(0, V, (prompt,), generator=g).tolist(), SamplingParams(temperature=0),
+                     seed=bs)
+    assert engine.blocks.allocate(chunk), "KV cache too small for the benchmark"
+    batch = items + [(chunk, prompt)]  # as the scheduler orders them: decodes first
+    cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        engine.runner.run(batch, decode_only=False)
+    sync()
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        engine.runner.run(batch, decode_only=False)  # ends in the step's one host sync
+        walls.append((time.perf_counter() - t0) * 1e6)
+    ks = []
+    if cuda:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.runner.run(batch, decode_only=False)
+            sync()
+        ks = kernel_events(prof)
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for name, _, dur in ks:
+        by_name[name].append(dur)
+    table = sorted(({"kernel": n[:120], "calls_per_step": len(d), "mean_us": statistics.mean(d),
+                     "total_us_per_step": sum(d)} for n, d in by_name.items()), key=lambda r: -r["total_us_per_step"])
+    for s, _ in batch:
+        engine.blocks.free(s)
+    return {"prompt_tokens": prompt, "decode_rows": bs, "kernels_per_step": len(ks),
+            "wall_us_median": statistics.median(walls),
+            "span_us": ks[-1][1] + ks[-1][2] - ks[0][1] if ks else 0.0,
+            "kernel_sum_us": sum(k[2] for k in ks), "kernels": table}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b")
@@ -86,6 +129,9 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="profile-step")
+    ap.add_argument("--mixed", type=int, default=0, metavar="PROMPT_TOKENS",
+                    help="profile an eager step of a prefill chunk of this many tokens with --batch-size decode "
+                         "rows riding along (the replay's steps with prompt tokens) instead of a graph replay")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/profile_step.py needs a CUDA GPU", file=sys.stderr)
@@ -94,7 +140,8 @@ def main() -> int:
     wanted = args.plans.split(",")
     plans = bench_plans([bs], [w for w in wanted if w.endswith(".json")])
     engine = Engine(EngineArgs(model=f"random:{args.shape}", device="cuda", dtype="bfloat16",
-                               max_model_len=ctx + 64, num_kv_blocks=bs * (-(-(ctx + 64) // 16)) + 32,
+                               max_model_len=max(ctx, args.mixed) + 64,
+                               num_kv_blocks=(bs + 1) * (-(-(max(ctx, args.mixed) + 64) // 16)) + 32,
                                plan=plans["reference"]))
     bw = copy_bandwidth_gbps()
     roof_us = engine.weights.nbytes() / (bw * 1e9) * 1e6
@@ -103,6 +150,15 @@ def main() -> int:
     for name in map(plan_key, wanted):
         try:
             engine.apply_plan(plans[name])
+            if args.mixed:
+                r = profile_mixed(engine, bs, ctx, args.mixed, args.replays)
+                result["plans"][name] = r
+                print(f"== {args.shape} {name} prefill {args.mixed} + {bs} decode rows (ctx {ctx}): "
+                      f"{r['kernels_per_step']} kernels, wall {r['wall_us_median']:.0f} µs, span {r['span_us']:.0f} µs, "
+                      f"kernels {r['kernel_sum_us']:.0f} µs", flush=True)
+                for k in r["kernels"][:25]:
+                    print(f"  {k['total_us_per_step']:8.1f} µs  {k['calls_per_step']:5d} x {k['mean_us']:7.2f}  {k['kernel']}")
+                continue
             r = profile_plan(engine, bs, ctx, args.replays)
         except Exception as e:  # a plan that fails is a result
             result["plans"][name] = {"error": f"{type(e).__name__}: {e}"}
