@@ -33,6 +33,9 @@ class Promotion:
     gains: list[Gain] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (plan hash, reason)
     is_baseline: bool = False
+    # the winner's tokens/s over the baseline's on each request sample (the same requests replayed by
+    # both): steadier than the ratio of the medians when the samples differ a lot
+    paired: list[float] = field(default_factory=list)
 
 
 def _ms(x: float | None) -> str:
@@ -123,7 +126,7 @@ def promote(
             rejected.append((cand.hash, "no gain over the baseline when re-measured"))
             continue
         return Promotion(winner=cand.plan, baseline=baseline, winner_m=wins, baseline_m=bases,
-                         verification=rep, gains=gains(bases, wins), rejected=rejected)
+                         verification=rep, gains=gains(bases, wins), rejected=rejected, paired=ratios)
     return Promotion(winner=baseline, baseline=baseline, winner_m=[bm], baseline_m=[bm],
                      verification=None, gains=gains([bm], [bm]), rejected=rejected, is_baseline=True)
 

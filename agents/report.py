@@ -194,7 +194,7 @@ def write_report(
     wall_s: float, spec_key: str, per_op: tuple[dict[str, float], dict[str, float], str] | None,
     base_m: list[Measurement], win_m: list[Measurement], rejected: list[tuple[str, str]],
     notes: list[str], calibration: dict[str, Any], tp_choice: tuple[int, dict[int, float]] | None,
-    cross: dict[str, Any] | None = None, roofline: CostModel | None = None,
+    cross: dict[str, Any] | None = None, roofline: CostModel | None = None, paired: list[float] | None = None,
 ) -> Path:
     plot_progress(out / "search_progress.png", exps, spec_key, t0)
     if per_op:
@@ -222,6 +222,9 @@ def write_report(
     ]
     for g in compiled.gains:
         L.append(f"| {g.metric} | {g.baseline:.4g} {g.unit} | {g.candidate:.4g} {g.unit} | {g.ratio:.3f} |")
+    if paired:
+        L += ["", "tokens/s against the baseline on each request sample (both replayed the same requests): "
+              + ", ".join(f"x{r:.3f}" for r in paired) + f"; median x{statistics.median(paired):.3f}"]
     if compiled.plan.hash == baseline.hash:
         L += ["", "No candidate beat the baseline and passed every gate: the baseline plan is kept."]
     L += time_split_table(base_m, win_m)

@@ -66,7 +66,7 @@ def test_compile_writes_a_verified_plan_report_and_ledger(tmp_path, fakes, monke
     led.close()
     report = (out / "report.md").read_text()
     for needle in ("Gain against the baseline", "tokens_per_s", "Verification", "Cost model", "Best fast-tier",
-                   "Median prediction error", "experiments/hour", "another traffic shape"):
+                   "Median prediction error", "experiments/hour", "another traffic shape", "on each request sample"):
         assert needle in report
     for png in ("search_progress.png", "per_op.png", "throughput_latency.png"):
         assert (out / png).stat().st_size > 1000
@@ -122,6 +122,7 @@ def test_promotion_judges_consistency_against_the_baseline_on_the_same_request_s
     assert promo.winner == fast_plan and not promo.rejected
     ratios = {round(w.tokens_per_s / b.tokens_per_s, 6) for w, b in zip(promo.winner_m, promo.baseline_m)}
     assert len(ratios) == 1 and ratios.pop() > 1
+    assert len(promo.paired) == 4 and len({round(r, 6) for r in promo.paired}) == 1  # what the report lists
     led.close()
 
 
