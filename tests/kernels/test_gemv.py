@@ -200,6 +200,12 @@ def test_qkv_rope_store_rejects_untileable_heads():
                        torch.zeros(2, 4, 1, 16), torch.zeros(1, dtype=torch.long), 1, 1, block_n=64)
 
 
+def _projection_and_norm(M: int, N: int, K: int, dtype, device, g):
+    """x[M, K], W[N, K], the residual [M, N] and the norm weight [N] of a projection + add_rmsnorm."""
+    return (randn(M, K, dtype=dtype, device=device, g=g), randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5),
+            randn(M, N, dtype=dtype, device=device, g=g), randn(N, dtype=dtype, device=device, g=g))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_add_rmsnorm(device, dtype):
@@ -217,11 +223,7 @@ def test_linear_add_rmsnorm(device, dtype):
                   {"split_k": 1, "block_n": 64}, {"split_k": 4, "block_n": 32, "pdl": True}]
     for pi, p in enumerate(params):
         for i, (M, N, K) in enumerate(shapes):
-            g = gen(7000 + 10 * pi + i, device)
-            x = randn(M, K, dtype=dtype, device=device, g=g)
-            w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
-            r = randn(M, N, dtype=dtype, device=device, g=g)
-            nw = randn(N, dtype=dtype, device=device, g=g)
+            x, w, r, nw = _projection_and_norm(M, N, K, dtype, device, gen(7000 + 10 * pi + i, device))
             for _ in range(2):  # a second call finds the grid-wide counter reset
                 h, summed = linear_add_rmsnorm(x, w, r, nw, 1e-5, **p)
                 eh, esummed = ref.add_rmsnorm(get_op("o_proj").reference(x, w), r, nw, 1e-5)
@@ -279,10 +281,7 @@ def test_norm_stats_pair(device, dtype):
     for pi, (pp, cp) in enumerate(zip(producer, consumer)):
         for i, (M, N, K) in enumerate(shapes):
             g = gen(9000 + 10 * pi + i, device)
-            x = randn(M, K, dtype=dtype, device=device, g=g)
-            wo = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
-            r = randn(M, N, dtype=dtype, device=device, g=g)
-            nw = randn(N, dtype=dtype, device=device, g=g)
+            x, wo, r, nw = _projection_and_norm(M, N, K, dtype, device, g)
             wn = randn(3 * N, N, dtype=dtype, device=device, g=g, scale=N ** -0.5)
             what = f"{pp} / {cp} {M}x{N}x{K} {dtype}"
             summed, ss = linear_add_stats(x, wo, r, **pp)
