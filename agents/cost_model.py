@@ -242,11 +242,8 @@ class CostModel:
         matmul rate, no launch cost, no fitted correction. What no plan's kernels can beat without
         reading less or computing less. A decode step: ``tokens == rows``."""
         layers = self.layers or self.shape.num_layers
-        total = 0.0
-        for op, c in _costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1).items():
-            ms = 1e3 * max(c.bytes / (self.hw.mem_gbps * 1e9), c.flops / (self.hw.matmul_tflops * 1e12))
-            total += ms * (layers if op in PER_LAYER_OPS else 1)
-        return total
+        return sum(self.roofline_ms(OpCost(c.bytes, c.flops, launches=0)) * (layers if op in PER_LAYER_OPS else 1)
+                   for op, c in _costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1).items())
 
     def allreduce_ms(self, spec: BenchSpec, tp: int) -> float:
         """Two ring all-reduces of the hidden state per layer under tensor parallelism."""

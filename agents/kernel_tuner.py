@@ -95,7 +95,7 @@ class _Descent:
     def steps(self) -> Iterator[None]:
         space = self.setting.space.ops[self.op]
         current = self.setting.base.choice(self.op)
-        self._score(current)
+        current_ms = self._score(current)
         yield
         starts: list[tuple[float, str, dict[str, Any]]] = []
         for impl in sorted(space.impls):
@@ -103,7 +103,7 @@ class _Descent:
                 **space.default(impl), **current.params}
             choice = OpChoice(impl=impl, params=params)
             if choice == current:
-                ms = self.best if self.best_choice == current else self._score(current)
+                ms = current_ms
             else:
                 ms = self._score(choice)
                 yield

@@ -43,6 +43,23 @@ def split_replays(kernels, per_step: int):
     return [kernels[i:i + per_step] for i in range(0, len(kernels) - per_step + 1, per_step)]
 
 
+def kernel_table(steps: list[list[tuple[str, float, float]]]) -> list[dict]:
+    """The steps' kernels by name, most time first: calls and µs per step, mean µs per call."""
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for s in steps:
+        for name, _, dur in s:
+            by_name[name].append(dur)
+    return sorted(
+        ({"kernel": n[:120], "calls_per_step": len(d) / len(steps), "mean_us": statistics.mean(d),
+          "total_us_per_step": sum(d) / len(steps)} for n, d in by_name.items()),
+        key=lambda r: -r["total_us_per_step"])
+
+
+def print_kernels(table: list[dict], n: int = 25) -> None:
+    for k in table[:n]:
+        print(f"  {k['total_us_per_step']:8.1f} µs  {k['calls_per_step']:5.1f} x {k['mean_us']:7.2f}  {k['kernel']}")
+
+
 def profile_plan(engine: Engine, bs: int, context: int, replays: int) -> dict:
     items = decode_items(engine, bs, context, seed=bs)
     engine.runner.run(items, decode_only=True)  # fills the graph's inputs for this batch
@@ -62,14 +79,7 @@ def profile_plan(engine: Engine, bs: int, context: int, replays: int) -> dict:
     steps = split_replays(kernel_events(prof), per_step)
     spans = [s[-1][1] + s[-1][2] - s[0][1] for s in steps]
     busy = [sum(k[2] for k in s) for s in steps]
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for s in steps:
-        for name, _, dur in s:
-            by_name[name].append(dur)
-    table = sorted(
-        ({"kernel": n[:120], "calls_per_step": len(d) / len(steps), "mean_us": statistics.mean(d),
-          "total_us_per_step": sum(d) / len(steps)} for n, d in by_name.items()),
-        key=lambda r: -r["total_us_per_step"])
+    table = kernel_table(steps)
     gaps = [s[i + 1][1] - (s[i][1] + s[i][2]) for s in steps for i in range(len(s) - 1)]
     for s, _ in items:
         engine.blocks.free(s)
@@ -107,11 +117,7 @@ def profile_mixed(engine: Engine, bs: int, context: int, prompt: int, reps: int)
             engine.runner.run(batch, decode_only=False)
             sync()
         ks = kernel_events(prof)
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for name, _, dur in ks:
-        by_name[name].append(dur)
-    table = sorted(({"kernel": n[:120], "calls_per_step": len(d), "mean_us": statistics.mean(d),
-                     "total_us_per_step": sum(d)} for n, d in by_name.items()), key=lambda r: -r["total_us_per_step"])
+    table = kernel_table([ks]) if ks else []
     for s, _ in batch:
         engine.blocks.free(s)
     return {"prompt_tokens": prompt, "decode_rows": bs, "kernels_per_step": len(ks),
@@ -156,8 +162,7 @@ def main() -> int:
                 print(f"== {args.shape} {name} prefill {args.mixed} + {bs} decode rows (ctx {ctx}): "
                       f"{r['kernels_per_step']} kernels, wall {r['wall_us_median']:.0f} µs, span {r['span_us']:.0f} µs, "
                       f"kernels {r['kernel_sum_us']:.0f} µs", flush=True)
-                for k in r["kernels"][:25]:
-                    print(f"  {k['total_us_per_step']:8.1f} µs  {k['calls_per_step']:5d} x {k['mean_us']:7.2f}  {k['kernel']}")
+                print_kernels(r["kernels"])
                 continue
             r = profile_plan(engine, bs, ctx, args.replays)
         except Exception as e:  # a plan that fails is a result
@@ -168,8 +173,7 @@ def main() -> int:
         print(f"== {args.shape} {name} bs={bs} ctx={ctx}: {r['kernels_per_step']} kernels, span "
               f"{r['span_us_median']:.1f} µs, kernels {r['kernel_sum_us_median']:.1f} µs, gaps "
               f"{r['gap_us_sum_median']:.1f} µs (median gap {r['gap_us_median']:.2f}); roofline {roof_us:.1f} µs")
-        for k in r["kernels"][:25]:
-            print(f"  {k['total_us_per_step']:8.1f} µs  {k['calls_per_step']:5.1f} x {k['mean_us']:7.2f}  {k['kernel']}")
+        print_kernels(r["kernels"])
     print(json.dumps({"wrote": str(write_result(args.name, result, Path(args.out) if args.out else None))}))
     return 0
 

@@ -109,13 +109,11 @@ def _qkv_rope(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Calla
 
 def _norm_linear(gemv, fns: dict[str, Callable], proj: str, params: dict, max_m: int) -> Callable:
     """``(proj(rmsnorm(x [+ residual])), x [+ residual])``: the norm in the GEMV's prologue."""
-    norm, add_norm, linear = fns["rmsnorm"], fns["add_rmsnorm"], fns[proj]
+    linear = fns[proj]
 
     def norm_proj(x, residual, norm_w, eps, w):
         if x.shape[0] > max_m:
-            if residual is None:
-                return linear(norm(x, norm_w, eps), w), x
-            h, summed = add_norm(x, residual, norm_w, eps)
+            h, summed = _normed(fns, NormInput(x, residual, None), norm_w, eps)
             return linear(h, w), summed
         if residual is None:
             return gemv.rmsnorm_linear(x, norm_w, eps, w, **params), x

@@ -23,7 +23,7 @@ from anneal.engine.plan import Plan
 from anneal.engine.runner import ModelRunner
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.scheduler import Scheduler
-from anneal.engine.sequence import RequestOutput, Sequence
+from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
 from anneal.engine.weights import DTYPES, load_weights, resolve_config
 
 
@@ -226,8 +226,7 @@ class Engine:
         # Read before the step: afterwards a sequence that finished has had its blocks freed
         # (num_computed_tokens 0), and the property would call the step a prefill.
         decode_only = batch.decode_only
-        # positions the step's tokens attend (a chunk of n after c computed: c+1 ... c+n)
-        attended = sum(n * seq.num_computed_tokens + n * (n + 1) // 2 for seq, n in batch.items)
+        attended = positions_attended(batch.items)
         result = self.runner.run(batch.items, decode_only)
         outputs = []
         for (seq, n), token, lp in zip(batch.items, result.token_ids, result.logprobs):

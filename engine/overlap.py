@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from anneal.engine.sequence import RequestOutput, Sequence, Status
+from anneal.engine.sequence import RequestOutput, Sequence, Status, positions_attended
 
 PLACEHOLDER = -1  # a token the device has computed and the host has not read yet
 
@@ -103,7 +103,7 @@ class OverlapStepper:
             event = torch.cuda.Event()
             event.record()
         index = []
-        attended = sum(len(s) for s in seqs)  # each row attends its whole sequence, this token included
+        attended = positions_attended([(s, 1) for s in seqs])  # before this step's placeholder
         for s in seqs:
             index.append(len(s.token_ids))
             s.token_ids.append(PLACEHOLDER)

@@ -75,3 +75,9 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     new_logprobs: list[TokenLogprobs] | None = None
+
+
+def positions_attended(items: list[tuple[Sequence, int]]) -> int:
+    """KV positions the step's tokens attend, summed (its attention's reads): a chunk of ``n`` new
+    tokens after ``c`` computed attends ``c+1 ... c+n``; a decode row its whole sequence."""
+    return sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in items)

@@ -22,3 +22,11 @@ def test_a_mixed_step_runs_and_gives_its_blocks_back():
     r = bench.profile_mixed(eng, bs=3, context=40, prompt=70, reps=2)
     assert r["prompt_tokens"] == 70 and r["decode_rows"] == 3 and r["wall_us_median"] > 0
     assert eng.blocks.num_free_blocks == free  # nothing left allocated for the next plan
+
+
+def test_the_kernel_table_sums_each_kernel_per_step():
+    steps = [[("a", 0.0, 2.0), ("b", 2.0, 1.0), ("a", 3.0, 4.0)], [("a", 0.0, 2.0), ("b", 2.0, 3.0), ("a", 3.0, 4.0)]]
+    table = bench.kernel_table(steps)
+    assert [r["kernel"] for r in table] == ["a", "b"]
+    assert table[0] == {"kernel": "a", "calls_per_step": 2.0, "mean_us": 3.0, "total_us_per_step": 6.0}
+    assert table[1] == {"kernel": "b", "calls_per_step": 1.0, "mean_us": 2.0, "total_us_per_step": 2.0}

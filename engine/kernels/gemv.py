@@ -365,6 +365,19 @@ def _check(name, x, weight, k_in):
         raise KernelInputError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype}")
 
 
+def _check_norm_weight(name: str, norm_w: torch.Tensor, K: int, dtype: torch.dtype) -> None:
+    if norm_w.shape != (K,) or norm_w.dtype != dtype:
+        raise KernelInputError(f"{name}: norm weight must be [{K}] of {dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
+
+
+def _check_norm(name: str, x: torch.Tensor, K: int, residual: torch.Tensor | None, norm_w: torch.Tensor) -> None:
+    """The inputs of an (add_)rmsnorm done in a GEMV's prologue."""
+    check_device(name, residual, norm_w)
+    _check_norm_weight(name, norm_w, K, x.dtype)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise KernelInputError(f"{name}: residual must match x {tuple(x.shape)} {x.dtype}, contiguous in K")
+
+
 def _block_m(M: int, block_m: int, m1: str) -> int:
     """Rows per program: all of M in one tile up to ``block_m`` (W is then read once); the register
     FMA path (``m1="fma"``) for a single row, else ``tl.dot`` with M padded to 16."""
@@ -398,11 +411,7 @@ def small_m_gemm(
     residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
     norm_w = norm_w.contiguous() if norm_w is not None else None
     if norm is not None:
-        check_device(name, residual, norm_w)
-        if norm_w.shape != (K,) or norm_w.dtype != x.dtype:
-            raise KernelInputError(f"{name}: norm weight must be [{K}] of {x.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
-        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
-            raise KernelInputError(f"{name}: residual must match x {tuple(x.shape)} {x.dtype}, contiguous in K")
+        _check_norm(name, x, K, residual, norm_w)
     ss = None
     if norm_stats is not None:  # (ss[M, tiles] from a GEMV with add_stats, norm weight, eps)
         if norm is not None or add_stats is not None:
@@ -410,8 +419,7 @@ def small_m_gemm(
         ss, norm_w, eps = norm_stats
         norm_w = norm_w.contiguous()
         check_device(name, ss, norm_w)
-        if norm_w.shape != (K,) or norm_w.dtype != x.dtype:
-            raise KernelInputError(f"{name}: norm weight must be [{K}] of {x.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
+        _check_norm_weight(name, norm_w, K, x.dtype)
         if ss.dim() != 2 or ss.shape[0] != M or ss.dtype != torch.float32 or not ss.is_contiguous():
             raise KernelInputError(f"{name}: statistics must be float32 [{M}, tiles], got {tuple(ss.shape)} {ss.dtype}")
     # rope = (positions, cos_sin, k_cache, v_cache, slot_mapping, stride_cs, q_width, q+k width,
@@ -631,11 +639,7 @@ def lm_head_argmax(
     residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
     norm_w = norm_w.contiguous() if norm_w is not None else None
     if norm is not None:
-        check_device(name, residual, norm_w)
-        if norm_w.shape != (K,) or norm_w.dtype != x.dtype:
-            raise KernelInputError(f"{name}: norm weight must be [{K}] of {x.dtype}")
-        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
-            raise KernelInputError(f"{name}: residual must match x {tuple(x.shape)} {x.dtype}, contiguous in K")
+        _check_norm(name, x, K, residual, norm_w)
     N = weight.shape[0]
     tokens = torch.empty((M,), dtype=torch.int64, device=x.device)
     if M == 0:
