@@ -12,6 +12,8 @@
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
 #   profile-batch12                 issue 5: the same for the 8B decode step the chat replay runs (bs 12)
 #   profile-mixed                   issue 5: one eager step with a prompt chunk, wall vs kernels (the replay's prompt steps)
+#   profile-bs1                     issue 4: the 8B bs=1 step's kernels for $PROFILE_BS1_PLANS
+#   decode-batch                    issue 5: 8B decode steps at batches 1-16, context 800, $DECODE_PLANS side by side
 #   kernels-bs1, decode-bs1, variants  issue 2/4: bs=1 GEMV sweep, bs=1 plans side by side, one-change variants
 #   greedy-fp32                     issue 4: greedy tokens vs the reference over 256 steps, in fp32
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
@@ -122,6 +124,16 @@ for s in "$@"; do
       stage profile-8b-bs12 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 12 --context 800 \
         --plans "${PROFILE_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json,bench/plans/gemv-pdl-rope-gu-stats.json}" \
         --name profile-step-8b-bs12 --out "$OUT"
+      ;;
+    profile-bs1)  # issue 4: the 8B bs=1 step's kernels, plan by plan (where a fusion's time went)
+      stage profile-8b-bs1 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 1 --context 1024 \
+        --plans "${PROFILE_BS1_PLANS:-bench/plans/gemv-pdl-rope-gu.json,bench/plans/gemv-pdl-rope-gu-stats.json}" \
+        --name profile-step-8b-bs1 --out "$OUT"
+      ;;
+    decode-batch)  # issue 5: the 8B decode step at the chat replay's batches (context 800), plans side by side
+      stage decode-batch 300 $py bench/decode.py --shapes llama-3.1-8b --batch-sizes "${BATCH_SIZES:-1,4,8,12,16}" \
+        --context 800 --plans "${DECODE_PLANS:-triton,bench/plans/gemv-m16.json,bench/plans/gemv-m16-stats.json,bench/plans/gemv-m16-silu.json}" \
+        --no-hf --steps 50 --greedy-check 0 --name decode-batch --out "$OUT"
       ;;
     profile-mixed)  # issue 5: the chat replay's steps with prompt tokens (~400-token chunk + 15 decode rows,
       # 24-25 ms each against ~8 ms at the matmul roofline): host-bound, or which kernels?

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,22 @@ class _LazyLogits:
 class StepResult:
     token_ids: list[int | None]  # per item: the sampled token, or None for a partial prefill chunk
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """No cyclic garbage collection inside: a collection during a graph capture can free an old
+    engine's CUDA graphs, a call CUDA forbids while capturing, which invalidates the capture and
+    leaves the device's RNG marked as capturing (seen on the H200: every later engine in the process
+    failed). Collected once before, so what is already garbage goes first."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class ModelRunner:
@@ -315,20 +332,25 @@ class ModelRunner:
                     self._decode_body(bs)
                 torch.cuda.synchronize()
                 t1 = time.perf_counter()
-                for bs in sorted(batch_sizes, reverse=True):
-                    g = torch.cuda.CUDAGraph()
-                    # thread_local: the compile-ahead thread's Triton compiles may make CUDA calls
-                    # that a global-mode capture would count against this one.
-                    with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
-                        outputs = self._decode_body(bs)
-                    if self._graph_pool is None:
-                        self._graph_pool = g.pool()
-                    self.graphs[bs] = (g, outputs)
+                with collection_paused():
+                    self._capture_graphs(batch_sizes)
         torch.cuda.synchronize()
         timings = {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1}
         if jit:  # part of warmup_s: the parallel compile, and how many kernels it compiled
             timings.update(parallel_jit_s=jit["s"], parallel_jit_kernels=jit["kernels"])
         return timings
+
+    def _capture_graphs(self, batch_sizes: list[int]) -> None:
+        """One graph per bucket, largest first, sharing one memory pool."""
+        for bs in sorted(batch_sizes, reverse=True):
+            g = torch.cuda.CUDAGraph()
+            # thread_local: the compile-ahead thread's Triton compiles may make CUDA calls
+            # that a global-mode capture would count against this one.
+            with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
+                outputs = self._decode_body(bs)
+            if self._graph_pool is None:
+                self._graph_pool = g.pool()
+            self.graphs[bs] = (g, outputs)
 
     def _replay(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(seqs)

@@ -305,7 +305,7 @@ def test_norm_stats_pair(device, dtype):
                 kc = randn(2, 4, Hkv, D, dtype=dtype, device=device, g=g)
                 vc = randn(2, 4, Hkv, D, dtype=dtype, device=device, g=g)
                 kc_ref, vc_ref = kc.clone(), vc.clone()
-                qp = {**cp, "block_n": D} if device == "cpu" else cp
+                qp = {**cp, "block_n": D}  # RoPE pairs need whole heads per tile
                 q = qkv_rope_store(summed, wq, pos, cs, kc, vc, slots, H, Hkv, norm_stats=(ss, nw, 1e-5), **qp)
                 q_ref = ref.qk_rope_store(lin(ref.rmsnorm(summed, nw, 1e-5), wq), pos, cs, kc_ref, vc_ref, slots,
                                           H, Hkv, None, None, 1e-6)
