@@ -512,7 +512,7 @@ KERNEL_PARAMS = (
     Param("pdl", (False, True), False),
 )
 GEMV_PARAMS = KERNEL_PARAMS + (
-    Param("max_m", (0, 1, 8, 32, 64, 128, 256), 64),  # above this many rows use torch's GEMM; 0 = never
+    Param("max_m", (0, 1, 8, 16, 32, 64, 128, 256), 64),  # above this many rows use torch's GEMM; 0 = never
 )
 
 
