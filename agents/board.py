@@ -42,7 +42,8 @@ class SearchSetting:
         """How to time ``op``: prefill ops in a prefill step, the rest in a decode step."""
         if op == "attention_prefill":
             return BenchSpec(mode="prefill", batch_size=1, prompt_len=self.prompt_len,
-                             context_len=self.prompt_len, steps=2, warmup=1, repeats=3)
+                             context_len=self.prompt_len, steps=2, warmup=1, repeats=3,
+                             per_op=self.decode_spec.per_op)
         return self.decode_spec.model_copy(
             update={"batch_size": batch_size, "context_len": context_len or self.decode_spec.context_len})
 

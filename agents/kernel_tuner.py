@@ -5,7 +5,8 @@ coordinate descent: a GEMV variant declares ~40k combinations, but its parameter
 separable — walking one parameter at a time from the defaults (then a second pass from the best)
 finds a near-best config in ~30 timings instead of 40k. Each config is timed at every
 representative decode batch size with the rest of the plan fixed; the score is the traffic-weighted
-time of the op itself (the engine's per-op timing when it reports one, else the whole step).
+time of the op itself (the engine times each op in a few eager steps when asked: on the H200 a
+whole 2-layer step of 0.58 ms moved ~1% run to run, more than most single-op changes).
 
 Why round-robin: the ops' descents take turns, one configuration each. Descending one op to the end
 before the next spent a whole 200 s H200 budget on gate_up (39 timings, none better than the base)
@@ -28,8 +29,9 @@ from anneal.agents.types import Candidate
 class KernelTuner:
     name = "kernel-tuner"
 
-    def __init__(self, passes: int = 2):
+    def __init__(self, passes: int = 2, major_share: float = 0.05):
         self.passes = passes
+        self.major_share = major_share  # ops predicted below this share of their step go last
         # (op, (batch, context)) -> the best config at that shape alone
         self.bucket_best: dict[tuple[str, tuple[int, int | None]], tuple[float, OpChoice]] = {}
 
@@ -37,19 +39,46 @@ class KernelTuner:
         rng = setting.rng(self.name)
         ops = setting.space.tunable_ops()
         rng.shuffle(ops)
-        descents = [_Descent(op, self, lab, setting, board) for op in ops]
-        turns = [(d, d.steps()) for d in descents]
+        major, minor = self.phases(ops, lab, setting)
+        descents = {op: _Descent(op, self, lab, setting, board) for op in ops}
+        unfinished = set(ops)
         try:
-            while turns:
-                for turn in list(turns):
-                    try:
-                        next(turn[1])
-                    except StopIteration:
-                        turns.remove(turn)
+            for phase in (major, minor):
+                turns = [(op, descents[op].steps()) for op in phase]
+                while turns:
+                    for turn in list(turns):
+                        try:
+                            next(turn[1])
+                        except StopIteration:
+                            turns.remove(turn)
+                            unfinished.discard(turn[0])
         except BudgetExhausted:
             pass
-        for d in descents:
-            d.finish(interrupted=bool(turns))
+        for op in ops:
+            descents[op].finish(interrupted=op in unfinished)
+
+    def phases(self, ops: list[str], lab: Lab, setting: SearchSetting) -> tuple[list[str], list[str]]:
+        """(major, minor): the ops the cost model puts at ``major_share`` or more of their step
+        (projections, attention), largest first, take turns before the rest. Why: a compile's budget
+        buys each configuration a timing at every bucket, and on the H200 a 290 s budget reached only
+        2-3 configurations per op when the norms and argmax took equal turns with the projections."""
+        if lab.cost_model is None:
+            return ops, []
+        share = self.shares(ops, lab, setting)
+        ranked = sorted(ops, key=lambda o: -share[o])
+        major = [o for o in ranked if share[o] >= self.major_share]
+        return major, [o for o in ranked if o not in major]
+
+    @staticmethod
+    def shares(ops: list[str], lab: Lab, setting: SearchSetting) -> dict[str, float]:
+        """Each op's predicted share of the step it is tuned in (its first shape bucket)."""
+        share: dict[str, float] = {}
+        for op in ops:
+            b, ctx = setting.shape_buckets(op)[0]
+            per_op = lab.cost_model.predict(setting.base, setting.spec_for(op, b, ctx)).per_op_ms or {}
+            total = sum(per_op.values())
+            share[op] = per_op.get(op, 0.0) / total if total > 0 else 0.0
+        return share
 
     def score(self, op: str, choice: OpChoice, lab: Lab, setting: SearchSetting, board: Board) -> float:
         """Traffic-weighted ms of ``op`` with ``choice``; inf when any bucket fails."""
@@ -58,6 +87,10 @@ class KernelTuner:
         n_ctx = len({c for _, c in shapes})
         total = 0.0
         per_bucket: dict[tuple[int, int | None], float] = {}
+        # The op's own time (the setting's specs ask the engine to time ops one by one), unless the
+        # base fuses ops: then an op may run alone in one config and inside a fused kernel in
+        # another, and only the step compares them.
+        own_time = not setting.base.fusions
         for b, ctx in shapes:
             spec = setting.spec_for(op, b, ctx)
             plan = setting.base.with_ops(**{op: choice})
@@ -67,7 +100,7 @@ class KernelTuner:
             if exp.verdict.status != "measured" or exp.measurement is None:
                 return math.inf
             m = exp.measurement
-            per_bucket[(b, ctx)] = (m.per_op_ms or {}).get(op, m.median_ms)
+            per_bucket[(b, ctx)] = (m.per_op_ms or {}).get(op, m.median_ms) if own_time else m.median_ms
             total += weights[b] / n_ctx * per_bucket[(b, ctx)]
             if spec == setting.decode_spec:
                 board.offer_plan(m.median_ms, plan, self.name)

@@ -42,7 +42,7 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
         long_context = min(long_context, max_len - 1)
     decode = BenchSpec(mode="decode", batch_size=typical, context_len=context, prompt_len=prompt,
                        steps=4 if quick else 8, warmup=1 if quick else 2, repeats=3 if quick else 5,
-                       seed=seed)
+                       seed=seed, per_op=True)  # op by op too: the tuner's signal, the cost model's per-op fits
     setting = SearchSetting(space=space, base=base, decode_spec=decode, batch_dist=dist, buckets=buckets,
                             context_len=context, prompt_len=prompt, seed=seed,
                             workload_requests=workload_requests, long_context_len=long_context)

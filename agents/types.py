@@ -127,12 +127,13 @@ class BenchSpec(BaseModel):
     repeats: int = 5
     num_requests: int | None = None
     seed: int = 0
+    per_op: bool = False  # also time each op in a few eager steps (the kernel tuner's signal)
 
     def key(self) -> str:
         return (
             f"{self.mode}:b{self.batch_size}:c{self.context_len}:p{self.prompt_len}"
             f":s{self.steps}:r{self.repeats}:n{self.num_requests}:seed{self.seed}"
-        )
+        ) + (":op" if self.per_op else "")
 
 
 class Prediction(BaseModel):

@@ -75,6 +75,41 @@ def test_kernel_tuner_spreads_a_short_budget_over_the_ops_and_keeps_what_it_foun
     assert board.best_ops["rmsnorm"][0] == OpChoice(impl="triton", params={"block": 128})
 
 
+def test_kernel_tuner_ranks_configs_on_the_ops_own_time(env):
+    """The engine times ops one by one only when asked (``per_op``); nothing asked, and the tuner
+    ranked configs on whole steps, where one op's change hides in the step's noise."""
+    lab, setting, board = env
+    KernelTuner().run(lab, setting, board)
+    rows = [r for r in lab.ledger.experiments() if r.agent == "kernel-tuner"]
+    assert rows and all(r.spec.per_op and r.measurement.per_op_ms for r in rows)
+    assert board.best_ms < float("inf")  # its decode-step timings still count as plan measurements
+
+
+def test_kernel_tuner_gives_the_costliest_ops_their_turns_first(env, monkeypatch):
+    """A 290 s H200 budget reached 2-3 configs per op while the norms and argmax took equal turns
+    with the projections: ops the cost model puts below ``major_share`` of the step wait."""
+    from anneal.agents.lab import BudgetExhausted
+
+    lab, setting, board = env
+    ops = setting.space.tunable_ops()
+    share = KernelTuner.shares(ops, lab, setting)
+    ranked = sorted(ops, key=lambda o: -share[o])
+    tuner = KernelTuner(major_share=(share[ranked[0]] + share[ranked[1]]) / 2)  # one major op
+    assert tuner.phases(ops, lab, setting) == ([ranked[0]], ranked[1:])
+    measure, calls = lab.measure, []
+
+    def budgeted(cand, spec, *a, **kw):
+        if len(calls) >= 12:
+            raise BudgetExhausted()
+        calls.append(cand.note.split("=")[0])
+        return measure(cand, spec, *a, **kw)
+
+    monkeypatch.setattr(lab, "measure", budgeted)
+    tuner.run(lab, setting, board)
+    assert set(calls) == {ranked[0]}  # the budget went to the costliest op's descent
+    assert set(board.best_ops) == {ranked[0]}  # the others never started: nothing to offer
+
+
 def test_plan_search_improves_without_enumerating(env):
     lab, setting, board = env
     PlanSearch(max_children=25).run(lab, setting, board)

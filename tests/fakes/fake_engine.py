@@ -53,7 +53,7 @@ class FakeEngine:
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
         self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
-        self.per_op = per_op  # the real engine reports no per-op times yet
+        self.per_op = per_op  # False: an engine that cannot time ops even when asked
         self.plan = Plan()
         self.calls: dict[str, int] = {}
         self.kernels: dict[str, dict] = {}
@@ -105,7 +105,7 @@ class FakeEngine:
         out = {"plan_hash": plan.hash, "median_ms": med, "p10_ms": samples[0], "p90_ms": samples[-1],
                "tokens_per_s": 1e3 * batch / med if body.get("mode") != "workload" else 1e3 * 16 / med,
                "samples_ms": samples, "per_op_ms": {k: v * self.layers for k, v in per_op.items()}}
-        if not self.per_op:
+        if not (self.per_op and body.get("per_op")):  # like the engine: per-op times when asked for
             del out["per_op_ms"]
         if body.get("mode") == "workload":
             out["itl_p90_ms"] = med * 1.1
