@@ -121,9 +121,16 @@ def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkR
     return samples, device
 
 
+# GPU cycles (~0.25 ms on an H200) the device sleeps before each timed op, so the host has queued
+# the op's launches by the time the start event runs.
+_HIDE_LAUNCH_CYCLES = 500_000
+
+
 def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps: int = 3) -> dict:
     """Time every op call of a few eager steps (graphs off): device events on the GPU, the host
-    clock on the CPU. The sum is a little above the graph-replayed step (no launch overlap)."""
+    clock on the CPU. On the GPU the device first sleeps while the host queues the op, so the events
+    time its kernels back to back; without that an eager op's time was its Python launch cost (an
+    H200 compile fitted add_rmsnorm at 88x its roofline), not what it costs in a graph."""
     ops = engine.runner.ops
     cuda = engine.device.type == "cuda"
     calls: list[tuple[str, Any, Any]] = []
@@ -135,6 +142,7 @@ def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps:
         def timed(*a, **k):
             if cuda:
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(_HIDE_LAUNCH_CYCLES)
                 s.record()
                 out = fn(*a, **k)
                 e.record()
