@@ -345,7 +345,9 @@ class Bench:
         # The reference upcasts the gathered, GQA-repeated K/V to fp32: skip where that cannot fit.
         ref_gb = bs * nb * BLOCK_SIZE * Hkv * D * (2 + 6 * (H // Hkv)) * 2 / 1e9
         sweep = [{}, {"merge": "ticket"}, {"pv_precision": "tf32"}, {"split_k": 1}, {"split_k": 4},
-                 {"split_k": 16}, {"split_k": 32, "block_n": 32}, {"block_n": 32}, {"block_n": 128, "num_warps": 8}]
+                 {"split_k": 16}, {"split_k": 32, "block_n": 32}, {"block_n": 32}, {"block_n": 128, "num_warps": 8},
+                 {"split_k": 2}, {"split_k": 8}, {"num_warps": 8}, {"num_warps": 2}, {"num_stages": 3},
+                 {"num_stages": 4, "block_n": 32}, {"block_n": 16, "num_warps": 2}]
         if self.args.tiny:
             sweep = [{}, {"split_k": 2, "block_n": 16, "merge": "ticket"}]
         c = Case("attention_decode", model, {"batch": bs, "context": ctx, "heads": H, "kv_heads": Hkv, "head_dim": D},
