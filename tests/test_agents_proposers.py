@@ -34,6 +34,22 @@ def env(tmp_path):
     srv.shutdown()
 
 
+def _budget_measurements(lab, monkeypatch, limit: int) -> list[str]:
+    """The budget runs out after ``limit`` measurements; returns the op each one was for."""
+    from anneal.agents.lab import BudgetExhausted
+
+    measure, calls = lab.measure, []
+
+    def budgeted(cand, spec, *a, **kw):
+        if len(calls) >= limit:
+            raise BudgetExhausted()
+        calls.append(cand.note.split("=")[0])
+        return measure(cand, spec, *a, **kw)
+
+    monkeypatch.setattr(lab, "measure", budgeted)
+    return calls
+
+
 def test_kernel_tuner_finds_each_ops_best_declared_config(env):
     lab, setting, board = env
     KernelTuner().run(lab, setting, board)
@@ -54,18 +70,8 @@ def test_kernel_tuner_finds_each_ops_best_declared_config(env):
 def test_kernel_tuner_spreads_a_short_budget_over_the_ops_and_keeps_what_it_found(env, monkeypatch):
     """Descending one op to the end before the next spent a whole H200 budget on gate_up: the ops
     take turns, and when the budget runs out each offers the best config it has timed."""
-    from anneal.agents.lab import BudgetExhausted
-
     lab, setting, board = env
-    measure, calls = lab.measure, []
-
-    def budgeted(cand, spec, *a, **kw):
-        if len(calls) >= 40:
-            raise BudgetExhausted()
-        calls.append(cand.note.split("=")[0])
-        return measure(cand, spec, *a, **kw)
-
-    monkeypatch.setattr(lab, "measure", budgeted)
+    calls = _budget_measurements(lab, monkeypatch, 40)
     KernelTuner().run(lab, setting, board)
     ops = setting.space.tunable_ops()
     assert len(ops) >= 3 and set(calls) == set(ops)  # every op timed, not the first one's descent
@@ -88,23 +94,13 @@ def test_kernel_tuner_ranks_configs_on_the_ops_own_time(env):
 def test_kernel_tuner_gives_the_costliest_ops_their_turns_first(env, monkeypatch):
     """A 290 s H200 budget reached 2-3 configs per op while the norms and argmax took equal turns
     with the projections: ops the cost model puts below ``major_share`` of the step wait."""
-    from anneal.agents.lab import BudgetExhausted
-
     lab, setting, board = env
     ops = setting.space.tunable_ops()
     share = KernelTuner.shares(ops, lab, setting)
     ranked = sorted(ops, key=lambda o: -share[o])
     tuner = KernelTuner(major_share=(share[ranked[0]] + share[ranked[1]]) / 2)  # one major op
     assert tuner.phases(ops, lab, setting) == ([ranked[0]], ranked[1:])
-    measure, calls = lab.measure, []
-
-    def budgeted(cand, spec, *a, **kw):
-        if len(calls) >= 12:
-            raise BudgetExhausted()
-        calls.append(cand.note.split("=")[0])
-        return measure(cand, spec, *a, **kw)
-
-    monkeypatch.setattr(lab, "measure", budgeted)
+    calls = _budget_measurements(lab, monkeypatch, 12)
     tuner.run(lab, setting, board)
     assert set(calls) == {ranked[0]}  # the budget went to the costliest op's descent
     assert set(board.best_ops) == {ranked[0]}  # the others never started: nothing to offer
