@@ -8,8 +8,6 @@ and warm-up steps are never counted. Reports the median and p10/p90 over repetit
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import random
 import statistics
 import time
@@ -19,6 +17,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from anneal.engine.plan import Plan
+from anneal.engine.runner import collection_paused
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.sequence import Sequence
 
@@ -74,21 +73,6 @@ def _sequences(engine, n: int, length: int, computed: int, rng: random.Random) -
         s.num_computed_tokens = computed
         seqs.append(s)
     return seqs
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """As timeit does: no garbage collection inside timed steps (a collection lands in one step's
-    host time at random, which is spread the plan did not cause). No full collection first: in a
-    serving process (~280k objects) that alone took 120 ms, more than a 30-step benchmark's GPU time
-    (session 4's candidates spent 0.28-0.36 s in the benchmark call against 0.20-0.23 s before it)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkRequest,
@@ -197,7 +181,7 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
                 for _ in range(req.rotate)]
         tokens_per_step = req.batch_size * req.prompt_len
     try:
-        with _gc_paused():
+        with collection_paused():
             samples, device = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")
         per_op = _per_op(engine, sets[0], req.mode == "decode") if req.per_op else None
     finally:

@@ -49,12 +49,13 @@ class StepResult:
 
 @contextlib.contextmanager
 def collection_paused():
-    """No cyclic garbage collection inside: a collection during a graph capture can free an old
-    engine's CUDA graphs, a call CUDA forbids while capturing, which invalidates the capture and
-    leaves the device's RNG marked as capturing (seen on the H200: every later engine in the process
-    failed). Collected once before, so what is already garbage goes first."""
+    """No cyclic garbage collection inside. In a graph capture, a collection can free an old
+    engine's CUDA graphs, a call CUDA forbids while capturing: it invalidates the capture and leaves
+    the device's RNG marked as capturing (seen on the H200: every later engine in the process
+    failed). In timed steps, as timeit does: a collection lands in one step's host time at random.
+    No full collection first: in a serving process (~280k objects) that alone took 120 ms, more than
+    a candidate's 30-step benchmark (session 4)."""
     was_enabled = gc.isenabled()
-    gc.collect()
     gc.disable()
     try:
         yield

@@ -254,3 +254,30 @@ def test_graph_buckets_above_max_num_seqs_are_not_captured():
     assert graph_sizes(plan) == [1, 2, 4, 8, 16, 32]  # 32 holds 20 sequences; 64 and 128 never replay
     assert graph_sizes(plan.model_copy(update={"scheduler": plan.scheduler.model_copy(
         update={"max_num_seqs": 500})})) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def test_collection_paused_holds_off_gc_and_restores_it():
+    """Graph captures and timed steps run with cyclic GC off (a collection mid-capture freed an old
+    engine's CUDA graphs on the H200), without a full collection first (120 ms in a server)."""
+    import gc
+
+    from anneal.engine.runner import collection_paused
+
+    seen: list[int] = []
+    record = lambda phase, info: seen.append(info["generation"]) if phase == "start" else None  # noqa: E731
+    gc.callbacks.append(record)
+    try:
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError):
+            seen.clear()
+            with collection_paused():
+                assert not gc.isenabled() and 2 not in seen
+                raise RuntimeError("a failed capture")
+        assert gc.isenabled()
+        gc.disable()
+        with collection_paused():
+            pass
+        assert not gc.isenabled()  # off before, off after
+    finally:
+        gc.enable()
+        gc.callbacks.remove(record)
