@@ -138,7 +138,7 @@ for s in "$@"; do
     profile-mixed)  # issue 5: the chat replay's steps with prompt tokens (~400-token chunk + 15 decode rows,
       # 24-25 ms each against ~8 ms at the matmul roofline): host-bound, or which kernels?
       stage profile-8b-mixed 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 15 --context 550 \
-        --mixed 400 --replays 10 --plans "${PROFILE_PLANS:-triton}" --name profile-step-8b-mixed --out "$OUT"
+        --mixed 400 --replays 10 --plans "${PROFILE_PLANS:-triton,bench/plans/triton-packgqa.json}" --name profile-step-8b-mixed --out "$OUT"
       ;;
     greedy-fp32)
       stage greedy-fp32 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
