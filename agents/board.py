@@ -39,8 +39,16 @@ class SearchSetting:
         return random.Random(f"{self.seed}/{agent}")
 
     def spec_for(self, op: str, batch_size: int, context_len: int | None = None) -> BenchSpec:
-        """How to time ``op``: prefill ops in a prefill step, the rest in a decode step."""
+        """How to time ``op``: decode ops in a decode step; prefill attention in the steps that carry
+        prompt tokens, which under a mixed-prefill scheduler also carry the decode rows (a prompt
+        chunk beside the typical batch: on the H200 those rows made the prefill kernel 63 µs per
+        layer in a step a lone prompt would not show)."""
         if op == "attention_prefill":
+            rows = self.decode_spec.batch_size if self.base.scheduler.mixed_prefill else 0
+            if rows > 1:
+                return BenchSpec(mode="mixed", batch_size=rows, prompt_len=self.prompt_len,
+                                 context_len=self.context_len, steps=2, warmup=1, repeats=3,
+                                 per_op=self.decode_spec.per_op)
             return BenchSpec(mode="prefill", batch_size=1, prompt_len=self.prompt_len,
                              context_len=self.prompt_len, steps=2, warmup=1, repeats=3,
                              per_op=self.decode_spec.per_op)

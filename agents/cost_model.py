@@ -111,10 +111,22 @@ class OpCost:
 
 def op_costs(shape: ModelShape, spec: BenchSpec, tp: int = 1) -> dict[str, OpCost]:
     """Bytes moved and FLOPs of each op for one step of ``spec`` (per layer for the layer ops)."""
+    B, L = spec.batch_size, spec.prompt_len
     if spec.mode == "prefill":  # causal: each query sees half the prompt on average
-        B, L = spec.batch_size, spec.prompt_len
         return _costs(shape, tokens=L * B, rows=B, keys=L / 2, tp=tp)
-    return _costs(shape, tokens=spec.batch_size, rows=spec.batch_size, keys=spec.context_len, tp=tp)
+    if spec.mode == "mixed":  # B decode rows at context_len and one L-token prompt chunk, one step
+        out = _costs(shape, tokens=B + L, rows=B + 1, keys=0, tp=tp)
+        rows = _costs(shape, tokens=B, rows=B, keys=spec.context_len, tp=tp)["attention"]
+        chunk = _costs(shape, tokens=L, rows=1, keys=L / 2, tp=tp)["attention"]
+        out["attention"] = OpCost(bytes=rows.bytes + chunk.bytes, flops=rows.flops + chunk.flops)
+        return out
+    return _costs(shape, tokens=B, rows=B, keys=spec.context_len, tp=tp)
+
+
+def step_tokens(spec: BenchSpec) -> int:
+    """Tokens one step of ``spec`` runs through the layers."""
+    return {"prefill": spec.batch_size * spec.prompt_len, "mixed": spec.batch_size + spec.prompt_len}.get(
+        spec.mode, spec.batch_size)
 
 
 def _costs(shape: ModelShape, tokens: float, rows: float, keys: float, tp: int) -> dict[str, OpCost]:
@@ -151,7 +163,7 @@ def _costs(shape: ModelShape, tokens: float, rows: float, keys: float, tp: int) 
 def _op_key(op: str, spec: BenchSpec) -> str:
     """Plan op names for the model's op slots (attention is prefill or decode by mode)."""
     if op == "attention":
-        return "attention_prefill" if spec.mode == "prefill" else "attention_decode"
+        return "attention_prefill" if spec.mode in ("prefill", "mixed") else "attention_decode"
     return op
 
 
@@ -251,8 +263,7 @@ class CostModel:
             return 0.0
         if self.hw.link_gbps <= 0:
             return math.inf
-        T = spec.batch_size * (spec.prompt_len if spec.mode == "prefill" else 1)
-        nbytes = T * self.shape.hidden_size * self.shape.dtype_bytes
+        nbytes = step_tokens(spec) * self.shape.hidden_size * self.shape.dtype_bytes
         one = 2.0 * (tp - 1) / tp * nbytes / (self.hw.link_gbps * 1e9) * 1e3
         return 2 * (one + self.hw.link_latency_us / 1e3)
 
@@ -269,7 +280,7 @@ class CostModel:
                         ratio = ms / raw.per_op_ms[op]
                         self._fits.setdefault(_fit_key(op, ch.impl, ch.params), _Fit()).add(ratio)
                         self._fits.setdefault(_fit_key(op, ch.impl), _Fit()).add(ratio)
-        if spec.mode in ("decode", "prefill"):
+        if spec.mode in ("decode", "prefill", "mixed"):
             # What the per-op model still misses (framework overhead between ops) as one factor.
             per_op_only = self.predict(plan, spec, step_factor=False).ms
             if per_op_only > 0:

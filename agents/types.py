@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from anneal.engine.plan import Plan
 
 Tier = Literal["fast", "slow"]
-BenchMode = Literal["decode", "prefill", "workload"]
+BenchMode = Literal["decode", "prefill", "mixed", "workload"]
 # What became of an experiment. "pruned": the cost model predicted it to lose, never run;
 # "rejected": it ran but failed a gate (kernel check, verification, timing consistency);
 # "failed": the engine refused or crashed on it (bad plan, timeout).

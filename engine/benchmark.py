@@ -1,4 +1,4 @@
-"""Timing a plan inside the running engine: a fixed decode/prefill shape or a replayed workload.
+"""Timing a plan inside the running engine: a fixed decode/prefill/mixed shape or a replayed workload.
 
 Hardened against flattering numbers: the timed region ends in a device-wide synchronize (work an
 op left on another stream is counted), inputs rotate among several sets of sequences (so caches
@@ -24,7 +24,9 @@ from anneal.engine.sequence import Sequence
 
 class BenchmarkRequest(BaseModel):
     plan: Plan | None = Field(None, description="apply this plan first (default: the current one)")
-    mode: Literal["decode", "prefill", "workload"] = "decode"
+    # mixed: one prompt chunk of prompt_len tokens beside batch_size decode rows at context_len, in
+    # one step, as a chunked, mixed-prefill scheduler runs them (prefill attention serves both)
+    mode: Literal["decode", "prefill", "mixed", "workload"] = "decode"
     batch_size: int = Field(1, ge=1, le=4096)
     context_len: int = Field(256, ge=2)
     prompt_len: int = Field(128, ge=1)
@@ -34,7 +36,7 @@ class BenchmarkRequest(BaseModel):
     traffic: Any = Field(None, description="TrafficShape (object or preset name) for mode=workload")
     num_requests: int = Field(16, ge=1, le=10000)
     seed: int = 0
-    per_op: bool = Field(False, description="also time each op in eager steps (decode/prefill)")
+    per_op: bool = Field(False, description="also time each op in eager steps (decode/prefill/mixed)")
 
 
 class BenchmarkResult(BaseModel):
@@ -60,11 +62,12 @@ def _sync(engine) -> None:
         torch.cuda.synchronize(engine.device)
 
 
-def _sequences(engine, n: int, length: int, computed: int, rng: random.Random) -> list[Sequence]:
+def _sequences(engine, n: int, length: int, computed: int, rng: random.Random,
+               name: str = "bench") -> list[Sequence]:
     V = engine.config.vocab_size
     seqs = []
     for i in range(n):
-        s = Sequence(f"bench-{i}", [rng.randrange(V) for _ in range(length)],
+        s = Sequence(f"{name}-{i}", [rng.randrange(V) for _ in range(length)],
                      SamplingParams(temperature=0), seed=i)
         if not engine.blocks.allocate(s):
             for t in seqs:
@@ -169,17 +172,35 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
     rng = random.Random(req.seed)
     if req.mode == "workload":
         return _workload(engine, req)
-    if req.mode == "decode":
-        if req.context_len >= engine.max_model_len:
-            raise ValueError(f"context_len must be < max_model_len ({engine.max_model_len})")
-        sets = [[(s, 1) for s in _sequences(engine, req.batch_size, req.context_len,
-                                            req.context_len - 1, rng)]
-                for _ in range(req.rotate)]
-        tokens_per_step = req.batch_size
-    else:
-        sets = [[(s, req.prompt_len) for s in _sequences(engine, req.batch_size, req.prompt_len, 0, rng)]
-                for _ in range(req.rotate)]
-        tokens_per_step = req.batch_size * req.prompt_len
+    if req.mode in ("decode", "mixed") and req.context_len >= engine.max_model_len:
+        raise ValueError(f"context_len must be < max_model_len ({engine.max_model_len})")
+    if req.mode in ("prefill", "mixed") and req.prompt_len > engine.max_model_len:
+        raise ValueError(f"prompt_len must be <= max_model_len ({engine.max_model_len})")
+
+    def one_set() -> list[tuple[Sequence, int]]:
+        if req.mode == "prefill":
+            return [(s, req.prompt_len) for s in _sequences(engine, req.batch_size, req.prompt_len, 0, rng)]
+        rows = [(s, 1) for s in _sequences(engine, req.batch_size, req.context_len, req.context_len - 1, rng)]
+        if req.mode == "decode":
+            return rows
+        try:
+            prompt = _sequences(engine, 1, req.prompt_len, 0, rng, name="bench-prompt")
+        except ValueError:
+            for s, _ in rows:
+                engine.blocks.free(s)
+            raise
+        return [*rows, (prompt[0], req.prompt_len)]  # decodes first, then the chunk, as the scheduler does
+
+    sets: list[list[tuple[Sequence, int]]] = []
+    try:
+        for _ in range(req.rotate):
+            sets.append(one_set())
+    except ValueError:  # the cache cannot hold them: free the rotations already built, change nothing
+        for items in sets:
+            for s, _ in items:
+                engine.blocks.free(s)
+        raise
+    tokens_per_step = sum(n for _, n in sets[0])
     try:
         with collection_paused():
             samples, device = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")

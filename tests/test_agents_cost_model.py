@@ -40,6 +40,24 @@ def test_attention_grows_with_context_and_prefill_is_compute_bound():
     assert pf.ms > flops / (cm.hw.matmul_tflops * 1e12) * 1e3 * 0.9
 
 
+def test_a_mixed_step_is_its_decode_rows_plus_its_prompt_chunk():
+    """Projections see every token of both; prefill attention reads the rows' whole contexts and the
+    chunk's causal half: a mixed step costs what its decode step and its prompt step would."""
+    from anneal.agents.cost_model import op_costs
+
+    shape = CostModel.from_state(H200).shape
+    mixed = op_costs(shape, BenchSpec(mode="mixed", batch_size=12, context_len=800, prompt_len=400))
+    rows = op_costs(shape, BenchSpec(mode="decode", batch_size=12, context_len=800))
+    chunk = op_costs(shape, BenchSpec(mode="prefill", batch_size=1, prompt_len=400))
+    assert mixed["qkv_proj"].flops == pytest.approx(rows["qkv_proj"].flops + chunk["qkv_proj"].flops)
+    for field in ("bytes", "flops"):
+        assert getattr(mixed["attention"], field) == pytest.approx(
+            getattr(rows["attention"], field) + getattr(chunk["attention"], field))
+    per_op = CostModel.from_state(H200).predict(Plan(), BenchSpec(mode="mixed", batch_size=12, context_len=800,
+                                                                  prompt_len=400)).per_op_ms
+    assert "attention_prefill" in per_op and "attention_decode" not in per_op
+
+
 def test_calibration_learns_a_per_impl_correction_and_prunes_known_losers():
     cm = CostModel.from_state(H200)
     spec = BenchSpec(batch_size=8, context_len=1024)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fakes.fake_engine import FakeEngine, serve_in_thread
@@ -104,6 +106,20 @@ def test_kernel_tuner_gives_the_costliest_ops_their_turns_first(env, monkeypatch
     tuner.run(lab, setting, board)
     assert set(calls) == {ranked[0]}  # the budget went to the costliest op's descent
     assert set(board.best_ops) == {ranked[0]}  # the others never started: nothing to offer
+
+
+def test_prefill_attention_is_tuned_in_mixed_steps_when_the_scheduler_mixes(env):
+    """Under mixed prefill the steps with prompt tokens also carry the decode rows, which the prefill
+    kernel serves too: it is timed in such a step, else in a lone prompt's."""
+    _, setting, _ = env
+    typical = setting.decode_spec.batch_size
+    assert typical > 1 and setting.base.scheduler.mixed_prefill
+    spec = setting.spec_for("attention_prefill", 1)
+    assert (spec.mode, spec.batch_size, spec.context_len, spec.prompt_len) == (
+        "mixed", typical, setting.context_len, setting.prompt_len)
+    plain = dataclasses.replace(setting, base=setting.base.model_copy(
+        update={"scheduler": setting.base.scheduler.model_copy(update={"mixed_prefill": False})}))
+    assert plain.spec_for("attention_prefill", 1).mode == "prefill"
 
 
 def test_plan_search_improves_without_enumerating(env):

@@ -162,3 +162,35 @@ def test_a_replay_does_not_hit_the_prompts_the_last_replay_cached():
     res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
                                               num_requests=4, steps=2, warmup=1, seed=3))
     assert res.extra["time_split"]["prefill_steps"] >= 1  # the timed replay still prefills its prompts
+
+
+def test_mixed_benchmark_runs_a_prompt_chunk_beside_decode_rows(eng):
+    """``mode="mixed"``: the steps a mixed-prefill scheduler runs (decode rows, then a prompt chunk),
+    so prefill attention is timed with the decode rows it also serves."""
+    calls: list[tuple[list[tuple[int, int]], bool]] = []
+    run = eng.runner.run
+
+    def spy(items, decode_only, *a, **kw):
+        calls.append(([(len(s), n) for s, n in items], decode_only))
+        return run(items, decode_only, *a, **kw)
+
+    eng.runner.run = spy
+    try:
+        res = run_benchmark(eng, BenchmarkRequest(mode="mixed", batch_size=3, context_len=50, prompt_len=20,
+                                                  steps=4, warmup=1, per_op=True))
+    finally:
+        eng.runner.run = run
+    assert calls and all(not d and shape == [(50, 1)] * 3 + [(20, 20)] for shape, d in calls), calls
+    assert res.tokens_per_s == pytest.approx(23 / (res.median_ms / 1e3))
+    assert "attention_prefill" in res.per_op_ms and "attention_decode" not in res.per_op_ms
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["decode", "mixed"])
+def test_a_benchmark_the_cache_cannot_hold_changes_nothing(eng, mode):
+    """The second rotation not fitting used to leave the first one's blocks allocated."""
+    per_set = eng.blocks.num_blocks // 2 // 8 + 1  # sequences of 8 blocks: one set fits, two do not
+    with pytest.raises(ValueError, match="cannot hold"):
+        run_benchmark(eng, BenchmarkRequest(mode=mode, batch_size=per_set, context_len=120, prompt_len=8,
+                                            rotate=2, steps=1, warmup=0))
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
