@@ -111,16 +111,16 @@ class OpCost:
 
 def op_costs(shape: ModelShape, spec: BenchSpec, tp: int = 1) -> dict[str, OpCost]:
     """Bytes moved and FLOPs of each op for one step of ``spec`` (per layer for the layer ops)."""
-    B, L = spec.batch_size, spec.prompt_len
+    B, L, T = spec.batch_size, spec.prompt_len, step_tokens(spec)
     if spec.mode == "prefill":  # causal: each query sees half the prompt on average
-        return _costs(shape, tokens=L * B, rows=B, keys=L / 2, tp=tp)
+        return _costs(shape, tokens=T, rows=B, keys=L / 2, tp=tp)
     if spec.mode == "mixed":  # B decode rows at context_len and one L-token prompt chunk, one step
-        out = _costs(shape, tokens=B + L, rows=B + 1, keys=0, tp=tp)
+        out = _costs(shape, tokens=T, rows=B + 1, keys=0, tp=tp)
         rows = _costs(shape, tokens=B, rows=B, keys=spec.context_len, tp=tp)["attention"]
         chunk = _costs(shape, tokens=L, rows=1, keys=L / 2, tp=tp)["attention"]
         out["attention"] = OpCost(bytes=rows.bytes + chunk.bytes, flops=rows.flops + chunk.flops)
         return out
-    return _costs(shape, tokens=B, rows=B, keys=spec.context_len, tp=tp)
+    return _costs(shape, tokens=T, rows=B, keys=spec.context_len, tp=tp)
 
 
 def step_tokens(spec: BenchSpec) -> int:

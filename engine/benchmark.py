@@ -177,35 +177,22 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
     if req.mode in ("prefill", "mixed") and req.prompt_len > engine.max_model_len:
         raise ValueError(f"prompt_len must be <= max_model_len ({engine.max_model_len})")
 
-    def one_set() -> list[tuple[Sequence, int]]:
-        if req.mode == "prefill":
-            return [(s, req.prompt_len) for s in _sequences(engine, req.batch_size, req.prompt_len, 0, rng)]
-        rows = [(s, 1) for s in _sequences(engine, req.batch_size, req.context_len, req.context_len - 1, rng)]
-        if req.mode == "decode":
-            return rows
-        try:
-            prompt = _sequences(engine, 1, req.prompt_len, 0, rng, name="bench-prompt")
-        except ValueError:
-            for s, _ in rows:
-                engine.blocks.free(s)
-            raise
-        return [*rows, (prompt[0], req.prompt_len)]  # decodes first, then the chunk, as the scheduler does
-
-    sets: list[list[tuple[Sequence, int]]] = []
+    sets: list[list[tuple[Sequence, int]]] = []  # whatever is allocated is in here, freed below
     try:
         for _ in range(req.rotate):
-            sets.append(one_set())
-    except ValueError:  # the cache cannot hold them: free the rotations already built, change nothing
-        for items in sets:
-            for s, _ in items:
-                engine.blocks.free(s)
-        raise
-    tokens_per_step = sum(n for _, n in sets[0])
-    try:
+            items: list[tuple[Sequence, int]] = []
+            sets.append(items)
+            if req.mode == "prefill":
+                items += [(s, req.prompt_len) for s in _sequences(engine, req.batch_size, req.prompt_len, 0, rng)]
+                continue
+            items += [(s, 1) for s in _sequences(engine, req.batch_size, req.context_len, req.context_len - 1, rng)]
+            if req.mode == "mixed":  # decodes first, then the chunk, as the scheduler does
+                items += [(s, req.prompt_len) for s in _sequences(engine, 1, req.prompt_len, 0, rng, "bench-prompt")]
+        tokens_per_step = sum(n for _, n in sets[0])
         with collection_paused():
             samples, device = _timed_steps(engine, sets, req, decode_only=req.mode == "decode")
         per_op = _per_op(engine, sets[0], req.mode == "decode") if req.per_op else None
-    finally:
+    finally:  # also when the cache cannot hold a later rotation: the benchmark changes nothing
         for items in sets:
             for s, _ in items:
                 engine.blocks.free(s)
