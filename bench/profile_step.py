@@ -43,21 +43,38 @@ def split_replays(kernels, per_step: int):
     return [kernels[i:i + per_step] for i in range(0, len(kernels) - per_step + 1, per_step)]
 
 
+def advances(step: list[tuple[str, float, float]]) -> list[float]:
+    """How far each kernel pushes the step's end: its end minus the latest end before it (0 when it
+    ends earlier). They sum to the span. With programmatic dependent launch a kernel starts early
+    and waits, so its duration overstates its cost; its advance is its share of the critical path."""
+    out, last = [], step[0][1] if step else 0.0
+    for _, start, dur in step:
+        out.append(max(0.0, start + dur - last))
+        last = max(last, start + dur)
+    return out
+
+
 def kernel_table(steps: list[list[tuple[str, float, float]]]) -> list[dict]:
-    """The steps' kernels by name, most time first: calls and µs per step, mean µs per call."""
+    """The steps' kernels by name, most time first: calls and µs per step, mean µs per call, and
+    their advance (share of the span) per step."""
     by_name: dict[str, list[float]] = defaultdict(list)
+    adv_by_name: dict[str, float] = defaultdict(float)
     for s in steps:
-        for name, _, dur in s:
+        for (name, _, dur), adv in zip(s, advances(s)):
             by_name[name].append(dur)
+            adv_by_name[name] += adv
     return sorted(
         ({"kernel": n[:120], "calls_per_step": len(d) / len(steps), "mean_us": statistics.mean(d),
-          "total_us_per_step": sum(d) / len(steps)} for n, d in by_name.items()),
-        key=lambda r: -r["total_us_per_step"])
+          "total_us_per_step": sum(d) / len(steps), "advance_us_per_step": adv_by_name[n] / len(steps)}
+         for n, d in by_name.items()),
+        key=lambda r: -r["advance_us_per_step"])
 
 
 def print_kernels(table: list[dict], n: int = 25) -> None:
+    print(f"  {'advance':>8}     {'total':>8}     calls x mean")
     for k in table[:n]:
-        print(f"  {k['total_us_per_step']:8.1f} µs  {k['calls_per_step']:5.1f} x {k['mean_us']:7.2f}  {k['kernel']}")
+        print(f"  {k['advance_us_per_step']:8.1f} µs  {k['total_us_per_step']:8.1f} µs  {k['calls_per_step']:5.1f} x "
+              f"{k['mean_us']:7.2f}  {k['kernel']}")
 
 
 def profile_plan(engine: Engine, bs: int, context: int, replays: int) -> dict:

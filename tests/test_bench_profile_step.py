@@ -28,5 +28,14 @@ def test_the_kernel_table_sums_each_kernel_per_step():
     steps = [[("a", 0.0, 2.0), ("b", 2.0, 1.0), ("a", 3.0, 4.0)], [("a", 0.0, 2.0), ("b", 2.0, 3.0), ("a", 3.0, 4.0)]]
     table = bench.kernel_table(steps)
     assert [r["kernel"] for r in table] == ["a", "b"]
-    assert table[0] == {"kernel": "a", "calls_per_step": 2.0, "mean_us": 3.0, "total_us_per_step": 6.0}
-    assert table[1] == {"kernel": "b", "calls_per_step": 1.0, "mean_us": 2.0, "total_us_per_step": 2.0}
+    assert table[0] == {"kernel": "a", "calls_per_step": 2.0, "mean_us": 3.0, "total_us_per_step": 6.0,
+                        "advance_us_per_step": 5.0}  # (2 + 4) and (2 + 2: its end passes b's by 2)
+    assert table[1] == {"kernel": "b", "calls_per_step": 1.0, "mean_us": 2.0, "total_us_per_step": 2.0,
+                        "advance_us_per_step": 2.0}
+
+
+def test_advances_charge_an_early_launched_kernel_only_for_what_it_adds_to_the_span():
+    # b starts (dependent launch) while a runs and waits for it: 9 µs long, but it ends 1 µs after a.
+    step = [("a", 0.0, 10.0), ("b", 2.0, 9.0), ("c", 5.0, 3.0), ("d", 11.0, 2.0)]
+    assert bench.advances(step) == [10.0, 1.0, 0.0, 2.0]
+    assert sum(bench.advances(step)) == 13.0  # the span
