@@ -111,8 +111,10 @@ for s in "$@"; do
         --name "decode-variants-${SHAPE:-llama-3.2-1b}" --out "$OUT"
       ;;
     gpu-tests-new)
-      stage gpu-tests-new 240 $py -m pytest -m gpu -q -p no:cacheprovider -rfE -n 4 ${NEW_TESTS:-tests/kernels/test_argmax.py \
-        tests/kernels/test_pdl_graph.py tests/kernels/test_fused_plan.py tests/kernels/test_gemv.py tests/test_engine_gpu.py}
+      # NEW_TESTS: test files, space- or comma-separated (commas fit in one h200-lanes.sh word)
+      tests=${NEW_TESTS:-tests/kernels/test_argmax.py tests/kernels/test_pdl_graph.py tests/kernels/test_fused_plan.py \
+        tests/kernels/test_gemv.py tests/test_engine_gpu.py}
+      stage gpu-tests-new 240 $py -m pytest -m gpu -q -p no:cacheprovider -rfE -n 4 ${tests//,/ }
       ;;
     profile)
       stage profile-1b 240 $py bench/profile_step.py --shape llama-3.2-1b --batch-size 1 --context 1024 \

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
-    pdl_prologue, pow2, pow2_split, sm_count, tile_counters,
+    pdl_launch_dependents, pdl_prologue, pdl_wait, pow2, pow2_split, sm_count, tile_counters,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -45,6 +45,23 @@ def _split_len(ctx, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                 PV_F32: tl.constexpr):
+    """One K/V tile into the online softmax: returns the updated (max, sum, unnormalised output)."""
+    sc = mma(q, tl.trans(k), PREC, UPCAST) * scale_log2
+    sc = tl.where(tm[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if PV_F32:  # probabilities kept in fp32 (tf32 MMA): closer to the fp32 reference
+        pv = mma(p, v.to(tl.float32), PREC, UPCAST)
+    else:
+        pv = mma(p.to(v.dtype), v, PREC, UPCAST)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr,
     scale_log2,
@@ -54,11 +71,15 @@ def _decode_split_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, PV_F32: tl.constexpr, TICKET: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    pdl_prologue(PDL)
+    pdl_launch_dependents(PDL)
+    if not PREFETCH:
+        pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
+    # Context lengths and block tables are copied in before the step; nothing in it writes them.
     ctx = tl.minimum(tl.load(lens_ptr + b), max_tokens)  # never past the block table
     split_len = _split_len(ctx, SPLIT_K, BLOCK_N)
     start = s * split_len
@@ -72,14 +93,37 @@ def _decode_split_kernel(
     gm = g < G
     dm = d < D
     heads = kvh * G + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gm[:, None] & dm[None, :], other=0.0)
-
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
+    loop_start = start
+    if PREFETCH:
+        # The split's first tile is requested while the previous kernel still runs: of the keys and
+        # values it reads, only the step's own token (position ctx - 1, stored by the kernel before
+        # this one) is written in this step, so it alone is loaded after the wait.
+        t = start + tl.arange(0, BLOCK_N)
+        tm = t < end
+        blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
+        tok = t % BS
+        k_ptrs = kc_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + d[None, :]
+        v_ptrs = vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :]
+        old = (tm & (t < ctx - 1))[:, None] & dm[None, :]
+        k = tl.load(k_ptrs, mask=old, other=0.0)
+        v = tl.load(v_ptrs, mask=old, other=0.0)
+        pdl_wait(PDL)
+        new = (tm & (t == ctx - 1))[:, None] & dm[None, :]
+        k = tl.load(k_ptrs, mask=new, other=k)
+        v = tl.load(v_ptrs, mask=new, other=v)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gm[:, None] & dm[None, :], other=0.0)
+        if start < end:  # else an empty sequence (context 0): no keys, zeros out
+            m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
+        loop_start = start + BLOCK_N
+    else:
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gm[:, None] & dm[None, :], other=0.0)
+    for n0 in range(loop_start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tm = t < end
         blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
@@ -90,18 +134,7 @@ def _decode_split_kernel(
         # V is requested together with K (not after the scores): both tiles in flight at once.
         v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
-        sc = mma(q, tl.trans(k), PREC, UPCAST) * scale_log2
-        sc = tl.where(tm[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PV_F32:  # probabilities kept in fp32 (tf32 MMA): closer to the fp32 reference
-            pv = mma(p, v.to(tl.float32), PREC, UPCAST)
-        else:
-            pv = mma(p.to(v.dtype), v, PREC, UPCAST)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
 
     if SPLIT_K == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -178,7 +211,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, *, split_k: int = 0, block_n: int = 64,
     num_warps: int = 4, num_stages: int = 2, pv_precision: str = "bf16", merge: str = "kernel",
-    pdl: bool = False,
+    pdl: bool = False, prefetch: bool = False,
 ) -> torch.Tensor:
     name = "attention_decode"
     check_device(name, q, k_cache, v_cache, block_tables, context_lens)
@@ -230,7 +263,7 @@ def paged_decode_attention(
         H, block_tables.shape[1] * BS,
         G=G, BLOCK_G=pow2(G, 16), D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, BS=BS, SPLIT_K=split_k,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PV_F32=pv_precision == "tf32", TICKET=ticket,
-        PDL=pdl_enabled(pdl), num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl_enabled(pdl), PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl),
     )
     if split_k > 1 and not ticket:
@@ -252,13 +285,15 @@ def paged_decode_attention(
         Param("pv_precision", ("bf16", "tf32"), "bf16"),  # softmax probabilities in the PV MMA
         Param("merge", ("kernel", "ticket"), "kernel"),  # split merge: second kernel, or last split
         Param("pdl", (False, True), False),
+        # each split's first K/V tile requested before the PDL wait (all but the step's own token)
+        Param("prefetch", (False, True), False),
     ),
     devices=("cuda",),
     description="flash-decoding over the paged cache: GQA heads share one K/V read, split-K + merge kernel",
 )
 def build_attention_decode(
     split_k: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, pv_precision: str = "bf16",
-    merge: str = "kernel", pdl: bool = False,
+    merge: str = "kernel", pdl: bool = False, prefetch: bool = False,
 ):
     def attention_decode(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -267,7 +302,7 @@ def build_attention_decode(
         return paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale,
             split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-            pv_precision=pv_precision, merge=merge, pdl=pdl,
+            pv_precision=pv_precision, merge=merge, pdl=pdl, prefetch=prefetch,
         )
 
     return attention_decode

@@ -31,11 +31,12 @@ def specs():
     yield activation._silu_and_mul_kernel, {}, dict(BLOCK=1024), 4
     yield rope._qk_rope_store_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": "*fp32"}, dict(
         HAS_NORM=True, D=128, BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64), 4
-    for split, pv32, ticket in ((1, False, False), (8, False, False), (8, True, True), (1, True, False)):
+    for split, pv32, ticket, prefetch in ((1, False, False, False), (8, False, False, False), (8, True, True, False),
+                                          (1, True, False, False), (8, False, False, True), (1, False, True, True)):
         yield attention_decode._decode_split_kernel, {
             "bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
             "cnt_ptr": "*i32"}, dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=split,
-                                     PREC="tf32", UPCAST=False, PV_F32=pv32, TICKET=ticket), 4
+                                     PREC="tf32", UPCAST=False, PV_F32=pv32, TICKET=ticket, PREFETCH=prefetch), 4
     yield attention_decode._decode_merge_kernel, {
         "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32"}, dict(
         D=128, BLOCK_D=128, BLOCK_N=64, SPLIT_K=16), 4
@@ -79,11 +80,12 @@ def specs():
 
 
 def all_specs():
-    """Every spec with PDL off, and the first spec of each kernel with PDL on too."""
+    """Every spec with PDL off, and with PDL on too the first spec of each kernel and every spec that
+    prefetches before the PDL wait."""
     seen = set()
     for kernel, ptr_types, constexprs, warps in specs():
         yield kernel, ptr_types, dict(constexprs, PDL=False), warps
-        if kernel not in seen:
+        if kernel not in seen or constexprs.get("PREFETCH"):
             seen.add(kernel)
             yield kernel, ptr_types, dict(constexprs, PDL=True), warps
 
