@@ -106,7 +106,7 @@ for s in "$@"; do
       ;;
     variants)
       plans=$($py bench/plan_variants.py "${BASE_PLAN:-bench/plans/gemv-pdl.json}" --out /tmp/variants)
-      stage variants 300 $py bench/decode.py --shapes "${SHAPE:-llama-3.2-1b}" --batch-sizes 1 --context 1024 \
+      stage variants 420 $py bench/decode.py --shapes "${SHAPE:-llama-3.2-1b}" --batch-sizes 1 --context 1024 \
         --plans "triton,${BASE_PLAN:-bench/plans/gemv-pdl.json},$plans" --no-hf --steps 50 --greedy-check 0 \
         --name "decode-variants-${SHAPE:-llama-3.2-1b}" --out "$OUT"
       ;;

@@ -24,6 +24,10 @@ CHANGES = [
     ("attention_decode", {"num_warps": 8}), ("qkv_proj", {"block_n": 64}), ("o_proj", {"block_n": 64}),
     ("down_proj", {"block_k": 128}), ("gate_up_proj", {"block_n": 64, "block_k": 128}),
     ("gate_up_proj", {"split_k": 0}),
+    # session 9: with the attention prefetch, smaller attention tiles; GEMV weight tiles kept ahead
+    ("attention_decode", {"split_k": 32, "block_n": 32}), ("attention_decode", {"num_stages": 1}),
+    ("qkv_proj", {"ahead": 2}), ("o_proj", {"ahead": 2}), ("down_proj", {"ahead": 2}), ("down_proj", {"ahead": 3}),
+    ("o_proj", {"split_k": 8}), ("down_proj", {"split_k": 8}),
 ]
 
 

@@ -97,6 +97,15 @@ def profile_plan(engine: Engine, bs: int, context: int, replays: int) -> dict:
     spans = [s[-1][1] + s[-1][2] - s[0][1] for s in steps]
     busy = [sum(k[2] for k in s) for s in steps]
     table = kernel_table(steps)
+    # One layer in the middle of the step, kernel by kernel (median over the replays): which of a
+    # layer's GEMVs and small kernels the critical path waits on. A layer of a graph step repeats
+    # every (kernels - the head/tail ones) / layers kernels; ``window`` kernels from the middle show it.
+    adv = [advances(s) for s in steps]
+    mid = per_step // 2
+    window = [{"index": i, "kernel": steps[0][i][0][:60],
+               "advance_us": statistics.median(a[i] for a in adv),
+               "duration_us": statistics.median(s[i][2] for s in steps)}
+              for i in range(max(0, mid - 10), min(per_step, mid + 10))]
     gaps = [s[i + 1][1] - (s[i][1] + s[i][2]) for s in steps for i in range(len(s) - 1)]
     for s, _ in items:
         engine.blocks.free(s)
@@ -104,7 +113,7 @@ def profile_plan(engine: Engine, bs: int, context: int, replays: int) -> dict:
             "span_us_median": statistics.median(spans), "kernel_sum_us_median": statistics.median(busy),
             "gap_us_median": statistics.median(gaps) if gaps else 0.0,
             "gap_us_sum_median": statistics.median(sp - b for sp, b in zip(spans, busy)),
-            "kernels": table}
+            "kernels": table, "middle_kernels": window}
 
 
 def profile_mixed(engine: Engine, bs: int, context: int, prompt: int, reps: int) -> dict:
@@ -191,6 +200,9 @@ def main() -> int:
               f"{r['span_us_median']:.1f} µs, kernels {r['kernel_sum_us_median']:.1f} µs, gaps "
               f"{r['gap_us_sum_median']:.1f} µs (median gap {r['gap_us_median']:.2f}); roofline {roof_us:.1f} µs")
         print_kernels(r["kernels"])
+        print("  the middle of the step, kernel by kernel (advance / duration µs):")
+        for k in r["middle_kernels"]:
+            print(f"    {k['index']:4d} {k['advance_us']:7.2f} {k['duration_us']:7.2f}  {k['kernel']}")
     print(json.dumps({"wrote": str(write_result(args.name, result, Path(args.out) if args.out else None))}))
     return 0
 

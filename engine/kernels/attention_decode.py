@@ -211,7 +211,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, *, split_k: int = 0, block_n: int = 64,
     num_warps: int = 4, num_stages: int = 2, pv_precision: str = "bf16", merge: str = "kernel",
-    pdl: bool = False, prefetch: bool = False,
+    pdl: bool = False, prefetch: int = 0,
 ) -> torch.Tensor:
     name = "attention_decode"
     check_device(name, q, k_cache, v_cache, block_tables, context_lens)
@@ -263,7 +263,7 @@ def paged_decode_attention(
         H, block_tables.shape[1] * BS,
         G=G, BLOCK_G=pow2(G, 16), D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, BS=BS, SPLIT_K=split_k,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PV_F32=pv_precision == "tf32", TICKET=ticket,
-        PDL=pdl_enabled(pdl), PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl_enabled(pdl), PREFETCH=B <= prefetch, num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl),
     )
     if split_k > 1 and not ticket:
@@ -285,15 +285,16 @@ def paged_decode_attention(
         Param("pv_precision", ("bf16", "tf32"), "bf16"),  # softmax probabilities in the PV MMA
         Param("merge", ("kernel", "ticket"), "kernel"),  # split merge: second kernel, or last split
         Param("pdl", (False, True), False),
-        # each split's first K/V tile requested before the PDL wait (all but the step's own token)
-        Param("prefetch", (False, True), False),
+        # batches up to this size request each split's first K/V tile before the PDL wait (all but
+        # the step's own token); 0 = never. It pays at bs=1 and costs from bs 8 (H200, session 9)
+        Param("prefetch", (0, 1, 2, 4, 8, 16), 0),
     ),
     devices=("cuda",),
     description="flash-decoding over the paged cache: GQA heads share one K/V read, split-K + merge kernel",
 )
 def build_attention_decode(
     split_k: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, pv_precision: str = "bf16",
-    merge: str = "kernel", pdl: bool = False, prefetch: bool = False,
+    merge: str = "kernel", pdl: bool = False, prefetch: int = 0,
 ):
     def attention_decode(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -185,6 +185,7 @@ def _gemv_kernel(
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
     HEAD_D: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1,
     SILU_OUT: tl.constexpr = False, ADD_SS: tl.constexpr = False, BLOCK_SS: tl.constexpr = 1,
+    AHEAD: tl.constexpr = 1,
 ):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -219,11 +220,18 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
 
     if BLOCK_M == 1:
-        # W does not depend on the previous kernel: its first tile is requested before the PDL wait
-        # (under PDL it streams while the predecessor finishes), and every later tile one step
-        # ahead of its use (register double-buffering: two tiles in flight per program).
+        # W does not depend on the previous kernel: its first AHEAD tiles are requested before the
+        # PDL wait (under PDL they stream while the predecessors finish, when the bus is otherwise
+        # idle), and every later tile AHEAD steps ahead of its use (AHEAD + 1 tiles in flight per
+        # program, in registers).
         k = k_lo + tl.arange(0, BLOCK_K)
         w_cur = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
+        if AHEAD >= 2:
+            k = k + BLOCK_K
+            w_nxt = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
+        if AHEAD >= 3:
+            k = k + BLOCK_K
+            w_far = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
     pdl_wait(PDL)
 
     # NORM 1: x -> rmsnorm(x); NORM 2: x -> rmsnorm(x + residual), and x + residual is written out
@@ -261,8 +269,17 @@ def _gemv_kernel(
         km = k < k_hi
         if BLOCK_M == 1:
             w = w_cur
-            kn = k + BLOCK_K
-            w_cur = tl.load(w_rows + kn[None, :], mask=nm[:, None] & (kn < k_hi)[None, :], other=0.0)
+            kn = k + AHEAD * BLOCK_K
+            w_new = tl.load(w_rows + kn[None, :], mask=nm[:, None] & (kn < k_hi)[None, :], other=0.0)
+            if AHEAD == 1:
+                w_cur = w_new
+            if AHEAD == 2:
+                w_cur = w_nxt
+                w_nxt = w_new
+            if AHEAD == 3:
+                w_cur = w_nxt
+                w_nxt = w_far
+                w_far = w_new
         else:
             w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         xm = mm[:, None] & km[None, :]
@@ -393,6 +410,7 @@ def small_m_gemm(
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
     norm_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None, add_stats: torch.Tensor | None = None,
+    ahead: int = 1,
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
@@ -453,8 +471,8 @@ def small_m_gemm(
         if summed is not None and M > 0:
             summed.copy_(x + residual)  # no N tile writes it
         return out if residual is None else (out, summed)
-    if reduce not in ("kernel", "ticket") or m1 not in ("dot", "fma"):
-        raise KernelInputError(f"{name}: reduce must be 'kernel' or 'ticket' and m1 'dot' or 'fma'")
+    if reduce not in ("kernel", "ticket") or m1 not in ("dot", "fma") or ahead not in (1, 2, 3):
+        raise KernelInputError(f"{name}: reduce must be 'kernel' or 'ticket', m1 'dot' or 'fma', ahead 1-3")
     BLOCK_M = _block_m(M, block_m, m1)
     n_tiles = triton.cdiv(N // 2, block_n // 2) if silu_out else triton.cdiv(N, block_n)
     tiles = n_tiles * triton.cdiv(M, BLOCK_M)
@@ -485,7 +503,7 @@ def small_m_gemm(
         TICKET=ticket, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
         BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
-        ADD_SS=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1,
+        ADD_SS=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if add_norm is not None:
@@ -510,6 +528,7 @@ KERNEL_PARAMS = (
     Param("m1", ("dot", "fma"), "dot"),  # M == 1: pipelined tl.dot (M padded to 16) or register FMA
     Param("reduce", ("kernel", "ticket"), "kernel"),  # split-K sum: second kernel, or last split adds
     Param("pdl", (False, True), False),
+    Param("ahead", (1, 2, 3), 1),  # M == 1 FMA path: W tiles requested before the PDL wait / in flight ahead
 )
 GEMV_PARAMS = KERNEL_PARAMS + (
     Param("max_m", (0, 1, 8, 16, 32, 64, 128, 256), 64),  # above this many rows use torch's GEMM; 0 = never

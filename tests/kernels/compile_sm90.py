@@ -11,6 +11,7 @@ of one representative specialisation; other scalar arguments default to i32 (``e
 from __future__ import annotations
 
 import os
+import inspect
 import sys
 import time
 
@@ -71,6 +72,11 @@ def specs():
         yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
                                           ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=True, HEAD_D=64,
                                           ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False), 4
+    for ahead, rope in ((2, False), (3, False), (2, True)):  # M == 1 with more W tiles in flight
+        yield gemv._gemv_kernel, gp, dict(BLOCK_M=1, BLOCK_N=128, BLOCK_K=64, SPLIT_K=8, SILU_MUL=False, NORM=0,
+                                          ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=rope,
+                                          HEAD_D=64 if rope else 1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False,
+                                          AHEAD=ahead), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4
     from anneal.engine.kernels import argmax as am
 
@@ -81,16 +87,19 @@ def specs():
 
 def all_specs():
     """Every spec with PDL off, and with PDL on too the first spec of each kernel and every spec that
-    prefetches before the PDL wait."""
+    requests loads before the PDL wait."""
     seen = set()
     for kernel, ptr_types, constexprs, warps in specs():
         yield kernel, ptr_types, dict(constexprs, PDL=False), warps
-        if kernel not in seen or constexprs.get("PREFETCH"):
+        if kernel not in seen or constexprs.get("PREFETCH") or constexprs.get("AHEAD", 1) > 1:
             seen.add(kernel)
             yield kernel, ptr_types, dict(constexprs, PDL=True), warps
 
 
 def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2):
+    # constexpr params the spec leaves out take their defaults, as a launch does (not an i32 arg)
+    constexprs = {**{p.name: p.default for p in kernel.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:

@@ -26,8 +26,8 @@ PARAMS_CPU = [
     {"split_k": 4, "block_n": 16},
     {"split_k": 0, "block_n": 32, "pv_precision": "tf32"},
     {"split_k": 8, "block_n": 16, "merge": "ticket"},
-    {"split_k": 4, "block_n": 16, "prefetch": True},
-    {"split_k": 1, "block_n": 16, "prefetch": True},
+    {"split_k": 4, "block_n": 16, "prefetch": 16},
+    {"split_k": 1, "block_n": 16, "prefetch": 2},
 ]
 PARAMS_GPU = [
     {"split_k": 1},
@@ -37,9 +37,9 @@ PARAMS_GPU = [
     {"split_k": 4, "pdl": True},
     {"split_k": 16, "merge": "ticket", "pv_precision": "tf32"},
     {"split_k": 0, "merge": "ticket", "pdl": True},
-    {"split_k": 0, "pdl": True, "prefetch": True},
-    {"split_k": 1, "block_n": 32, "pdl": True, "prefetch": True},
-    {"split_k": 8, "merge": "ticket", "pdl": True, "prefetch": True},
+    {"split_k": 0, "pdl": True, "prefetch": 16},
+    {"split_k": 1, "block_n": 32, "pdl": True, "prefetch": 4},
+    {"split_k": 8, "merge": "ticket", "pdl": True, "prefetch": 16},
 ]
 
 

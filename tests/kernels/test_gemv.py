@@ -19,6 +19,8 @@ PARAMS_CPU = [
     {"split_k": 0, "block_n": 64, "block_k": 64, "block_m": 32, "max_m": 0},
     {"split_k": 4, "block_n": 16, "block_k": 64, "max_m": 0, "reduce": "ticket", "m1": "fma"},
     {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "reduce": "ticket", "block_m": 16},
+    {"split_k": 1, "block_n": 16, "block_k": 64, "max_m": 0, "m1": "fma", "ahead": 2},  # K 37: fewer tiles than ahead
+    {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "m1": "fma", "ahead": 3, "reduce": "ticket"},
 ]
 PARAMS_GPU = [
     {"max_m": 0},
@@ -28,6 +30,8 @@ PARAMS_GPU = [
     {"split_k": 4, "max_m": 0, "pdl": True},
     {"split_k": 8, "max_m": 0, "reduce": "ticket", "block_m": 16},
     {"split_k": 4, "max_m": 0, "reduce": "ticket", "pdl": True, "m1": "fma"},
+    {"split_k": 8, "block_n": 128, "block_k": 64, "max_m": 0, "reduce": "ticket", "pdl": True, "m1": "fma", "ahead": 2},
+    {"split_k": 16, "block_n": 128, "block_k": 64, "max_m": 0, "reduce": "ticket", "pdl": True, "m1": "fma", "ahead": 3},
 ]
 
 
@@ -164,7 +168,8 @@ def test_qkv_rope_store(device, dtype):
                                                  (3, {"block_n": 16, "block_k": 32, "split_k": 1}),
                                                  (2, {"block_n": 32, "block_k": 16, "m1": "fma", "split_k": 1})]
     else:
-        (H, Hkv, D, K), cases = (32, 8, 64, 2048), [(1, {"block_n": 128, "block_k": 64, "m1": "fma", "pdl": True}),
+        (H, Hkv, D, K), cases = (32, 8, 64, 2048), [(1, {"block_n": 128, "block_k": 64, "m1": "fma", "pdl": True,
+                                                         "ahead": 2}),
                                                     (5, {"block_n": 64, "split_k": 4}),
                                                     (1, {"block_n": 64, "block_k": 128, "m1": "fma", "split_k": 1})]
     nb, bs = 6, 4
