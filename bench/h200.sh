@@ -144,7 +144,7 @@ for s in "$@"; do
       ;;
     greedy-fp32)
       stage greedy-fp32 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
-        --plans triton,bench/plans/gemv-pdl-rope-gu.json --no-hf --steps 5 --greedy-check 256 --greedy-dtype float32 \
+        --plans "${GREEDY_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json}" --no-hf --steps 5 --greedy-check 256 --greedy-dtype float32 \
         --name greedy-fp32 --out "$OUT"
       ;;
     iteration)
