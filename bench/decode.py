@@ -159,6 +159,25 @@ def hf_decode_ms(shape: str, bs: int, context: int, new_tokens: int = 33) -> dic
     return {"median_ms": (tn - t1) / (new_tokens - 1) * 1e3, "method": f"(T({new_tokens})-T(1))/{new_tokens - 1}"}
 
 
+def greedy_margins(engine: Engine, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens with each step's top-1 minus top-2 log-probability: how near a tie each
+    choice was. A plan that flips a near-tie (random weights give near-uniform logits) leaves the
+    reference's stream without computing anything wrong; one that flips a wide margin is wrong."""
+    rid = "greedy-margins"
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=2))
+    toks: list[int] = []
+    margins: list[float] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            toks += o.new_token_ids
+            for lp in o.new_logprobs or []:
+                top = sorted(lp.top.values(), reverse=True)
+                margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return toks, margins
+
+
 def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw: float,
                 hf: bool, greedy_check: int, wanted: list[str], greedy_dtype: str = "bfloat16") -> dict:
     max_len = context + max(greedy_check, 16) + 16
@@ -176,6 +195,8 @@ def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw
                  "load_s": engine.load_s, "plans": {}, "apply": {}, "rows": []}
     kv_per_token = cfg.kv_bytes_per_token(dtype_bytes=2)
     tokens: dict[str, list[int]] = {}
+    margin_tokens: list[int] = []
+    margins: list[float] = []  # the reference's top-1 minus top-2 log-probability per greedy step
     prompt = [random.Random(7).randrange(cfg.vocab_size) for _ in range(64)]
     for name, plan in plans.items():
         try:
@@ -215,6 +236,8 @@ def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw
         if greedy_check and greedy_dtype == "bfloat16":
             tokens[name] = engine.generate(
                 [prompt], SamplingParams(max_tokens=greedy_check, temperature=0, ignore_eos=True))[0]
+            if name == "reference":
+                margin_tokens, margins = greedy_margins(engine, prompt, greedy_check)
     if greedy_check and greedy_dtype != "bfloat16":
         # Random weights give near-uniform logits, where a last-bit difference in bf16 flips an
         # argmax; in fp32 the same plans differ only by summation order.
@@ -240,6 +263,13 @@ def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw
             n: next((i for i, (a, b) in enumerate(zip(t, ref)) if a != b), None)
             for n, t in tokens.items() if n != "reference"}
         out["greedy_steps"] = greedy_check
+        if margins:
+            # how near a tie the reference's choice was where each plan left it, against a typical step
+            out["greedy_reference_margin"] = {
+                "median": statistics.median(margins), "min": min(margins),
+                "tokens_match_without_logprobs": margin_tokens == ref,
+                "at_divergence": {n: margins[i] if i is not None and i < len(margins) else None
+                                  for n, i in out["greedy_first_divergence"].items()}}
     del engine
     gc.collect()
     torch.cuda.empty_cache()

@@ -15,7 +15,7 @@
 #   profile-bs1                     issue 4: the 8B bs=1 step's kernels for $PROFILE_BS1_PLANS
 #   decode-batch                    issue 5: 8B decode steps at batches 1-16, context 800, $DECODE_PLANS side by side
 #   kernels-bs1, decode-bs1, variants  issue 2/4: bs=1 GEMV sweep, bs=1 plans side by side, one-change variants
-#   greedy-fp32                     issue 4: greedy tokens vs the reference over 256 steps, in fp32
+#   greedy-fp32, greedy-bf16        issue 4: greedy tokens vs the reference over 256 steps, in fp32 / bf16
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
 #   iteration-parallel-jit          the same with `serve --parallel-jit` (kernels compiled in parallel)
 #   iteration-ahead                 12 candidates, each one's kernels compiled ahead (POST /admin/prepare)
@@ -141,6 +141,11 @@ for s in "$@"; do
       # 24-25 ms each against ~8 ms at the matmul roofline): host-bound, or which kernels?
       stage profile-8b-mixed 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 15 --context 550 \
         --mixed 400 --replays 10 --plans "${PROFILE_PLANS:-triton,bench/plans/triton-packgqa.json}" --name profile-step-8b-mixed --out "$OUT"
+      ;;
+    greedy-bf16)  # issue 4: greedy tokens vs the reference over 256 steps in bf16, with the reference's margins
+      stage greedy-bf16 300 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
+        --plans "${GREEDY_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json}" --no-hf --steps 5 --greedy-check 256 \
+        --name greedy-bf16 --out "$OUT"
       ;;
     greedy-fp32)
       stage greedy-fp32 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
