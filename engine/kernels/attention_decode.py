@@ -12,6 +12,11 @@ log-sum-exp rescaling. With ``split_k == 1`` kernel 1 normalises and writes the 
 with ``merge="ticket"`` the last split of each (sequence, kv head) to finish merges (an atomic
 arrival counter), so the step has one kernel instead of two.
 
+``prefetch`` (with ``pdl``): batches up to this size request each split's first K/V tile before
+waiting for the previous kernel. Only the step's own token (position ``ctx - 1``) is written by
+the kernels before attention, so it alone is loaded after the wait. At bs=1 this takes the tile's
+DRAM latency off the critical path; at bs >= 8 the waiting programs cost more than it saves.
+
 ``pv_precision``: the probabilities enter the PV product as bf16 (``"bf16"``, as flash attention
 does) or as fp32 through a tf32 MMA (``"tf32"``: closer to the fp32 reference, at no cost in a
 memory-bound kernel).
