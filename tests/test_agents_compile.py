@@ -65,6 +65,9 @@ def test_compile_writes_a_verified_plan_report_and_ledger(tmp_path, fakes, monke
     assert len(baseline_rows) >= 2  # measured with the candidates, then re-measured interleaved
     led.close()
     report = (out / "report.md").read_text()
+    cross = report.split("## Measured on another traffic shape")[1].split("##")[0]
+    for k in ("baseline_itl_p90_ms", "compiled_itl_p90_ms", "baseline_ttft_p90_ms", "compiled_ttft_p90_ms"):
+        assert f"- {k}: " in cross and f"- {k}: None" not in cross  # the fake's replay reports latencies
     for needle in ("Gain against the baseline", "tokens_per_s", "Verification", "Cost model", "Best fast-tier",
                    "Median prediction error", "experiments/hour", "another traffic shape", "on each request sample"):
         assert needle in report
