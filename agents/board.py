@@ -33,6 +33,7 @@ class SearchSetting:
     seed: int = 0
     workload_requests: int = 8
     long_context_len: int | None = None  # the traffic's p90 context: attention is also tuned there
+    seeds: list[Plan] = field(default_factory=list)  # plans the plan search starts from besides the base
 
     def rng(self, agent: str) -> random.Random:
         """A reproducible random stream per agent (a resumed run proposes the same candidates)."""

@@ -62,6 +62,9 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     p.add_argument("--baseline-plan", default=None, metavar="FILE",
                    help="Plan or CompiledPlan both engines apply first: the baseline the search must beat "
                         "(default: what the engines serve, the reference plan for local engines)")
+    p.add_argument("--seed-plans", default=None, metavar="FILE[,FILE...]",
+                   help="Plan or CompiledPlan files the plan search measures first and then evolves like its own "
+                        "finds: a warm start from earlier compiles or hand-set plans")
     p.add_argument("--fast-layers", type=int, default=None, help="layers of the fast-tier engine (default 1)")
     p.add_argument("--device", default=None, help="device of locally started engines (default: cuda if available, else cpu)")
     p.add_argument("--agents", default=None, help=f"comma-separated subset of {','.join(AGENT_NAMES)}")
@@ -122,6 +125,7 @@ def run_compile(args: argparse.Namespace) -> int:
             report_to=args.report_to, fast_layers=args.fast_layers or int(opts.get("fastLayers") or 1),
             seed=args.seed, device=device, baseline_plan=args.baseline_plan, rounds=args.rounds,
             compile_ahead=args.compile_ahead,
+            seed_plans=[f.strip() for f in (args.seed_plans or "").split(",") if f.strip()],
         )
         compiled = compile_plan(
             settings, agents=agents, max_len=args.max_len, cross_traffic=args.cross_traffic,
@@ -192,7 +196,8 @@ def compile_plan(
 def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffic, gpus, progress,
                   verification, llm_model) -> CompiledPlan:
     # read before any engine starts: a bad file fails the compile without starting or measuring
-    baseline = _read_baseline(settings.baseline_plan) if settings.baseline_plan else None
+    baseline = _read_plan(settings.baseline_plan, "--baseline-plan") if settings.baseline_plan else None
+    seeds = [_read_plan(path, "--seed-plans") for path in settings.seed_plans]
     local: LocalEngines | None = None
     if clients is None:
         if settings.engines:
@@ -209,7 +214,7 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
         if baseline is not None and local is None:  # local tiers were started on it already
             _apply_baseline(clients, baseline, settings.baseline_plan, progress)
         return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
-                        max_len, cross_traffic, gpus, progress, verification or {}, llm_model)
+                        max_len, cross_traffic, gpus, progress, verification or {}, llm_model, seeds)
     finally:
         ledger.close()
         for c in clients.values():
@@ -219,7 +224,7 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
 
 
 def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_len, cross_traffic, gpus,
-             progress, verification, llm_model) -> CompiledPlan:
+             progress, verification, llm_model, seeds=()) -> CompiledPlan:
     out = Path(settings.out)
     fast_state, slow_state = clients["fast"].state(), clients["slow"].state()
     if fast_state.model != slow_state.model:
@@ -235,6 +240,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     max_len = min(max_len or engine_max, engine_max)
     setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len,
                                     workload_requests=4 if quick else gpu_requests(traffic), quick=quick)
+    setting.seeds = list(seeds)
     traffic_json = traffic.model_dump(mode="json", exclude_none=True)
     try:
         cost = CostModel.from_state(fast_state)
@@ -336,16 +342,16 @@ def _slow_roofline(state) -> CostModel | None:
         return None
 
 
-def _read_baseline(path: str) -> Plan:
-    """The ``--baseline-plan`` file as a Plan, or a CompileError saying what is wrong with it."""
+def _read_plan(path: str, flag: str) -> Plan:
+    """A plan file given with ``flag`` as a Plan, or a CompileError saying what is wrong with it."""
     from anneal.engine.plan import load_plan
 
     try:
         return load_plan(Path(path).read_text())
     except OSError as e:
-        raise CompileError(f"--baseline-plan {path}: {e.strerror or e}") from None
+        raise CompileError(f"{flag} {path}: {e.strerror or e}") from None
     except ValueError as e:
-        raise CompileError(f"--baseline-plan {path} is not a valid plan: {e}") from None
+        raise CompileError(f"{flag} {path} is not a valid plan: {e}") from None
 
 
 def _apply_baseline(clients: dict[str, EngineClient], plan: Plan, path: str, progress: bool) -> None:

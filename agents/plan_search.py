@@ -3,7 +3,9 @@
 Why: ops interact (a fused norm changes what the projection after it reads; a bigger graph set
 changes capture memory), so per-op tuning alone misses combinations. A small population evolves
 by tournament selection, crossover and mutation over the candidate space, seeded with the
-baseline, the kernel tuner's findings and a few random plans; the cost model prunes children
+baseline, any seed plans given (earlier compiles, hand-set plans: a warm start, as a recompile on
+drift should not rediscover what the last one found), the kernel tuner's findings and a few
+random plans; the cost model prunes children
 predicted to lose before they cost engine time. Scheduler knobs are left to the scheduler tuner:
 they do not change a decode step, so timing them here would only select noise.
 """
@@ -48,6 +50,9 @@ class PlanSearch:
 
         try:
             evaluate(setting.base, "baseline")
+            for plan in setting.seeds:
+                if plan.hash not in seen:
+                    evaluate(plan, f"seed {plan.name or plan.hash[:12]}")
             for i in range(max(1, self.population // 2)):
                 evaluate(space.random_plan(rng, setting.base), f"random #{i}")
             children, stall = 0, 0

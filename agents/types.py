@@ -255,3 +255,6 @@ class CompileSettings(BaseModel):
     compile_ahead: bool = Field(False, description="the fast engine compiles queued candidates' kernels ahead")
     baseline_plan: str | None = Field(None, description="Plan/CompiledPlan file both tiers serve before the "
                                                         "search: the baseline to beat (default: theirs)")
+    seed_plans: list[str] = Field(default_factory=list, description="Plan/CompiledPlan files the plan search "
+                                  "measures first and then evolves, like its own finds (earlier compiles, "
+                                  "hand-set plans): a warm start")

@@ -221,6 +221,29 @@ def test_a_plan_carries_its_kernels_to_an_engine_that_never_saw_them(tmp_path, f
     led.close()
 
 
+def test_seed_plans_are_measured_first_and_bad_ones_fail_before_engines(tmp_path, fakes, monkeypatch, capsys):
+    monkeypatch.setenv("ANNEAL_ADMIN_TOKEN", "tok")
+    _, fast = fakes(layers=1)
+    _, slow = fakes(layers=4)
+    seed = Plan(name="hand-set", ops={"rmsnorm": {"impl": "triton", "params": {"block": 128}}})
+    (tmp_path / "seed.json").write_text(seed.model_dump_json())
+    rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--budget", "5", "--out", str(tmp_path / "o"),
+                   "--engines", f"{fast},{slow}", "--quiet",
+                   "--seed-plans", f"{tmp_path / 'seed.json'},{tmp_path / 'missing.json'}"])
+    assert rc == 1 and "--seed-plans" in (err := capsys.readouterr().err) and "No such file" in err
+    assert not (tmp_path / "o" / "ledger.sqlite").exists()  # failed before anything was measured
+
+    out = tmp_path / "out"
+    rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--budget", "6", "--out", str(out),
+                   "--engines", f"{fast},{slow}", "--quiet", "--agents", "plan-search",
+                   "--seed-plans", str(tmp_path / "seed.json")])
+    assert rc == 0
+    led = Ledger(out / "ledger.sqlite")
+    rows = [r for r in led.experiments() if r.agent == "plan-search"]
+    assert rows[1].note == "seed hand-set" and rows[1].plan_hash == seed.hash
+    led.close()
+
+
 def test_a_baseline_plan_is_applied_to_both_tiers_and_bad_ones_fail_before_engines(tmp_path, fakes, monkeypatch,
                                                                                    capsys):
     monkeypatch.setenv("ANNEAL_ADMIN_TOKEN", "tok")

@@ -132,6 +132,20 @@ def test_plan_search_improves_without_enumerating(env):
     assert any("mutate" in r.note or "crossover" in r.note for r in rows)
 
 
+def test_plan_search_starts_from_seed_plans(env):
+    lab, setting, board = env
+    good = setting.base.with_ops(attention_decode=OpChoice(impl="splitk", params={"block_n": 32, "split_k": 4}),
+                                 rmsnorm=OpChoice(impl="triton", params={"block": 128})).model_copy(
+        update={"name": "an earlier compile"})
+    seeded = dataclasses.replace(setting, seeds=[good, setting.base])  # the base twice: measured once
+    PlanSearch(max_children=3).run(lab, seeded, board)
+    rows = lab.ledger.experiments()
+    assert [r.note for r in rows[:2]] == ["baseline", "seed an earlier compile"]
+    assert rows[1].plan_hash == good.hash and sum(r.plan_hash == setting.base.hash for r in rows) == 1
+    base_ms, seed_ms = rows[0].measurement.median_ms, rows[1].measurement.median_ms
+    assert seed_ms < base_ms and board.best_ms <= seed_ms  # the search keeps what the seed brought
+
+
 def test_scheduler_tuner_respects_the_latency_bound(env):
     lab, setting, board = env
     SchedulerTuner(max_settings=40).run(lab, setting, board)
