@@ -13,14 +13,18 @@ def _generate(args: argparse.Namespace) -> int:
     from anneal.engine.llm import Engine, EngineArgs
     from anneal.engine.plan import load_plan
     from anneal.engine.sampling_params import SamplingParams
-    from anneal.engine.tokenizer import load_tokenizer
+    from anneal.engine.tokenizer import TokenizerError, load_tokenizer
 
-    plan_kw = {}
-    if args.plan:
-        with open(args.plan) as f:
-            plan_kw["plan"] = load_plan(f.read())
-    engine = Engine(EngineArgs(model=args.model, device=args.device, layers=args.layers, **plan_kw))
-    tok = load_tokenizer(args.model, engine.config.vocab_size, engine.config.eos_token_ids)
+    try:  # bad input (a missing or invalid plan or model, a plan for another device): one line, as serve does
+        plan_kw = {}
+        if args.plan:
+            with open(args.plan) as f:
+                plan_kw["plan"] = load_plan(f.read())
+        engine = Engine(EngineArgs(model=args.model, device=args.device, layers=args.layers, **plan_kw))
+        tok = load_tokenizer(args.model, engine.config.vocab_size, engine.config.eos_token_ids)
+    except (OSError, ValueError, RuntimeError, TokenizerError) as e:
+        print(f"anneal generate: {e}", file=sys.stderr)
+        return 2
     prompt_ids = tok.encode(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.seed, ignore_eos=True)
