@@ -120,14 +120,12 @@ def _decode_split_kernel(
         new = (tm & (t == ctx - 1))[:, None] & dm[None, :]
         k = tl.load(k_ptrs, mask=new, other=k)
         v = tl.load(v_ptrs, mask=new, other=v)
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=gm[:, None] & dm[None, :], other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gm[:, None] & dm[None, :], other=0.0)
+    if PREFETCH:  # the prefetched tile first, then the loop from the next one
         if start < end:  # else an empty sequence (context 0): no keys, zeros out
             m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
         loop_start = start + BLOCK_N
-    else:
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=gm[:, None] & dm[None, :], other=0.0)
     for n0 in range(loop_start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tm = t < end
