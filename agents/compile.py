@@ -411,7 +411,7 @@ def _cross_measure(lab: Lab, spec_name: str, max_len: int | None, promo: Promoti
         m = exp.measurement
         res[f"{label}_tokens_per_s"] = round(score(m), 3) if m else None
         for k in ("itl_p90_ms", "ttft_p90_ms"):
-            v = getattr(m, k, None) if m else None
+            v = getattr(m, k) if m else None
             res[f"{label}_{k}"] = round(v, 3) if v is not None else None
     if res.get("baseline_tokens_per_s") and res.get("compiled_tokens_per_s"):
         res["ratio"] = round(res["compiled_tokens_per_s"] / res["baseline_tokens_per_s"], 3)

@@ -142,15 +142,12 @@ for s in "$@"; do
       stage profile-8b-mixed 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 15 --context 550 \
         --mixed 400 --replays 10 --plans "${PROFILE_PLANS:-triton,bench/plans/triton-packgqa.json}" --name profile-step-8b-mixed --out "$OUT"
       ;;
-    greedy-bf16)  # issue 4: greedy tokens vs the reference over 256 steps in bf16, with the reference's margins
-      stage greedy-bf16 300 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
-        --plans "${GREEDY_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json}" --no-hf --steps 5 --greedy-check 256 \
-        --name greedy-bf16 --out "$OUT"
-      ;;
-    greedy-fp32)
-      stage greedy-fp32 420 $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b --batch-sizes 1 --context 1024 \
-        --plans "${GREEDY_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json}" --no-hf --steps 5 --greedy-check 256 --greedy-dtype float32 \
-        --name greedy-fp32 --out "$OUT"
+    greedy-bf16|greedy-fp32)  # issue 4: greedy tokens vs the reference over 256 steps (bf16: with the
+      # reference's margins; fp32: a separate engine, where plans differ only by summation order)
+      dtype=$([ "$s" = greedy-fp32 ] && echo float32 || echo bfloat16)
+      stage "$s" "$([ "$s" = greedy-fp32 ] && echo 420 || echo 300)" $py bench/decode.py --shapes llama-3.2-1b,llama-3.1-8b \
+        --batch-sizes 1 --context 1024 --plans "${GREEDY_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json}" --no-hf \
+        --steps 5 --greedy-check 256 --greedy-dtype "$dtype" --name "$s" --out "$OUT"
       ;;
     iteration)
       stage iteration 300 $py bench/iteration.py --shape llama-3.1-8b --out "$OUT"

@@ -55,8 +55,8 @@ def advances(step: list[tuple[str, float, float]]) -> list[float]:
 
 
 def kernel_table(steps: list[list[tuple[str, float, float]]]) -> list[dict]:
-    """The steps' kernels by name, most time first: calls and µs per step, mean µs per call, and
-    their advance (share of the span) per step."""
+    """The steps' kernels by name, largest advance first: calls, µs and advance (share of the span)
+    per step, mean µs per call."""
     by_name: dict[str, list[float]] = defaultdict(list)
     adv_by_name: dict[str, float] = defaultdict(float)
     for s in steps:
