@@ -28,7 +28,14 @@ CHANGES = [
     ("attention_decode", {"split_k": 32, "block_n": 32}), ("attention_decode", {"num_stages": 1}),
     ("qkv_proj", {"ahead": 2}), ("o_proj", {"ahead": 2}), ("down_proj", {"ahead": 2}), ("down_proj", {"ahead": 3}),
     ("o_proj", {"split_k": 8}), ("down_proj", {"split_k": 8}),
+    # session 10: neighbours of the dot-path down / gate_up (`-downdot-o8`) and of o split 8
+    ("down_proj", {"split_k": 2}), ("down_proj", {"num_warps": 2}), ("gate_up_proj", {"num_stages": 4}),
+    ("gate_up_proj", {"split_k": 2}), ("gate_up_proj", {"num_warps": 8}), ("o_proj", {"split_k": 16}),
+    ("qkv_proj", {"split_k": 8}), ("qkv_proj", {"split_k": 16}), ("attention_decode", {"prefetch": 0}),
 ]
+
+# fusions the base plan does not have, switched on one at a time
+FUSION_CHANGES = ["lm_head_argmax", "silu_mul_down", "gate_up_silu", "linear_norm"]
 
 
 def main() -> None:
@@ -47,6 +54,13 @@ def main() -> None:
         tag = "-".join(f"{k}{v}" for k, v in change.items())
         plan["name"] = f"{base.get('name', args.base.stem)} | {op} {tag}"
         (args.out / f"{args.base.stem}--{op}-{tag}.json").write_text(json.dumps(plan, indent=1))
+    for fusion in FUSION_CHANGES:
+        if base.get("fusions", {}).get(fusion):
+            continue
+        plan = json.loads(json.dumps(base))
+        plan["fusions"] = {**plan.get("fusions", {}), fusion: True}
+        plan["name"] = f"{base.get('name', args.base.stem)} | + {fusion}"
+        (args.out / f"{args.base.stem}--fusion-{fusion}.json").write_text(json.dumps(plan, indent=1))
     print(",".join(str(p) for p in sorted(args.out.glob("*.json"))))
 
 

@@ -3,6 +3,8 @@ against the op registry for the GPU here, on the CPU, so a bad parameter costs n
 (session 8 lost a device call's measurements to ``max_m=16`` before 16 was an option)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,3 +24,18 @@ def test_hand_set_plan_resolves_for_the_gpu(path):
     plan = Plan.model_validate(json.loads(path.read_text()))
     choices = OpTable.resolve(plan, "cuda")
     assert set(plan.ops) <= set(choices)
+
+
+def test_one_change_variants_of_the_best_plans_resolve(tmp_path):
+    """``bench/h200.sh variants`` sweeps these on the GPU: a bad change would cost its whole stage."""
+    script = Path(__file__).parent.parent / "bench" / "plan_variants.py"
+    for base in ("gemv-pdl-rope-gu-prefetch-downdot-o8", "gemv-pdl-rope-gu-prefetch-down2"):
+        out = tmp_path / base
+        subprocess.run([sys.executable, str(script), str(script.parent / "plans" / f"{base}.json"), "--out", str(out)],
+                       check=True, capture_output=True)
+        variants = sorted(out.glob("*.json"))
+        assert len(variants) >= 30
+        for path in variants:
+            plan = Plan.model_validate(json.loads(path.read_text()))
+            OpTable.resolve(plan, "cuda")
+        assert any(Plan.model_validate(json.loads(p.read_text())).fusions.get("silu_mul_down") for p in variants)
