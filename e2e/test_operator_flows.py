@@ -151,7 +151,8 @@ def test_resources_that_cannot_work_get_conditions_not_crash_loops(anneal):
           idep("novolume", model="/models/llama", modelVolume={"claimName": "weights"}),
           idep("target", replicas=1),
           cjob("nosecret", "target", agents=["llm-writer"], llm={"credentials": {"name": "anthropic"}}),
-          cjob("notarget", "missing"))
+          cjob("notarget", "missing"),
+          cjob("noseed", "target", seedPlans=[{"configMapRef": {"name": "no-such-plan"}}]))
     st = wait_for(lambda: (s := status(c, "infdep", "huge", ns)) and condition(s, "Schedulable").get("status") == "False" and s,
                   60, "huge Schedulable=False")
     assert condition(st, "Schedulable")["reason"] == "InsufficientGPUs" and "offers 8" in condition(st, "Schedulable")["message"]
@@ -160,7 +161,8 @@ def test_resources_that_cannot_work_get_conditions_not_crash_loops(anneal):
                   60, "novolume ResourcesReady=False")
     assert condition(st, "ResourcesReady")["reason"] == "ModelVolumeNotFound"
     assert get(c, "deployment", "novolume", ns) is None  # nothing created that cannot start
-    for name, reason in (("nosecret", "SecretNotFound"), ("notarget", "TargetNotFound")):
+    for name, reason in (("nosecret", "SecretNotFound"), ("notarget", "TargetNotFound"),
+                         ("noseed", "SeedPlanConfigMapNotFound")):
         st = wait_for(lambda: (s := status(c, "cjob", name, ns)) and condition(s, "TargetResolved").get("status") == "False" and s,
                       60, f"{name} TargetResolved=False")
         assert st["phase"] == "Pending" and condition(st, "TargetResolved")["reason"] == reason
@@ -238,7 +240,8 @@ def test_compilation_job_phases_engines_on_two_nodes_and_auto_apply(anneal):
     c, ns = anneal, namespace(anneal, "anneal-cjob")
     apply(c, ns, idep("llama", replicas=1))
     before = wait_for(lambda: (s := status(c, "infdep", "llama", ns)).get("phase") == "Ready" and s, 120, "llama Ready")
-    apply(c, ns, cjob("c1", "llama", autoApply=True))
+    seed = Plan.model_validate({"scheduler": {"max_num_seqs": 8}})
+    apply(c, ns, cjob("c1", "llama", autoApply=True, seedPlans=[{"inline": seed.model_dump(mode="json")}]))
     apply(c, ns, stand_in_coordinator("c1", ns))
 
     phases, nodes = [], set()
@@ -258,6 +261,9 @@ def test_compilation_job_phases_engines_on_two_nodes_and_auto_apply(anneal):
     assert [order.index(p) for p in phases] == sorted(order.index(p) for p in phases), phases
     assert {"Provisioning", "Searching", "Verifying", "Succeeded"} <= set(phases), phases
     assert len(nodes) == 2 and all(n.startswith("kwok-gpu-") for n in nodes), nodes
+    # the seed plan, as resolved when the job was provisioned, is a file for `--seed-plans`
+    seeds = get(c, "configmap", "c1-seeds", ns)
+    assert Plan.model_validate_json(seeds["data"]["seed-0.json"]).hash == seed.hash
 
     st = status(c, "cjob", "c1", ns)
     expected = Plan.model_validate({"scheduler": {"max_num_seqs": 24}}).hash

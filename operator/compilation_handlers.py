@@ -5,6 +5,7 @@ never touches the live deployment."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timezone
 from typing import Any
 
@@ -56,6 +57,16 @@ def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -
         except ValueError as exc:
             return None, ("InvalidTraffic", str(exc)[:500])
     target = objects.resolve_target(spec, deployment, ctx.settings)
+    seeds = []
+    for i, src in enumerate(spec.seed_plans):
+        try:
+            plan = plan_source.from_source(src, lambda cm: kube.config_map(namespace, cm), f"spec.seedPlans[{i}]")
+        except plan_source.PlanError as err:
+            return None, (f"Seed{err.reason}", err.message)
+        except ValidationError as exc:  # an inline plan that is not one
+            return None, ("SeedInvalidPlan", f"spec.seedPlans[{i}]: not a valid plan: {exc}"[:500])
+        seeds.append(plan.model_dump_json())
+    target = dataclasses.replace(target, seed_plans=tuple(seeds))
     if spec.llm is not None:
         secret = kube.get("v1", "Secret", spec.llm.credentials.name, namespace)
         if secret is None:
@@ -91,6 +102,7 @@ def provision(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, targe
         objects.role_binding(name, ns),
         objects.result_config_map(name, ns),
         objects.traffic_config_map(name, ns, spec),
+        objects.seeds_config_map(name, ns, target),
         *(objects.tier_pod(name, ns, tier, spec, target, ctx.settings) for tier in objects.TIERS),
     ]
     for child in children:

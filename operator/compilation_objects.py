@@ -33,6 +33,7 @@ class Target:
     model_volume: ModelVolume | None = None
     serving: Serving = field(default_factory=Serving)
     deployment: str | None = None
+    seed_plans: tuple[str, ...] = ()  # plan JSON of spec.seedPlans, read when the job was resolved
 
 
 def resolve_target(
@@ -118,6 +119,19 @@ def traffic_config_map(job: str, namespace: str, spec: CompilationJobSpec) -> di
     }
 
 
+def seeds_config_map(job: str, namespace: str, target: Target) -> dict[str, Any] | None:
+    """spec.seedPlans as read at provisioning (a ConfigMap they name may change later; the search
+    starts from what the job was resolved with)."""
+    if not target.seed_plans:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(naming.seeds_config_map(job), namespace, job, "seeds"),
+        "data": {naming.seed_key(i): text for i, text in enumerate(target.seed_plans)},
+    }
+
+
 def result_config_map(job: str, namespace: str) -> dict[str, Any]:
     """Created empty by the operator; the coordinator writes the CompiledPlan into it."""
     return {
@@ -180,8 +194,8 @@ def compile_options(job: str, spec: CompilationJobSpec) -> dict[str, Any]:
 def coordinator_job(
     job: str, namespace: str, spec: CompilationJobSpec, target: Target, engine_ips: dict[str, str], settings: OperatorSettings
 ) -> dict[str, Any]:
-    """The Job running `anneal compile --engines FAST,SLOW --report-to NS/NAME`. Created only once
-    both engines are ready, so their addresses are known (no cluster DNS needed)."""
+    """The Job running `anneal compile --engines FAST,SLOW --report-to NS/NAME [--seed-plans ...]`.
+    Created only once both engines are ready, so their addresses are known (no cluster DNS needed)."""
     engines = ",".join(f"http://{engine_ips[t]}:{naming.ADMIN_PORT}" for t in TIERS)
     budget_s = int(duration_seconds(spec.budget))
     args = [
@@ -193,6 +207,8 @@ def coordinator_job(
         "--engines", engines,
         "--report-to", f"{namespace}/{job}",
     ]
+    if target.seed_plans:
+        args += ["--seed-plans", ",".join(f"{naming.SEEDS_MOUNT}/{naming.seed_key(i)}" for i in range(len(target.seed_plans)))]
     opts = compile_options(job, spec)
     env: list[dict[str, Any]] = [
         engine_pod.admin_token_env(naming.job_secret(job)),
@@ -208,6 +224,9 @@ def coordinator_job(
     if spec.traffic.shape is not None:
         mounts.append({"name": "traffic", "mountPath": naming.TRAFFIC_MOUNT, "readOnly": True})
         volumes.append({"name": "traffic", "configMap": {"name": naming.traffic_config_map(job)}})
+    if target.seed_plans:
+        mounts.append({"name": "seeds", "mountPath": naming.SEEDS_MOUNT, "readOnly": True})
+        volumes.append({"name": "seeds", "configMap": {"name": naming.seeds_config_map(job)}})
     c = spec.coordinator
     res = engine_pod.resources(Placement(gpus=0, resources=c.resources))
     pod: dict[str, Any] = {

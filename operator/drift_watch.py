@@ -23,9 +23,9 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from anneal.engine.plan import CompiledPlan
+from anneal.engine.plan import CompiledPlan, Plan
 from anneal.engine.traffic import TrafficShape, parse_traffic, preset
-from anneal.operator import drift, naming
+from anneal.operator import drift, naming, plan_source
 from anneal.operator.api import GROUP, VERSION
 from anneal.operator.api import compilation_job as cj_api
 from anneal.operator.api import inference_deployment as api
@@ -84,9 +84,10 @@ def job_name(name: str, now: float) -> str:
 
 
 def compilation_job(name: str, namespace: str, spec: api.InferenceDeploymentSpec, shape: TrafficShape,
-                    job: str) -> dict[str, Any]:
+                    job: str, serving: Plan | None = None) -> dict[str, Any]:
     """The CompilationJob drift asks for: this deployment, the observed shape (or the policy's
-    preset), the policy's search and verification; never autoApply (the rollout decides)."""
+    preset), the policy's search and verification, seeded with the plan it serves (unless that is
+    the default plan, which the search starts from anyway); never autoApply (the rollout decides)."""
     policy = spec.compilation
     traffic: dict[str, Any] = {"preset": policy.traffic} if policy.traffic else {"shape": shape.model_dump(mode="json")}
     body: dict[str, Any] = {
@@ -100,6 +101,8 @@ def compilation_job(name: str, namespace: str, spec: api.InferenceDeploymentSpec
     }
     if policy.search.llm_credentials is not None:
         body["llm"] = {"credentials": policy.search.llm_credentials.wire()}
+    if serving is not None and serving.hash != Plan().hash:
+        body["seedPlans"] = [{"inline": serving.model_dump(mode="json")}]
     cj_api.CompilationJobSpec.model_validate(body)  # the job we create must pass our own models
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -242,7 +245,7 @@ class DriftWatch:
                 new["message"] = f"{decision.reason}; not compiling: {blocker}"
             else:
                 latest = next(o for o in sorted(snapshot, key=lambda o: -o.at) if o.shape is not None)
-                job = compilation_job(name, ns, spec, latest.shape, job_name(name, now))
+                job = compilation_job(name, ns, spec, latest.shape, job_name(name, now), self._serving(name, ns, spec))
                 kopf.adopt(job, owner=body)
                 try:
                     _, created = self.ctx.kube.create_if_absent(job)
@@ -260,6 +263,14 @@ class DriftWatch:
                               message=f"CompilationJob {job['metadata']['name']} for the observed traffic")
                     logger.info("drift: created CompilationJob %s", job["metadata"]["name"])
         self._write(body, patch, previous, new)
+
+    def _serving(self, name: str, ns: str, spec: api.InferenceDeploymentSpec) -> Plan | None:
+        """The plan the deployment serves, to seed its recompile (None when it cannot be read: the
+        deployment's own handler reports that)."""
+        try:
+            return plan_source.resolve(name, spec, lambda cm: self.ctx.kube.config_map(ns, cm)).plan
+        except (plan_source.PlanError, ValidationError):
+            return None
 
     def _blocker(self, name: str, ns: str, cp: api.CompilationPolicy, status: dict[str, Any]) -> str | None:
         quick = blocker(name, cp, status, [])

@@ -20,6 +20,7 @@ PLAN_KEY = "plan.json"
 TRAFFIC_KEY = "traffic.json"
 PLAN_MOUNT = "/etc/anneal/plan"
 TRAFFIC_MOUNT = "/etc/anneal/traffic"
+SEEDS_MOUNT = "/etc/anneal/seeds"
 PUBLIC_PORT = 8000
 ADMIN_PORT = 8001
 
@@ -74,6 +75,14 @@ def result_config_map(job: str) -> str:
 
 def traffic_config_map(job: str) -> str:
     return f"{job}-traffic"
+
+
+def seeds_config_map(job: str) -> str:
+    return f"{job}-seeds"
+
+
+def seed_key(index: int) -> str:
+    return f"seed-{index}.json"
 
 
 def job_secret(job: str) -> str:

@@ -39,7 +39,8 @@ class ResolvedPlan:
         return self.plan.hash
 
 
-def _from_source(src: PlanSource, read: ReadConfigMap, label: str) -> Plan:
+def from_source(src: PlanSource, read: ReadConfigMap, label: str) -> Plan:
+    """The plan `src` names (PlanError when it cannot be read or is not a plan)."""
     if src.inline is not None:
         return Plan.model_validate(src.inline)
     ref = src.config_map_ref
@@ -68,12 +69,12 @@ def base_plan(spec: InferenceDeploymentSpec, read: ReadConfigMap) -> ResolvedPla
     """`spec.plan`, or the default plan."""
     if spec.plan is None:
         return ResolvedPlan(Plan(), "default")
-    return ResolvedPlan(_from_source(spec.plan, read, "spec.plan"), "spec.plan")
+    return ResolvedPlan(from_source(spec.plan, read, "spec.plan"), "spec.plan")
 
 
 def resolve(name: str, spec: InferenceDeploymentSpec, read: ReadConfigMap) -> ResolvedPlan:
     if spec.compilation.pinned_plan is not None:
-        return ResolvedPlan(_from_source(spec.compilation.pinned_plan, read, "pinnedPlan"), "pinnedPlan")
+        return ResolvedPlan(from_source(spec.compilation.pinned_plan, read, "pinnedPlan"), "pinnedPlan")
     base = base_plan(spec, read)
     found = read(naming.compiled_plan_config_map(name))
     if found is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from anneal.engine.plan import Plan
 from anneal.engine.traffic import preset
 from anneal.operator import drift
 from anneal.operator.api.compilation_job import CompilationJobSpec
@@ -68,6 +69,17 @@ def test_the_compilation_job_targets_the_deployment_with_the_observed_shape():
     # the policy's preset wins over the observed shape
     job = compilation_job("llama", "ml", spec(traffic="rag"), shape, "llama-drift-2")
     assert job["spec"]["traffic"] == {"preset": "rag"}
+
+
+def test_the_compilation_job_is_seeded_with_the_serving_plan():
+    s = spec(search={"budget": "2m"})
+    serving = Plan.model_validate({"scheduler": {"max_num_seqs": 24}})
+    body = CompilationJobSpec.model_validate(compilation_job("llama", "ml", s, preset("chat"), "j", serving)["spec"])
+    (seed,) = body.seed_plans
+    assert Plan.model_validate(seed.inline).hash == serving.hash
+    # the default plan is where the search starts anyway: no seed
+    for plan in (Plan(), None):
+        assert "seedPlans" not in compilation_job("llama", "ml", s, preset("chat"), "j", plan)["spec"]
 
 
 def test_never_two_compilations_and_manual_overrides_block_a_trigger():

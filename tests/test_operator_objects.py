@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -169,6 +170,32 @@ def test_traffic_shape_reaches_the_coordinator_as_a_file():
     args = _container(job["spec"]["template"]["spec"])["args"]
     assert args[args.index("--traffic") + 1] == "/etc/anneal/traffic/traffic.json"
     assert cobj.traffic_config_map("job1", "ml", cjob()) is None
+
+
+def test_seed_plans_reach_the_coordinator_as_files():
+    seeds = (Plan.model_validate({"scheduler": {"max_num_seqs": 8}}).model_dump_json(), Plan().model_dump_json())
+    target = dataclasses.replace(_target(), seed_plans=seeds)
+    cm = cobj.seeds_config_map("job1", "ml", target)
+    assert cm["metadata"]["name"] == "job1-seeds"
+    assert [load_plan(cm["data"][k]).scheduler.max_num_seqs for k in ("seed-0.json", "seed-1.json")] == [8, Plan().scheduler.max_num_seqs]
+    pod = cobj.coordinator_job("job1", "ml", cjob(), target, {"fast": "a", "slow": "b"}, SETTINGS)["spec"]["template"]["spec"]
+    args = _container(pod)["args"]
+    assert args[args.index("--seed-plans") + 1] == "/etc/anneal/seeds/seed-0.json,/etc/anneal/seeds/seed-1.json"
+    (mount,) = [m for m in _container(pod)["volumeMounts"] if m["name"] == "seeds"]
+    assert mount == {"name": "seeds", "mountPath": "/etc/anneal/seeds", "readOnly": True}
+    assert {"name": "seeds", "configMap": {"name": "job1-seeds"}} in pod["volumes"]
+    # no seeds: no ConfigMap, no flag
+    assert cobj.seeds_config_map("job1", "ml", _target()) is None
+    plain = cobj.coordinator_job("job1", "ml", cjob(), _target(), {"fast": "a", "slow": "b"}, SETTINGS)
+    assert "--seed-plans" not in _container(plain["spec"]["template"]["spec"])["args"]
+
+
+def test_seed_plans_are_plan_sources_and_at_most_eight():
+    assert cjob(seedPlans=[{"inline": {"scheduler": {"max_num_seqs": 8}}}]).seed_plans[0].inline
+    with pytest.raises(ValueError, match="exactly one"):
+        cjob(seedPlans=[{}])
+    with pytest.raises(ValueError, match="at most 8"):
+        cjob(seedPlans=[{"configMapRef": {"name": f"p{i}"}} for i in range(9)])
 
 
 def test_coordinator_role_is_namespaced_and_names_only_its_objects():

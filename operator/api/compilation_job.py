@@ -18,6 +18,7 @@ from anneal.operator.api.base import (
     KubeModel,
     Name,
     Placement,
+    PlanSource,
     ResourceRequirements,
     SecretKeyRef,
     Toleration,
@@ -154,6 +155,11 @@ class CompilationJobSpec(KubeModel):
         description="proposer agents to run (llm-writer needs spec.llm)",
     )
     llm: LLMAgent | None = None
+    seed_plans: list[PlanSource] = Field(
+        default_factory=list, max_length=8,
+        description="plans the plan search measures right after the baseline and evolves (a warm start), e.g. "
+                    "the plan the deployment serves; drift-triggered jobs seed the serving plan",
+    )
     verification: VerificationTolerances = Field(default_factory=VerificationTolerances)
     coordinator: Coordinator = Field(default_factory=Coordinator)
     auto_apply: bool = Field(False, description="on success, the target InferenceDeployment takes the plan")
