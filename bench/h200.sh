@@ -105,7 +105,7 @@ for s in "$@"; do
         --no-hf --steps 50 --greedy-check 0 --name decode-bs1 --out "$OUT"
       ;;
     variants)
-      plans=$($py bench/plan_variants.py "${BASE_PLAN:-bench/plans/gemv-pdl.json}" --out /tmp/variants)
+      plans=$($py bench/plan_variants.py "${BASE_PLAN:-bench/plans/gemv-pdl.json}" --out "$OUT/variant-plans")
       stage variants 420 $py bench/decode.py --shapes "${SHAPE:-llama-3.2-1b}" --batch-sizes 1 --context 1024 \
         --plans "triton,${BASE_PLAN:-bench/plans/gemv-pdl.json},$plans" --no-hf --steps 50 --greedy-check 0 \
         --name "decode-variants-${SHAPE:-llama-3.2-1b}" --out "$OUT"

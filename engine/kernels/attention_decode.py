@@ -149,33 +149,40 @@ def _decode_split_kernel(
         tl.store(pm_ptr + row, m_i, mask=gm)
         tl.store(pl_ptr + row, l_i, mask=gm)
         if TICKET:
-            # The last split of (b, kv head) to arrive merges the partials of its G heads, in split
-            # order (the merge kernel's arithmetic), and resets the counter: no second kernel.
+            # The last split of (b, kv head) to arrive merges the partials of its G heads (the merge
+            # kernel's arithmetic, each head's splits loaded at once) and resets the counter: no
+            # second kernel.
             tl.debug_barrier()
             n_valid = tl.maximum(tl.cdiv(ctx, split_len), 1)
             cnt = cnt_ptr + b * tl.num_programs(1) + kvh
             ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if ticket == n_valid - 1:
-                base = (b * H + heads) * SPLIT_K
-                ss = tl.arange(0, SPLIT_K)
-                vmask = gm[:, None] & (ss < n_valid)[None, :]
-                m_all = tl.load(pm_ptr + base[:, None] + ss[None, :], mask=vmask, other=float("-inf"),
-                                cache_modifier=".cg")
-                l_all = tl.load(pl_ptr + base[:, None] + ss[None, :], mask=vmask, other=0.0, cache_modifier=".cg")
-                m_max = tl.max(m_all, axis=1)
-                m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-                denom = tl.sum(tl.exp2(m_all - m_max[:, None]) * l_all, axis=1)
-                total = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-                for s2 in range(0, n_valid):
-                    r2 = base + s2
-                    w2 = tl.exp2(tl.load(pm_ptr + r2, mask=gm, other=float("-inf"), cache_modifier=".cg") - m_max)
-                    part = tl.load(po_ptr + r2.to(tl.int64)[:, None] * BLOCK_D + d[None, :], mask=gm[:, None],
-                                   other=0.0, cache_modifier=".cg")
-                    total += w2[:, None] * part
-                out = total / tl.where(denom > 0, denom, 1.0)[:, None]
-                tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+                for gi in tl.static_range(G):
+                    h = kvh * G + gi
+                    _merge_head(out_ptr + b * stride_ob + h * stride_oh, po_ptr, pm_ptr, pl_ptr, (b * H + h) * SPLIT_K,
+                                n_valid, D, BLOCK_D, SPLIT_K, ".cg")
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_head(out_row, po_ptr, pm_ptr, pl_ptr, base, n_valid, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                SPLIT_K: tl.constexpr, CACHE: tl.constexpr):
+    """One (sequence, head): its first ``n_valid`` split partials at rows ``base + s``, merged with
+    log-sum-exp rescaling and normalised, to ``out_row``. All splits are loaded at once."""
+    s = tl.arange(0, SPLIT_K)
+    sm = s < n_valid
+    row = base + s
+    m = tl.load(pm_ptr + row, mask=sm, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(pl_ptr + row, mask=sm, other=0.0, cache_modifier=CACHE)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(po_ptr + row.to(tl.int64)[:, None] * BLOCK_D + d[None, :], mask=sm[:, None], other=0.0,
+                  cache_modifier=CACHE)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # 0 for invalid splits
+    denom = tl.sum(w * l, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_row + d, out.to(out_row.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -188,19 +195,8 @@ def _decode_merge_kernel(
     h = tl.program_id(1)
     ctx = tl.minimum(tl.load(lens_ptr + b), max_tokens)
     n_valid = tl.maximum(tl.cdiv(ctx, _split_len(ctx, SPLIT_K, BLOCK_N)), 1)
-    s = tl.arange(0, SPLIT_K)
-    sm = s < n_valid
-    row = (b * H + h) * SPLIT_K + s
-    m = tl.load(pm_ptr + row, mask=sm, other=float("-inf"))
-    l = tl.load(pl_ptr + row, mask=sm, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)  # 0 for invalid splits
-    denom = tl.sum(w * l, axis=0)
-    d = tl.arange(0, BLOCK_D)
-    acc = tl.load(po_ptr + row.to(tl.int64)[:, None] * BLOCK_D + d[None, :], mask=sm[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    _merge_head(out_ptr + b * stride_ob + h * stride_oh, po_ptr, pm_ptr, pl_ptr, (b * H + h) * SPLIT_K, n_valid,
+                D, BLOCK_D, SPLIT_K, "")
 
 
 def auto_split_k(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
