@@ -5,7 +5,8 @@ Run as a script (it must run without TRITON_INTERPRET): ``python tests/kernels/c
 ``test_compile.py`` runs it in a subprocess. To check against the GPU machine's Triton (3.6) from
 here: ``pip install --no-deps --target /tmp/tri36 triton==3.6.0`` and run the script with
 ``PYTHONPATH=/tmp/tri36`` (done for every kernel in this folder: all compile). Each spec gives the pointer dtypes and the constexprs
-of one representative specialisation; other scalar arguments default to i32 (``eps``/``scale`` fp32).
+of one representative specialisation; other scalar arguments default to i32 (``eps``/``scale`` fp32);
+pointers and ``stride_*`` arguments are taken as divisible by 16, as a launch specialises them.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2):
     # constexpr params the spec leaves out take their defaults, as a launch does (not an i32 arg)
     constexprs = {**{p.name: p.default for p in kernel.params
                      if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
-    sig = {}
-    for name in kernel.arg_names:
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in ptr_types:
@@ -112,7 +113,11 @@ def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    src = ASTSource(kernel, sig, constexprs)
+        if name not in constexprs and (name.endswith("_ptr") or name.startswith("stride_")):
+            # a launch specialises pointers and ints divisible by 16 (torch's allocations, model
+            # strides): without it loads compile scalar, and registers and spills are not the launch's
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
