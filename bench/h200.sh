@@ -64,8 +64,9 @@ for s in "$@"; do
       for d in "${dirs[@]}"; do
         for c in compile-chat compile-agentic; do [ -f "$d/$c/plan.json" ] && plans="$plans,$d/$c/plan.json"; done
       done
-      stage plans "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "$plans" --traffic "${TRAFFIC:-chat,agentic}" \
-        --rounds 2 --out "$OUT"
+      # PLANS: this list instead (comma-separated plan files, or reference)
+      stage plans "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "${PLANS:-$plans}" \
+        --traffic "${TRAFFIC:-chat,agentic}" --rounds "${ROUNDS:-2}" --out "$OUT"
       ;;
     overlap)  # issue 5: the hand-set plan with and without overlap scheduling, side by side
       stage plans-overlap-8b 420 $py bench/plans.py --model random:llama-3.1-8b \
