@@ -33,7 +33,7 @@ from anneal.agents.plan_search import PlanSearch
 from anneal.agents.promotion import Promotion, promote
 from anneal.agents.report import now_iso, write_artifact, write_report
 from anneal.agents.scheduler_tuner import SchedulerTuner, score
-from anneal.agents.setting import CPU_MAX_LEN, gpu_requests, make_setting
+from anneal.agents.setting import CPU_MAX_LEN, make_setting, workload_requests
 from anneal.agents.space import normalized
 from anneal.agents.swarm import run_swarm, summary
 from anneal.agents.types import BenchSpec, Candidate, CompileSettings
@@ -239,7 +239,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     engine_max = min(int((s.model_extra or {}).get("max_model_len") or 1 << 30) for s in (fast_state, slow_state))
     max_len = min(max_len or engine_max, engine_max)
     setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len,
-                                    workload_requests=4 if quick else gpu_requests(traffic), quick=quick)
+                                    workload_requests=workload_requests(traffic, quick), quick=quick)
     setting.seeds = list(seeds)
     traffic_json = traffic.model_dump(mode="json", exclude_none=True)
     try:
@@ -305,7 +305,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
             _say(progress, f"cost model: tensor-parallel degree {tp_choice[0]} predicted best on {gpus} GPU(s) "
                            f"({', '.join(f'tp{k}: {v:.3f} ms' for k, v in tp_choice[1].items())})")
 
-    cross = _cross_measure(lab, cross_traffic, max_len, promo, wspec) if cross_traffic else None
+    cross = _cross_measure(lab, cross_traffic, max_len, promo, wspec, quick) if cross_traffic else None
     report = promo.verification
     if report is None:  # the baseline is kept: it is verified like any winner, not assumed good
         report, _ = lab.verify(Candidate(plan=promo.winner, agent="baseline", note="kept baseline"), "slow",
@@ -393,10 +393,12 @@ def _per_op(ledger: Ledger, base: Plan, win: Plan, cost: CostModel | None, setti
             "cost model, calibrated")
 
 
-def _cross_measure(lab: Lab, spec_name: str, max_len: int | None, promo: Promotion, wspec: BenchSpec):
+def _cross_measure(lab: Lab, spec_name: str, max_len: int | None, promo: Promotion, wspec: BenchSpec,
+                   quick: bool):
     """The winner and baseline on another traffic shape: what the plan loses off its own shape,
-    with the latencies (a plan can gain tokens/s there by breaking the latency bounds its own shape
-    held it to: session 9's agentic plan took x1.082 on chat, more than chat's own plan)."""
+    with the latencies. The other shape's replay has as many requests as its own compile replays:
+    with this shape's count, agentic's 8 requests replayed chat (concurrency 16) at half load, where
+    the agentic plan (max_num_seqs 8) read x1.07-1.08 on chat; on chat's own replay it is x0.66."""
     from anneal.engine.traffic import load_traffic
 
     other = load_traffic(spec_name)
@@ -406,7 +408,9 @@ def _cross_measure(lab: Lab, spec_name: str, max_len: int | None, promo: Promoti
     res: dict[str, Any] = {"traffic": other.name or spec_name}
     for label, plan in (("baseline", promo.baseline), ("compiled", promo.winner)):
         exp = lab.measure(Candidate(plan=plan, agent="cross", note=f"{label} on {spec_name}"),
-                          wspec.model_copy(update={"seed": wspec.seed + 100}), "slow", prune=False,
+                          wspec.model_copy(update={"seed": wspec.seed + 100,
+                                                   "num_requests": workload_requests(other, quick)}),
+                          "slow", prune=False,
                           traffic=tj, budgeted=False)
         m = exp.measurement
         res[f"{label}_tokens_per_s"] = round(score(m), 3) if m else None

@@ -49,6 +49,13 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     return setting, traffic
 
 
+def workload_requests(traffic, quick: bool) -> int:
+    """Requests per workload replay of ``traffic``, the same wherever it is replayed (its own compile,
+    another shape's cross-measurement): fewer requests than its concurrency never load the engine
+    as the shape does. 4 on the CPU (``quick``)."""
+    return 4 if quick else gpu_requests(traffic)
+
+
 def gpu_requests(traffic, tokens_per_replay: float = 1e5) -> int:
     """Requests per workload replay on a GPU: ~100k tokens, 8..64 requests (long prompts, fewer)."""
     per_request = traffic.prompt_len.mean() + traffic.output_len.mean()

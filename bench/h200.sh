@@ -66,7 +66,7 @@ for s in "$@"; do
       done
       # PLANS: this list instead (comma-separated plan files, or reference)
       stage plans "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "${PLANS:-$plans}" \
-        --traffic "${TRAFFIC:-chat,agentic}" --rounds "${ROUNDS:-2}" --out "$OUT"
+        --traffic "${TRAFFIC:-chat,agentic}" --rounds "${ROUNDS:-2}" --seed "${PLANS_SEED:-0}" --out "$OUT"
       ;;
     overlap)  # issue 5: the hand-set plan with and without overlap scheduling, side by side
       stage plans-overlap-8b 420 $py bench/plans.py --model random:llama-3.1-8b \

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plans", default="reference,bench/plans/triton.json")
     ap.add_argument("--traffic", default="chat,agentic")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved measurements of every (plan, shape)")
+    ap.add_argument("--seed", type=int, default=0, help="round r replays request sample seed + r (another GPU "
+                    "running the same list with another seed adds independent samples)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--name", default=None, help="result file stem (default plans-<model>)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from anneal.agents.cost_model import CostModel, replay_headroom, shape_from_config
-    from anneal.agents.setting import gpu_requests
+    from anneal.agents.setting import workload_requests
     from anneal.agents.types import HardwareSpec
     from anneal.engine.hardware import measure
     from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         t = load_traffic(name)
         if t.max_total_len > eng.max_model_len:
             t = t.scaled(eng.max_model_len)
-        shapes.append((name, t, gpu_requests(t) if device == "cuda" else 4))
+        shapes.append((name, t, workload_requests(t, quick=device != "cuda")))
 
     # One untimed replay per shape first: the plan measured first in round 0 would otherwise pay the
     # JIT specializations and cuBLAS heuristics of every prompt length the workload has (session 4:
@@ -99,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     for r, label, plan, (sname, shape, n) in tqdm(jobs, desc="plan x shape x round", file=sys.stderr):
         rep = eng.apply_plan(plan)
         res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
-                                                  num_requests=n, steps=1, warmup=1, seed=r))
-        row = {"round": r, "tokens_per_s": res.tokens_per_s, "wall_ms": res.median_ms,
+                                                  num_requests=n, steps=1, warmup=1, seed=args.seed + r))
+        row = {"round": r, "seed": args.seed + r, "tokens_per_s": res.tokens_per_s, "wall_ms": res.median_ms,
                "apply_s": rep.total_s, **res.extra}
         head = replay_headroom(res.extra["time_split"], roofline)
         if head:

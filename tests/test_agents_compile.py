@@ -266,3 +266,27 @@ def test_a_baseline_plan_is_applied_to_both_tiers_and_bad_ones_fail_before_engin
     led = Ledger(out / "ledger.sqlite")
     assert {r.plan_hash for r in led.experiments() if r.agent == "baseline"} == {base.hash}
     led.close()
+
+
+def test_cross_shape_replays_the_other_shape_at_its_own_request_count():
+    """Session 10: agentic's compile replayed chat with agentic's 8 requests (chat keeps 16 in
+    flight), a half load where the agentic plan read x1.07 on chat; on chat's own replay, x0.66."""
+    from types import SimpleNamespace
+
+    from anneal.agents.compile import _cross_measure
+    from anneal.agents.setting import gpu_requests
+    from anneal.engine.traffic import load_traffic
+
+    replayed = []
+
+    class RecordingLab:
+        def measure(self, candidate, spec, tier, **kw):
+            replayed.append((spec.num_requests, kw["traffic"]["name"]))
+            return SimpleNamespace(measurement=None)
+
+    promo = SimpleNamespace(baseline=Plan(), winner=Plan.model_validate({"scheduler": {"max_num_seqs": 8}}))
+    agentic_spec = BenchSpec(mode="workload", num_requests=gpu_requests(load_traffic("agentic")))
+    _cross_measure(RecordingLab(), "chat", None, promo, agentic_spec, quick=False)
+    chat_requests = gpu_requests(load_traffic("chat"))
+    assert chat_requests > agentic_spec.num_requests
+    assert replayed == [(chat_requests, "chat")] * 2
