@@ -326,6 +326,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         spec_key=setting.decode_spec.key(), per_op=per_op, base_m=promo.baseline_m, win_m=promo.winner_m,
         rejected=promo.rejected, notes=board.notes, calibration=cost.calibrations() if cost else {},
         tp_choice=tp_choice, cross=cross, roofline=_slow_roofline(slow_state), paired=promo.paired,
+        ranked_on=promo.ranked_on,
     )
     gain = next((g.ratio for g in promo.gains if g.metric == "tokens_per_s"), None)
     publish_result(settings.report_to, compiled)

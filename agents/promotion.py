@@ -6,7 +6,9 @@ are measured on the slow tier with the traffic shape's workload, in the same run
 within the latency bounds must pass ``POST /admin/verify``; then winner and baseline are measured
 again, interleaved, on other request samples, and the winner is rejected when its ratio to the
 baseline on the same sample disagrees with itself (spread above ``max_spread``) — a kernel that
-defers work or races another stream does not time consistently.
+defers work or races another stream does not time consistently. The gain reported (and required)
+comes from those other samples only: on the sample the candidates were ranked on, the winner's
+reading is the best of several noisy ones, biased up.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ class Promotion:
     gains: list[Gain] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (plan hash, reason)
     is_baseline: bool = False
-    # the winner's tokens/s over the baseline's on each request sample (the same requests replayed by
-    # both): steadier than the ratio of the medians when the samples differ a lot
+    # the winner's tokens/s over the baseline's on each fresh request sample (the same requests
+    # replayed by both): steadier than the ratio of the medians when the samples differ a lot
     paired: list[float] = field(default_factory=list)
+    ranked_on: float | None = None  # the same ratio on the sample the candidates were ranked on
 
 
 def _ms(x: float | None) -> str:
@@ -122,11 +125,16 @@ def promote(
                                         f"(spread {_spread(ratios):.2f}, worst own spread {worst_own:.2f}, "
                                         f"limit {max_spread})"))
             continue
-        if statistics.median(ratios) <= 1.0:
-            rejected.append((cand.hash, "no gain over the baseline when re-measured"))
+        # The first sample ranked the candidates, so the winner's ratio there is the best of several
+        # noisy readings (session 10: agentic compiles read x1.02-1.05 that independent samples did
+        # not reproduce). What is reported and required comes from the fresh samples.
+        fresh = slice(1, None) if len(ratios) > 1 else slice(None)
+        if statistics.median(ratios[fresh]) <= 1.0:
+            rejected.append((cand.hash, "no gain over the baseline on fresh request samples"))
             continue
         return Promotion(winner=cand.plan, baseline=baseline, winner_m=wins, baseline_m=bases,
-                         verification=rep, gains=gains(bases, wins), rejected=rejected, paired=ratios)
+                         verification=rep, gains=gains(bases[fresh], wins[fresh]), rejected=rejected,
+                         paired=ratios[fresh], ranked_on=ratios[0] if len(ratios) > 1 else None)
     return Promotion(winner=baseline, baseline=baseline, winner_m=[bm], baseline_m=[bm],
                      verification=None, gains=gains([bm], [bm]), rejected=rejected, is_baseline=True)
 

@@ -69,7 +69,8 @@ def test_compile_writes_a_verified_plan_report_and_ledger(tmp_path, fakes, monke
     for k in ("baseline_itl_p90_ms", "compiled_itl_p90_ms", "baseline_ttft_p90_ms", "compiled_ttft_p90_ms"):
         assert f"- {k}: " in cross and f"- {k}: None" not in cross  # the fake's replay reports latencies
     for needle in ("Gain against the baseline", "tokens_per_s", "Verification", "Cost model", "Best fast-tier",
-                   "Median prediction error", "experiments/hour", "another traffic shape", "on each request sample"):
+                   "Median prediction error", "experiments/hour", "another traffic shape", "on each fresh request sample",
+                   "the candidates were ranked on"):
         assert needle in report
     for png in ("search_progress.png", "per_op.png", "throughput_latency.png"):
         assert (out / png).stat().st_size > 1000
@@ -125,8 +126,46 @@ def test_promotion_judges_consistency_against_the_baseline_on_the_same_request_s
     assert promo.winner == fast_plan and not promo.rejected
     ratios = {round(w.tokens_per_s / b.tokens_per_s, 6) for w, b in zip(promo.winner_m, promo.baseline_m)}
     assert len(ratios) == 1 and ratios.pop() > 1
-    assert len(promo.paired) == 4 and len({round(r, 6) for r in promo.paired}) == 1  # what the report lists
+    # what the report lists: the three fresh samples, and the one the candidates were ranked on apart
+    assert len(promo.paired) == 3 and len({round(r, 6) for r in promo.paired}) == 1
+    assert promo.ranked_on == pytest.approx(promo.paired[0])
     led.close()
+
+
+def test_promotion_gain_comes_from_fresh_request_samples_only():
+    """The sample the candidates were ranked on favours the winner (the best of several noisy
+    readings): a plan x1.30 there and x0.98-1.02 on fresh samples is no gain. Counting the ranked
+    sample, the median of four was x1.005 and it was promoted."""
+    from types import SimpleNamespace
+
+    from anneal.agents.types import Measurement, Verdict
+    from anneal.engine.plan import OpChoice, Plan
+
+    lucky = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4}))
+    tokens = {(Plan().hash, s): 100.0 for s in range(4)}
+    tokens.update({(lucky.hash, 0): 130.0, (lucky.hash, 1): 102.0, (lucky.hash, 2): 98.0, (lucky.hash, 3): 99.0})
+
+    class SampleLab:
+        def measure(self, cand, spec, tier, **kw):
+            m = Measurement(median_ms=1.0, tokens_per_s=tokens[(cand.plan.hash, spec.seed)])
+            return SimpleNamespace(measurement=m, verdict=Verdict(status="measured"))
+
+        def ensure_kernels(self, cand, tier):
+            return None
+
+        def verify(self, cand, tier, **kw):
+            return SimpleNamespace(passed=True), None
+
+    spec = BenchSpec(mode="workload", num_requests=4)
+    promo = promote(SampleLab(), [Candidate(plan=lucky, agent="t")], Plan(), spec, rounds=3)
+    assert promo.is_baseline
+    assert any("no gain over the baseline on fresh request samples" in why for _, why in promo.rejected)
+    tokens[(lucky.hash, 2)] = 104.0  # now the fresh samples agree on a gain: x1.02, x1.04, x0.99
+    promo = promote(SampleLab(), [Candidate(plan=lucky, agent="t")], Plan(), spec, rounds=3)
+    assert promo.winner == lucky and promo.paired == pytest.approx([1.02, 1.04, 0.99])
+    assert promo.ranked_on == pytest.approx(1.3)
+    tps = next(g for g in promo.gains if g.metric == "tokens_per_s")
+    assert tps.ratio == pytest.approx(1.02)  # medians of the fresh samples: 102 vs 100
 
 
 def test_promotion_rounds_set_how_often_winner_and_baseline_are_remeasured(tmp_path, fakes):
