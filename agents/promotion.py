@@ -126,8 +126,7 @@ def promote(
                                         f"limit {max_spread})"))
             continue
         # The first sample ranked the candidates, so the winner's ratio there is the best of several
-        # noisy readings (session 10: agentic compiles read x1.02-1.05 that independent samples did
-        # not reproduce). What is reported and required comes from the fresh samples.
+        # noisy readings, biased up: what is reported and required comes from the fresh samples.
         fresh = slice(1, None) if len(ratios) > 1 else slice(None)
         if statistics.median(ratios[fresh]) <= 1.0:
             rejected.append((cand.hash, "no gain over the baseline on fresh request samples"))
