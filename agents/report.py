@@ -135,6 +135,8 @@ _SPLIT_ROWS = (
     ("decode_step_ms", "decode step, mean", "ms"), ("prefill_ms", "steps with prompt tokens", "ms"),
     ("prefill_steps", "steps with prompt tokens, count", ""), ("between_steps_ms", "between steps", "ms"),
     ("drain_ms", "drain (after the last admission)", "ms"),
+    # what steady serving sees: until the last admission the traffic's concurrency is in flight
+    ("steady_ms", "until the last admission", "ms"), ("steady_tokens_per_s", "tokens/s until then", "tok/s"),
     ("pipelined_steps", "steps launched ahead (overlap scheduling)", ""),
 )
 

@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if head:
             row["headroom"] = head
         runs.setdefault((label, sname), []).append(row)
-        print(f"round {r} {label:>24} on {sname:<8} {res.tokens_per_s:9.1f} tok/s  itl p90 "
+        steady = res.extra.get("steady_tokens_per_s")
+        print(f"round {r} {label:>24} on {sname:<8} {res.tokens_per_s:9.1f} tok/s "
+              f"({f'{steady:.1f}' if steady else 'no steady part'} until the last admission)  itl p90 "
               f"{res.extra['itl_p90_ms']:7.2f} ms  ttft p90 {res.extra['ttft_p90_ms']:8.1f} ms  "
               + "wall split: decode {decode_ms:.0f} ({decode_steps} steps, batch {decode_mean_batch:.1f}), "
                 "prefill {prefill_ms:.0f} ({prefill_steps} steps), between {between_steps_ms:.0f}, "
@@ -137,10 +139,16 @@ def main(argv: list[str] | None = None) -> int:
                     m[f"x_vs_{ref}"] = round(statistics.median(
                         x["tokens_per_s"] / by_round[x["round"]] for x in m["rounds"]), 3)
                     m[f"itl_p90_vs_{ref}"] = round(m["itl_p90_ms"] / base["itl_p90_ms"], 3)
+                    # the same until the last admission: what steady serving would see, without the drain
+                    steady = {x["round"]: x.get("steady_tokens_per_s") for x in base["rounds"]}
+                    pairs = [x["steady_tokens_per_s"] / steady[x["round"]] for x in m["rounds"]
+                             if x.get("steady_tokens_per_s") and steady.get(x["round"])]
+                    if pairs:
+                        m[f"steady_x_vs_{ref}"] = round(statistics.median(pairs), 3)
     print("\nshape     plan                      tok/s   itl p90 ms  ttft p90 ms  ratios", file=sys.stderr)
     for sname, per in table.items():
         for label, m in per.items():
-            ratios = ", ".join(f"{k}={v}" for k, v in m.items() if k.startswith("x_vs_"))
+            ratios = ", ".join(f"{k}={v}" for k, v in m.items() if k.startswith(("x_vs_", "steady_x_vs_")))
             print(f"{sname:<9} {label:<24} {m['tokens_per_s']:8.1f} {m['itl_p90_ms']:11.2f} "
                   f"{m['ttft_p90_ms']:12.1f}  {ratios}", file=sys.stderr)
     path = write_result(args.name or f"plans-{args.model.removeprefix('random:')}", {

@@ -270,7 +270,13 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         n_out = 0
         split = _TimeSplit(engine.stats())
         admit(0.0)
+        # Until the last admission the engine serves the traffic's concurrency; after it, a drain
+        # with a shrinking batch that steady serving never sees (session 10: a third of the chat
+        # replay). Its own tokens/s says which of the two a plan sped up.
+        steady_end, steady_out = None, 0
         while pending or engine.has_unfinished_requests():
+            if steady_end is None and not pending:
+                steady_end = time.perf_counter()
             if not engine.has_unfinished_requests():  # idle until the next Poisson arrival
                 time.sleep(max(0.0, pending[0][1].arrival_s - (time.perf_counter() - t0)))
                 admit(time.perf_counter() - t0)
@@ -283,6 +289,8 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
             split.add(engine.stats(), now - t_step, draining=not pending)
             for o in outs:
                 n_out += len(o.new_token_ids)
+                if steady_end is None:
+                    steady_out += len(o.new_token_ids)
                 if o.request_id not in first:
                     first[o.request_id] = now - starts[o.request_id]  # TTFT from its own admission
                 else:
@@ -293,7 +301,11 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
             admit(now - t0)
         _sync(engine)  # whatever the last steps left on the device counts
         total = time.perf_counter() - t0
-        runs.append((total, n_out, sorted(first.values()), itl, split.summary(total, engine.stats())))
+        summary = split.summary(total, engine.stats())
+        steady_s = (steady_end or t0) - t0  # ~0 when all requests were admitted at once: no steady part
+        summary.update(steady_ms=steady_s * 1e3, steady_output_tokens=steady_out,
+                       steady_tokens_per_s=steady_out / steady_s if steady_s > 0 else 0.0)
+        runs.append((total, n_out, sorted(first.values()), itl, summary))
     if req.warmup and len(runs) > 1:
         runs = runs[1:]
     totals = [r[0] for r in runs]
@@ -309,7 +321,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
                "pacing": f"closed loop, {concurrency} in flight" if concurrency else "poisson arrivals",
                "ttft_p50_ms": _quantile(ttft, 0.5) * 1e3, "ttft_p90_ms": _quantile(ttft, 0.9) * 1e3,
                "itl_p50_ms": _quantile(itl, 0.5) * 1e3, "itl_p90_ms": _quantile(itl, 0.9) * 1e3,
-               "time_split": runs[-1][4]},
+               "steady_tokens_per_s": runs[-1][4]["steady_tokens_per_s"] or None, "time_split": runs[-1][4]},
     )
 
 

@@ -79,6 +79,20 @@ def test_time_split_accounts_for_every_step(eng):
     assert 0 < split["drain_ms"] < split["total_ms"]
 
 
+def test_replay_reports_its_steady_part_apart_from_the_drain(eng):
+    """Until the last admission the traffic's concurrency is in flight; after it the batch shrinks
+    (a third of the H200 chat replay). The steady part has its own tokens/s; a replay of one wave
+    (as many requests as the concurrency) has none."""
+    shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": 2.0})
+    _, extra = _replay(eng, shape, 6)
+    split = extra["time_split"]
+    assert 0 < split["steady_ms"] < split["total_ms"]
+    assert 0 < split["steady_output_tokens"] < extra["output_tokens"]
+    assert extra["steady_tokens_per_s"] == pytest.approx(split["steady_output_tokens"] / split["steady_ms"] * 1e3)
+    _, extra = _replay(eng, shape, 2)  # both admitted at once: all drain
+    assert extra["steady_tokens_per_s"] is None and extra["time_split"]["steady_output_tokens"] == 0
+
+
 def test_decode_benchmark_without_graph_replays_ranks_on_the_wall_clock(eng):
     res = run_benchmark(eng, BenchmarkRequest(mode="decode", batch_size=2, context_len=40, steps=5, warmup=1))
     assert res.extra["timing"].startswith("wall")
