@@ -153,10 +153,13 @@ def time_split_table(base: list[Measurement], win: list[Measurement]) -> list[st
         return []
     L = ["", "## Where the replay's time went (slow tier, median over rounds)", "",
          "| | baseline | compiled |", "|---|---|---|"]
+    one_wave = not med(base, "steady_tokens_per_s")  # every request admitted at once: no steady part
     for key, label, unit in _SPLIT_ROWS:
         b, w = med(base, key), med(win, key)
-        if b is not None and w is not None:
+        if b is not None and w is not None and not (one_wave and key.startswith("steady_")):
             L.append(f"| {label} | {b:.4g} {unit} | {w:.4g} {unit} |".replace("  |", " |"))
+    if one_wave and med(base, "steady_ms") is not None:
+        L += ["", "Every request was admitted at once (one wave): the whole replay is its drain, with no steady part."]
     return L
 
 

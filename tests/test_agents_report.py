@@ -34,3 +34,16 @@ def test_no_headroom_section_without_the_numbers():
     assert headroom_table([_m(old)], [_m(old)], cm) == []
     assert headroom_table([_m(SPLIT)], [_m(SPLIT)], None) == []
     assert headroom_table([_m(None)], [_m(SPLIT)], cm) == []
+
+
+def test_time_split_table_shows_the_steady_part_or_says_there_is_none():
+    from anneal.agents.report import time_split_table
+
+    steady = {**SPLIT, "drain_ms": 3500.0, "steady_ms": 6000.0, "steady_output_tokens": 12000.0,
+              "steady_tokens_per_s": 2000.0}
+    text = "\n".join(time_split_table([_m(steady)], [_m({**steady, "steady_tokens_per_s": 2200.0})]))
+    assert "| tokens/s until then | 2000 tok/s | 2200 tok/s |" in text and "one wave" not in text
+    wave = {**steady, "steady_ms": 0.09, "steady_output_tokens": 0.0, "steady_tokens_per_s": 0.0}
+    text = "\n".join(time_split_table([_m(wave)], [_m(wave)]))
+    assert "until the last admission" not in text and "one wave" in text
+    assert "one wave" not in "\n".join(time_split_table([_m(SPLIT)], [_m(SPLIT)]))  # an engine from before
