@@ -128,23 +128,25 @@ def main(argv: list[str] | None = None) -> int:
             "itl_p90_ms": med("itl_p90_ms"), "ttft_p90_ms": med("ttft_p90_ms"),
             "itl_p50_ms": med("itl_p50_ms"), "rounds": rows,
         }
+    def paired(rows: list[dict], ref_rows: list[dict], key: str) -> float | None:
+        """Median over rounds of ``key`` against the reference's on the same round: a round's request
+        sample moves every plan's figures alike. None when no round has both."""
+        ref_by_round = {x["round"]: x.get(key) for x in ref_rows}
+        ratios = [x[key] / ref_by_round[x["round"]] for x in rows if x.get(key) and ref_by_round.get(x["round"])]
+        return round(statistics.median(ratios), 3) if ratios else None
+
     for sname, per in table.items():
         first_other = next((label for label, _ in plans if label != "reference"), None)
         for ref in {"reference", first_other} - {None}:
             base = per.get(ref)
             for label, m in per.items():
                 if base and label != ref:
-                    # paired by round: a round's request sample moves every plan's tokens/s alike
-                    by_round = {x["round"]: x["tokens_per_s"] for x in base["rounds"]}
-                    m[f"x_vs_{ref}"] = round(statistics.median(
-                        x["tokens_per_s"] / by_round[x["round"]] for x in m["rounds"]), 3)
+                    m[f"x_vs_{ref}"] = paired(m["rounds"], base["rounds"], "tokens_per_s")
                     m[f"itl_p90_vs_{ref}"] = round(m["itl_p90_ms"] / base["itl_p90_ms"], 3)
-                    # the same until the last admission: what steady serving would see, without the drain
-                    steady = {x["round"]: x.get("steady_tokens_per_s") for x in base["rounds"]}
-                    pairs = [x["steady_tokens_per_s"] / steady[x["round"]] for x in m["rounds"]
-                             if x.get("steady_tokens_per_s") and steady.get(x["round"])]
-                    if pairs:
-                        m[f"steady_x_vs_{ref}"] = round(statistics.median(pairs), 3)
+                    # until the last admission: what steady serving would see, without the drain
+                    steady = paired(m["rounds"], base["rounds"], "steady_tokens_per_s")
+                    if steady is not None:
+                        m[f"steady_x_vs_{ref}"] = steady
     print("\nshape     plan                      tok/s   itl p90 ms  ttft p90 ms  ratios", file=sys.stderr)
     for sname, per in table.items():
         for label, m in per.items():
