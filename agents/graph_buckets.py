@@ -2,8 +2,8 @@
 
 Why: a decode step at batch ``b`` replays the smallest captured graph ``>= b`` (padding the rest)
 or runs eagerly when ``b`` exceeds them all; each captured graph costs capture time and memory.
-The fit picks at most ``max_graphs`` sizes minimising the expected padded work plus the eager
-penalty, by dynamic programming over the distinct batch sizes the traffic produces.
+The fit picks at most ``max_graphs`` sizes minimising the expected step time over the batch sizes
+a replay of the traffic actually ran (drain included), by dynamic programming.
 """
 
 from __future__ import annotations
@@ -28,26 +28,47 @@ def batch_size_distribution(concurrency: float, max_num_seqs: int, tail: float =
     return {k: v / s for k, v in dist.items()}
 
 
-def fit_graph_buckets(dist: dict[int, float], max_graphs: int = 6) -> list[int]:
-    """At most ``max_graphs`` sizes minimising the expected padded batch.
+def graph_sizes_to_price(max_batch: int) -> list[int]:
+    """Sizes a fit may capture: 1, 2, 4, then multiples of 8 up to the first covering ``max_batch``.
 
-    Every chosen size is a batch size the traffic produces; the largest observed one is always
-    covered, so eager steps only happen above the distribution.
+    Why not every size: a GEMM's time steps with its row tiles (on the H200 a 17-row graph costs
+    about what a 32-row one does), so odd sizes save padded rows but not time; vLLM and SGLang
+    capture the same kind of set. The fit then prices these few by measured step time.
     """
-    sizes = sorted(b for b, p in dist.items() if p > 0)
-    if not sizes:
-        return [1]
-    n, k_max = len(sizes), max(1, min(max_graphs, len(sizes)))
-    # cost(i, j): sizes[i..j] all padded up to sizes[j]
-    prefix_p = [0.0]
-    for b in sizes:
-        prefix_p.append(prefix_p[-1] + dist[b])
+    top = max(1, max_batch)
+    small = [g for g in (1, 2, 4) if g < top]
+    if top <= 4:
+        return small + [next(g for g in (1, 2, 4) if g >= top)]
+    return small + list(range(8, -(-top // 8) * 8 + 1, 8))
 
-    def cost(i: int, j: int) -> float:
-        return sizes[j] * (prefix_p[j + 1] - prefix_p[i])
+
+def fit_graph_buckets(dist: dict[int, float], max_graphs: int = 6, *, sizes: list[int] | None = None,
+                      step_ms: dict[int, float] | None = None) -> list[int]:
+    """At most ``max_graphs`` of ``sizes`` minimising the expected step cost over ``dist``.
+
+    A batch ``b`` replays the smallest chosen size ``>= b``; its cost is ``step_ms[size]`` when
+    given (measured step times), else the size itself (padded rows). ``sizes`` defaults to the
+    batch sizes the distribution holds; the largest size needed to cover the distribution is
+    always chosen, so eager steps only happen above it.
+    """
+    batches = sorted(b for b, p in dist.items() if p > 0)
+    if not batches:
+        return [1]
+    top = batches[-1]
+    sizes = sorted(set(sizes or batches))
+    cover = next((i for i, g in enumerate(sizes) if g >= top), None)
+    if cover is None:
+        raise ValueError(f"no size in {sizes} covers batch {top}")
+    sizes = sizes[:cover + 1]
+    price = (lambda g: step_ms[g]) if step_ms is not None else (lambda g: float(g))
+    n, k_max = len(sizes), max(1, min(max_graphs, len(sizes)))
+
+    def cost(lo: int, j: int) -> float:  # batches in (lo, sizes[j]] padded up to sizes[j]
+        mass = sum(p for b, p in dist.items() if lo < b <= sizes[j])
+        return mass * price(sizes[j]) if mass else 0.0
 
     INF = math.inf
-    # best[k][j]: k graphs cover sizes[0..j] with the top graph at sizes[j]
+    # best[k][j]: k graphs cover every batch <= sizes[j], the top graph at sizes[j]
     best = [[INF] * n for _ in range(k_max + 1)]
     back = [[-1] * n for _ in range(k_max + 1)]
     for j in range(n):
@@ -55,16 +76,28 @@ def fit_graph_buckets(dist: dict[int, float], max_graphs: int = 6) -> list[int]:
     for k in range(2, k_max + 1):
         for j in range(n):
             for i in range(j):
-                c = best[k - 1][i] + cost(i + 1, j)
+                c = best[k - 1][i] + cost(sizes[i], j)
                 if c < best[k][j]:
                     best[k][j], back[k][j] = c, i
-    k = min(range(1, k_max + 1), key=lambda kk: best[kk][n - 1])
+    # fewest graphs among the cheapest (an unused size adds capture time, nothing else)
+    k = min(range(1, k_max + 1), key=lambda kk: (round(best[kk][n - 1], 12), kk))
     out, j = [], n - 1
     while k >= 1 and j >= 0:
         out.append(sizes[j])
         j = back[k][j]
         k -= 1
     return sorted(out)
+
+
+def expected_step_ms(dist: dict[int, float], buckets: list[int], step_ms: dict[int, float]) -> float:
+    """E[step ms] when each batch replays its graph; inf when a batch has no graph to replay."""
+    total = 0.0
+    for b, p in dist.items():
+        top = next((g for g in sorted(buckets) if g >= b), None)
+        if top is None or top not in step_ms:
+            return math.inf
+        total += p * step_ms[top]
+    return total
 
 
 def expected_padding(dist: dict[int, float], buckets: list[int]) -> float:
@@ -78,6 +111,13 @@ def expected_padding(dist: dict[int, float], buckets: list[int]) -> float:
         top = next((g for g in buckets if g >= b), None)
         padded += p * (top if top is not None else b)
     return padded / mean
+
+
+def replayed_distribution(decode_batches: dict[int, int] | None) -> dict[int, float] | None:
+    """Decode-step batch sizes a workload replay ran, as probabilities (None when not reported)."""
+    steps = {int(b): n for b, n in (decode_batches or {}).items() if n > 0 and int(b) > 0}
+    total = sum(steps.values())
+    return {b: n / total for b, n in sorted(steps.items())} if total else None
 
 
 def quantile_sizes(dist: dict[int, float], qs: tuple[float, ...] = (0.25, 0.5, 0.9)) -> list[int]:
@@ -97,35 +137,58 @@ def quantile_sizes(dist: dict[int, float], qs: tuple[float, ...] = (0.25, 0.5, 0
 
 
 class GraphBucketAgent:
-    """Fits the graph sizes; on a GPU engine it also times the fitted set against the base set."""
+    """Fits the graph sizes to the batches the baseline's replay ran, priced by measured step time.
+
+    Session 10 on the H200: the old fit (Poisson batches, padded rows) chose [12, 15, 17, 20, 23,
+    29] for chat, whose replay spends a third of its time draining from 16 rows to 1, and whose
+    17-row graph costs like a 32-row one: 7% of the replay lost against [1, 4, 16, 64].
+    """
 
     name = "graph-buckets"
 
-    def __init__(self, max_graphs: int = 6):
+    min_gain = 0.01  # a fit this close to the base is within the fast tier's noise: keep the base
+
+    def __init__(self, max_graphs: int = 8):
         self.max_graphs = max_graphs
 
     def run(self, lab: Lab, setting: SearchSetting, board: Board) -> None:
-        fitted = fit_graph_buckets(setting.batch_dist, self.max_graphs)
-        before = expected_padding(setting.batch_dist, setting.base.cuda_graph_batch_sizes)
-        after = expected_padding(setting.batch_dist, fitted)
-        board.note(f"graph buckets {fitted}: expected padding x{after:.3f} "
-                   f"(base {setting.base.cuda_graph_batch_sizes}: x{before:.3f})")
-        if not setting.space.uses_graphs:
-            return  # no CUDA graphs on this device: the fit is reported, the plan keeps its sizes
-        plan = setting.base.model_copy(update={"cuda_graph_batch_sizes": fitted, "name": None})
+        base = setting.base
         try:
-            totals = {}
-            for label, p in (("base", setting.base), ("fitted", plan)):
-                total = 0.0
-                for b in quantile_sizes(setting.batch_dist):
-                    exp = lab.measure(Candidate(plan=p, agent=self.name, note=f"{label} graphs b={b}"),
-                                      setting.spec_for("graphs", b), prune=False)
-                    if exp.measurement is None:
-                        total = math.inf
-                        break
-                    total += setting.batch_dist.get(b, 0.0) * exp.measurement.median_ms + 1e-9
-                totals[label] = total
+            replay = lab.measure(Candidate(plan=base, agent=self.name, note="baseline replay: its batch sizes"),
+                                 setting.workload_spec(), prune=False)
         except BudgetExhausted:
-            board.set(graph_batch_sizes=fitted)
             return
-        board.set(graph_batch_sizes=fitted if totals["fitted"] <= totals["base"] * 1.02 else None)
+        dist = replayed_distribution(replay.measurement.decode_batches if replay.measurement else None)
+        source = "the baseline's replay"
+        if dist is None:
+            dist, source = setting.batch_dist, "Poisson(concurrency)"
+        if not setting.space.uses_graphs:  # no CUDA graphs on this device: the fit is reported only
+            fitted = fit_graph_buckets(dist, self.max_graphs)
+            board.note(f"graph buckets {fitted} for batches from {source}: expected padding "
+                       f"x{expected_padding(dist, fitted):.3f} (base {base.cuda_graph_batch_sizes}: "
+                       f"x{expected_padding(dist, base.cuda_graph_batch_sizes):.3f}); no CUDA graphs here")
+            return
+        top = max(dist)
+        base_targets = {next((g for g in sorted(base.cuda_graph_batch_sizes) if g >= b), None) for b in dist}
+        sizes = sorted(set(graph_sizes_to_price(top)) | {g for g in base_targets if g is not None})
+        # One plan holding every size: each size's step is timed replaying its own graph.
+        pricing = base.model_copy(update={"cuda_graph_batch_sizes": sizes, "name": None})
+        step_ms: dict[int, float] = {}
+        try:
+            for g in sizes:
+                exp = lab.measure(Candidate(plan=pricing, agent=self.name, note=f"graph b={g}"),
+                                  setting.spec_for("graphs", g).model_copy(update={"per_op": False}), prune=False)
+                if exp.measurement is None:
+                    board.note(f"graph buckets: no step time at batch {g} ({exp.verdict.reason}); kept the base")
+                    return
+                step_ms[g] = exp.measurement.median_ms
+        except BudgetExhausted:
+            return
+        fitted = fit_graph_buckets(dist, self.max_graphs, sizes=graph_sizes_to_price(top), step_ms=step_ms)
+        fit_ms = expected_step_ms(dist, fitted, step_ms)
+        base_ms = expected_step_ms(dist, base.cuda_graph_batch_sizes, step_ms)
+        keep = fit_ms < base_ms * (1 - self.min_gain)
+        board.note(f"graph buckets {fitted} for batches 1-{top} from {source}: expected step "
+                   f"{fit_ms:.3f} ms against {base_ms:.3f} ms for the base {base.cuda_graph_batch_sizes}"
+                   + ("" if keep else f"; kept the base (less than {self.min_gain:.0%} apart)"))
+        board.set(graph_batch_sizes=fitted if keep else None)

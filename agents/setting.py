@@ -57,6 +57,10 @@ def workload_requests(traffic, quick: bool) -> int:
 
 
 def gpu_requests(traffic, tokens_per_replay: float = 1e5) -> int:
-    """Requests per workload replay on a GPU: ~100k tokens, 8..64 requests (long prompts, fewer)."""
+    """Requests per workload replay on a GPU: ~100k tokens, 8..64 requests (long prompts, fewer), and
+    at least twice the concurrency. Why the last: with as many requests as the concurrency every
+    one is admitted at once and the replay is a single drain (session 10's agentic replay: 8
+    requests at concurrency 8, no steady serving at all, and its ratios moved ±3% by sample)."""
     per_request = traffic.prompt_len.mean() + traffic.output_len.mean()
-    return int(max(8, min(64, tokens_per_replay / max(per_request, 1.0))))
+    by_tokens = max(8, min(64, tokens_per_replay / max(per_request, 1.0)))
+    return int(max(by_tokens, 2 * round(traffic.concurrency or 0)))

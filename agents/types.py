@@ -70,6 +70,8 @@ class Measurement(_Wire):
     ttft_p90_ms: float | None = None
     time_split: dict[str, float] | None = Field(
         None, description="workload replays: where the wall time went (engine/benchmark.py _TimeSplit)")
+    decode_batches: dict[int, int] | None = Field(
+        None, description="workload replays: decode-only steps per batch size (what CUDA graphs replay)")
 
     @property
     def spread(self) -> float:

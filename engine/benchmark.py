@@ -8,6 +8,7 @@ and warm-up steps are never counted. Reports the median and p10/p90 over repetit
 
 from __future__ import annotations
 
+from collections import Counter
 import random
 import statistics
 import time
@@ -305,7 +306,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         steady_s = (steady_end or t0) - t0  # ~0 when all requests were admitted at once: no steady part
         summary.update(steady_ms=steady_s * 1e3, steady_output_tokens=steady_out,
                        steady_tokens_per_s=steady_out / steady_s if steady_s > 0 else 0.0)
-        runs.append((total, n_out, sorted(first.values()), itl, summary))
+        runs.append((total, n_out, sorted(first.values()), itl, summary, dict(sorted(split.decode_batches.items()))))
     if req.warmup and len(runs) > 1:
         runs = runs[1:]
     totals = [r[0] for r in runs]
@@ -321,7 +322,8 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
                "pacing": f"closed loop, {concurrency} in flight" if concurrency else "poisson arrivals",
                "ttft_p50_ms": _quantile(ttft, 0.5) * 1e3, "ttft_p90_ms": _quantile(ttft, 0.9) * 1e3,
                "itl_p50_ms": _quantile(itl, 0.5) * 1e3, "itl_p90_ms": _quantile(itl, 0.9) * 1e3,
-               "steady_tokens_per_s": runs[-1][4]["steady_tokens_per_s"] or None, "time_split": runs[-1][4]},
+               "steady_tokens_per_s": runs[-1][4]["steady_tokens_per_s"] or None, "time_split": runs[-1][4],
+               "decode_batches": runs[-1][5]},
     )
 
 
@@ -337,12 +339,14 @@ class _TimeSplit:
         self.decode_steps = self.prefill_steps = self.decode_seqs = self.prompt_tokens = 0
         self.decode_context = 0  # KV positions the decode steps' rows attended, summed
         self.prefill_rows = self.prefill_context = 0  # the same for the steps with prompt tokens
+        self.decode_batches: Counter[int] = Counter()  # decode-only steps per batch size: what graphs replay
 
     def add(self, stats, dt: float, draining: bool) -> None:
         if stats.last_decode_only:
             self.decode_s += dt
             self.decode_steps += 1
             self.decode_seqs += stats.last_batch_size
+            self.decode_batches[stats.last_batch_size] += 1
             self.decode_context += stats.last_context_tokens
         else:
             self.prefill_s += dt

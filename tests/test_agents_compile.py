@@ -329,3 +329,15 @@ def test_cross_shape_replays_the_other_shape_at_its_own_request_count():
     chat_requests = gpu_requests(load_traffic("chat"))
     assert chat_requests > agentic_spec.num_requests
     assert replayed == [(chat_requests, "chat")] * 2
+
+
+def test_a_gpu_replay_holds_at_least_two_waves_of_the_concurrency():
+    """Session 10's agentic replay held 8 requests at concurrency 8: all admitted at once, a drain
+    and no steady serving. Every preset now replays at least twice its concurrency."""
+    from anneal.agents.setting import gpu_requests
+    from anneal.engine.traffic import load_traffic
+
+    for name in ("chat", "agentic", "rag", "batch"):
+        shape = load_traffic(name)
+        assert gpu_requests(shape) >= 2 * shape.concurrency, name
+    assert gpu_requests(load_traffic("agentic")) == 16 and gpu_requests(load_traffic("chat")) == 64

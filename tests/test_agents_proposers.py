@@ -176,22 +176,34 @@ def test_swarm_runs_agents_concurrently_and_stops_at_the_deadline(env):
     assert {r.agent for r in lab.ledger.experiments()} == set(res)
 
 
-def test_graph_bucket_agent_fits_and_keeps_the_fit_only_when_it_times_better(tmp_path):
-    from anneal.agents.graph_buckets import GraphBucketAgent, fit_graph_buckets
+def test_graph_bucket_agent_fits_the_replayed_batches_and_keeps_the_fit_only_when_it_times_better(tmp_path):
+    """The fake replays a closed loop of 16 (steady at 16, a drain through 1-15) and prices a
+    step by its padded rows. The base's powers of two are already optimal there: kept. A base
+    of session 9's kind ([12, 15, ...]) pads the drain's small batches to 12: replaced."""
+    from anneal.agents.graph_buckets import GraphBucketAgent
 
     srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda"))  # FAKE graph padding costs
     try:
         with EngineClient(url, "tok") as client:
-            state = client.state()
-            setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, workload_requests=4)
+            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256,
+                                      workload_requests=4)
             assert setting.space.uses_graphs
             led = Ledger(tmp_path / "l.sqlite")
+            lab = Lab(ledger=led, engines={"fast": client})
             board = Board()
-            GraphBucketAgent().run(Lab(ledger=led, engines={"fast": client}), setting, board)
-            assert board.graph_batch_sizes == fit_graph_buckets(setting.batch_dist, 6)
-            assert board.composite(setting.base).cuda_graph_batch_sizes == board.graph_batch_sizes
+            GraphBucketAgent().run(lab, setting, board)
             notes = [r.note for r in led.experiments()]
-            assert any("base graphs" in n for n in notes) and any("fitted graphs" in n for n in notes)
+            assert "baseline replay: its batch sizes" in notes
+            assert {n for n in notes if n.startswith("graph b=")} == {f"graph b={g}" for g in (1, 2, 4, 8, 16)}
+            assert board.graph_batch_sizes is None and "kept the base" in board.notes[-1]
+            assert "from the baseline's replay" in board.notes[-1]
+
+            s9 = dataclasses.replace(setting, base=setting.base.model_copy(
+                update={"cuda_graph_batch_sizes": [12, 15, 17, 20, 23, 29]}))
+            GraphBucketAgent().run(lab, s9, board)
+            assert board.graph_batch_sizes is not None and board.graph_batch_sizes[0] == 1
+            assert board.graph_batch_sizes[-1] == 16 and set(board.graph_batch_sizes) <= {1, 2, 4, 8, 16}
+            assert board.composite(s9.base).cuda_graph_batch_sizes == board.graph_batch_sizes
             led.close()
     finally:
         srv.shutdown()

@@ -121,6 +121,17 @@ def test_time_split_counts_a_step_that_finishes_a_request_as_decode():
     assert split["tokens_in_prefill_steps"] == sum(with_prompt)
 
 
+def test_replay_reports_how_many_decode_steps_ran_at_each_batch_size(eng):
+    """What the graph-bucket fit is fitted to: the batches a replay ran, its drain included (the
+    batch falls from the concurrency to 1), not a distribution assumed from the concurrency."""
+    shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": 3.0})
+    _, extra = _replay(eng, shape, 7)
+    batches, split = extra["decode_batches"], extra["time_split"]
+    assert sum(batches.values()) == split["decode_steps"]
+    assert sum(b * n for b, n in batches.items()) == pytest.approx(split["decode_mean_batch"] * split["decode_steps"])
+    assert max(batches) == 3 and 1 in batches  # the full batch, and the drain's last request alone
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_time_split_reports_the_positions_decode_rows_attend(overlap):
     """``decode_mean_context`` (with the batch, what the decode steps read: the report's roofline

@@ -110,6 +110,9 @@ class FakeEngine:
         if body.get("mode") == "workload":
             out["itl_p90_ms"] = med * 1.1
             out["ttft_p90_ms"] = med * 3
+            # a closed loop of 16: steady at the cap, then a drain through every smaller batch
+            cap = min(16, plan.scheduler.max_num_seqs)
+            out["decode_batches"] = {cap: 40, **{b: 3 for b in range(1, cap)}}
         return out
 
     def verify(self, body: dict) -> dict:
