@@ -341,3 +341,29 @@ def test_a_gpu_replay_holds_at_least_two_waves_of_the_concurrency():
         shape = load_traffic(name)
         assert gpu_requests(shape) >= 2 * shape.concurrency, name
     assert gpu_requests(load_traffic("agentic")) == 16 and gpu_requests(load_traffic("chat")) == 64
+
+
+def test_a_compile_replays_as_many_requests_as_bench_plans_and_the_cross_shape_replay(tmp_path, fakes,
+                                                                                     monkeypatch):
+    """All three count a shape's requests on the shape as replayed (scaled to the engines' length).
+    Session 11: the compile counted agentic's on its unscaled 15k-token prompts (16 requests) while
+    bench/plans.py replayed 26, so the two did not measure the same replay."""
+    from anneal.agents.setting import gpu_requests
+    from anneal.engine.traffic import load_traffic
+
+    monkeypatch.setenv("ANNEAL_ADMIN_TOKEN", "tok")
+    _, fast = fakes(layers=1, device="cuda")
+    _, slow = fakes(layers=4, device="cuda")
+    out = tmp_path / "out"
+    rc = _compile(["--model", "random:tiny", "--traffic", "agentic", "--budget", "4", "--out", str(out),
+                   "--engines", f"{fast},{slow}", "--quiet", "--agents", "scheduler-tuner",
+                   "--max-len", "8192", "--cross-traffic", "chat"])
+    assert rc == 0
+    agentic = gpu_requests(load_traffic("agentic").scaled(8192))
+    assert agentic != gpu_requests(load_traffic("agentic"))  # the scaling changes the count
+    led = Ledger(out / "ledger.sqlite")
+    replays = [r for r in led.experiments() if r.spec is not None and r.spec.mode == "workload"]
+    led.close()
+    own = {r.spec.num_requests for r in replays if r.agent != "cross"}
+    cross = {r.spec.num_requests for r in replays if r.agent == "cross"}
+    assert own == {agentic} and cross == {gpu_requests(load_traffic("chat").scaled(8192))}
