@@ -115,7 +115,9 @@ for s in "$@"; do
       # NEW_TESTS: test files, space- or comma-separated (commas fit in one h200-lanes.sh word)
       tests=${NEW_TESTS:-tests/kernels/test_argmax.py tests/kernels/test_pdl_graph.py tests/kernels/test_fused_plan.py \
         tests/kernels/test_gemv.py tests/test_engine_gpu.py}
-      stage gpu-tests-new 240 $py -m pytest -m gpu -q -p no:cacheprovider -rfE -n 4 ${tests//,/ }
+      # NEW_TESTS_LIMIT / TEST_WORKERS: for a long list (the whole GPU suite split over two lanes)
+      stage gpu-tests-new "${NEW_TESTS_LIMIT:-240}" $py -m pytest -m gpu -q -p no:cacheprovider -rfE \
+        -n "${TEST_WORKERS:-4}" --durations=10 ${tests//,/ }
       ;;
     profile)
       stage profile-1b 240 $py bench/profile_step.py --shape llama-3.2-1b --batch-size 1 --context 1024 \
