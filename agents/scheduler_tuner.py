@@ -61,7 +61,9 @@ class SchedulerTuner:
             ok.sort(key=lambda t: -t[0])
             # The runners-up go to the slow tier too: the fast tier's latency is not the deployment's.
             board.set(scheduler=best[1], scheduler_runners_up=[k for _, k in ok[1:3]])
-            board.note(f"scheduler: {_label(best[1])} at {best[0]:.1f} tok/s")
+            board.note(f"scheduler, best on the fast tier: {_label(best[1])} at {best[0]:.1f} tok/s there; "
+                       f"it and {len(board.scheduler_runners_up)} runner(s)-up go to the slow tier, whose "
+                       f"replay picks the winner")
 
 
 def _label(k) -> str:
