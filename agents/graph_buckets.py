@@ -31,9 +31,9 @@ def batch_size_distribution(concurrency: float, max_num_seqs: int, tail: float =
 def graph_sizes_to_price(max_batch: int) -> list[int]:
     """Sizes a fit may capture: 1, 2, 4, then multiples of 8 up to the first covering ``max_batch``.
 
-    Why not every size: a GEMM's time steps with its row tiles (on the H200 a 17-row graph costs
-    about what a 32-row one does), so odd sizes save padded rows but not time; vLLM and SGLang
-    capture the same kind of set. The fit then prices these few by measured step time.
+    Why not every size: a GEMM's time steps with its row tiles (16 rows or more in cuBLAS and in
+    the Triton GEMVs), so odd sizes save padded rows but hardly any time; vLLM and SGLang capture
+    the same kind of set. The fit then prices these few by measured step time.
     """
     top = max(1, max_batch)
     small = [g for g in (1, 2, 4) if g < top]
@@ -91,9 +91,9 @@ def fit_graph_buckets(dist: dict[int, float], max_graphs: int = 6, *, sizes: lis
 
 def expected_step_ms(dist: dict[int, float], buckets: list[int], step_ms: dict[int, float]) -> float:
     """E[step ms] when each batch replays its graph; inf when a batch has no graph to replay."""
-    total = 0.0
+    total, buckets = 0.0, sorted(buckets)
     for b, p in dist.items():
-        top = next((g for g in sorted(buckets) if g >= b), None)
+        top = next((g for g in buckets if g >= b), None)
         if top is None or top not in step_ms:
             return math.inf
         total += p * step_ms[top]
@@ -140,8 +140,8 @@ class GraphBucketAgent:
     """Fits the graph sizes to the batches the baseline's replay ran, priced by measured step time.
 
     Session 10 on the H200: the old fit (Poisson batches, padded rows) chose [12, 15, 17, 20, 23,
-    29] for chat, whose replay spends a third of its time draining from 16 rows to 1, and whose
-    17-row graph costs like a 32-row one: 7% of the replay lost against [1, 4, 16, 64].
+    29] for chat, whose replay spends a third of its time draining from 16 rows to 1 (every drain
+    step below 12 rows replayed the 12-row graph): 7% of the replay lost against [1, 4, 16, 64].
     """
 
     name = "graph-buckets"
