@@ -47,3 +47,18 @@ def test_time_split_table_shows_the_steady_part_or_says_there_is_none():
     text = "\n".join(time_split_table([_m(wave)], [_m(wave)]))
     assert "until the last admission" not in text and "one wave" in text
     assert "one wave" not in "\n".join(time_split_table([_m(SPLIT)], [_m(SPLIT)]))  # an engine from before
+
+
+def test_the_cross_shape_table_names_what_the_plan_loses_there():
+    """Session 11: chat's plan on agentic read x1.015 tokens/s with ITL p90 6.69 -> 28.8 ms."""
+    from anneal.agents.report import cross_shape_table
+
+    lines = cross_shape_table({"traffic": "agentic", "baseline_tokens_per_s": 661.7, "compiled_tokens_per_s": 671.7,
+                               "baseline_itl_p90_ms": 6.69, "compiled_itl_p90_ms": 28.83,
+                               "baseline_ttft_p90_ms": 661.9, "compiled_ttft_p90_ms": 577.1, "ratio": 1.015})
+    text = "\n".join(lines)
+    assert "| ITL p90 ms | 6.69 | 28.83 | 4.309 |" in text
+    assert "On `agentic` the plan loses: ITL p90 ms x4.31." in text
+    fine = cross_shape_table({"traffic": "chat", "baseline_tokens_per_s": 100.0, "compiled_tokens_per_s": 99.0,
+                              "baseline_itl_p90_ms": 5.0, "compiled_itl_p90_ms": None})
+    assert "| ITL p90 ms | 5 | - | - |" in "\n".join(fine) and "loses nothing beyond 2%" in fine[-1]
