@@ -107,9 +107,10 @@ for s in "$@"; do
       ;;
     variants)
       plans=$($py bench/plan_variants.py "${BASE_PLAN:-bench/plans/gemv-pdl.json}" --out "$OUT/variant-plans")
-      stage variants 420 $py bench/decode.py --shapes "${SHAPE:-llama-3.2-1b}" --batch-sizes 1 --context 1024 \
-        --plans "triton,${BASE_PLAN:-bench/plans/gemv-pdl.json},$plans" --no-hf --steps 50 --greedy-check 0 \
-        --name "decode-variants-${SHAPE:-llama-3.2-1b}" --out "$OUT"
+      # VARIANT_BATCH / VARIANT_CONTEXT: the decode shape they are timed at (default bs 1, ctx 1024)
+      stage variants 420 $py bench/decode.py --shapes "${SHAPE:-llama-3.2-1b}" --batch-sizes "${VARIANT_BATCH:-1}" \
+        --context "${VARIANT_CONTEXT:-1024}" --plans "triton,${BASE_PLAN:-bench/plans/gemv-pdl.json},$plans" --no-hf \
+        --steps 50 --greedy-check 0 --name "decode-variants-${SHAPE:-llama-3.2-1b}-bs${VARIANT_BATCH:-1}" --out "$OUT"
       ;;
     gpu-tests-new)
       # NEW_TESTS: test files, space- or comma-separated (commas fit in one h200-lanes.sh word)
