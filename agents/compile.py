@@ -238,11 +238,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         max_len = CPU_MAX_LEN if quick else None
     engine_max = min(int((s.model_extra or {}).get("max_model_len") or 1 << 30) for s in (fast_state, slow_state))
     max_len = min(max_len or engine_max, engine_max)
-    traffic = traffic.scaled(max_len)  # the shape as replayed: its request count is counted on it,
-    # as bench/plans.py and the cross-shape replay count theirs (session 11: agentic replayed 16
-    # requests here, counted on its unscaled 15k-token prompts, and 26 there)
-    setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len,
-                                    workload_requests=workload_requests(traffic, quick), quick=quick)
+    setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len, quick=quick)
     setting.seeds = list(seeds)
     traffic_json = traffic.model_dump(mode="json", exclude_none=True)
     try:

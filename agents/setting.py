@@ -18,14 +18,19 @@ CPU_MAX_LEN = 128  # CPU engines: traffic lengths scaled to fit (a CPU step cost
 
 
 def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
-                 workload_requests: int, quick: bool = False) -> tuple[SearchSetting, Any]:
+                 num_requests: int | None = None, quick: bool = False) -> tuple[SearchSetting, Any]:
     """The search setting from the engine's space and the traffic shape (lengths scaled to fit).
 
     ``quick`` (the CPU) times fewer steps per candidate: a CPU step of even a tiny model costs
     tens of milliseconds, and the README's compile must finish in a couple of minutes.
+    ``num_requests`` (per workload replay) defaults to :func:`workload_requests` of the scaled
+    shape, as every other replay of it counts them (session 11: counted on the unscaled agentic shape, the
+    compile replayed 16 requests where ``bench/plans.py`` replayed 26).
     """
-    if max_len and traffic.max_total_len > max_len:
+    if max_len:
         traffic = traffic.scaled(max_len)
+    if num_requests is None:
+        num_requests = workload_requests(traffic, quick)
     space = CandidateSpace.from_state(state)
     base = state.plan
     conc = traffic.concurrency or max(1.0, (traffic.arrival_rate or 1.0) * 4)
@@ -45,7 +50,7 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
                        seed=seed, per_op=True)  # op by op too: the tuner's signal, the cost model's per-op fits
     setting = SearchSetting(space=space, base=base, decode_spec=decode, batch_dist=dist, buckets=buckets,
                             context_len=context, prompt_len=prompt, seed=seed,
-                            workload_requests=workload_requests, long_context_len=long_context)
+                            workload_requests=num_requests, long_context_len=long_context)
     return setting, traffic
 
 

@@ -57,7 +57,7 @@ def test_writer_feeds_failures_back_and_only_passing_kernels_become_candidates(t
         from anneal.engine.traffic import load_traffic
 
         state = engine.state()
-        setting, traffic = make_setting(state, load_traffic("chat"), seed=0, max_len=256, workload_requests=4)
+        setting, traffic = make_setting(state, load_traffic("chat"), seed=0, max_len=256, num_requests=4)
         ledger = Ledger(tmp_path / "l.sqlite")
         lab = Lab(ledger=ledger, engines={"fast": engine})
         board = Board()
@@ -96,7 +96,7 @@ def test_wrong_key_is_reported_not_fatal(tmp_path, engine):
     try:
         from anneal.engine.traffic import load_traffic
 
-        setting, _ = make_setting(engine.state(), load_traffic("chat"), seed=0, max_len=256, workload_requests=4)
+        setting, _ = make_setting(engine.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
         ledger = Ledger(tmp_path / "l.sqlite")
         board = Board()
         LLMKernelWriter("sk-wrong", base_url=fake.url, ops=["silu_and_mul"]).run(

@@ -27,7 +27,7 @@ def env(tmp_path):
     srv, url = serve_in_thread(FakeEngine(token="tok"))
     client = EngineClient(url, "tok")
     state = client.state()
-    setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, workload_requests=4)
+    setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, num_requests=4)
     ledger = Ledger(tmp_path / "l.sqlite")
     lab = Lab(ledger=ledger, engines={"fast": client}, cost_model=CostModel.from_state(state))
     yield lab, setting, Board()
@@ -186,7 +186,7 @@ def test_graph_bucket_agent_fits_the_replayed_batches_and_keeps_the_fit_only_whe
     try:
         with EngineClient(url, "tok") as client:
             setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256,
-                                      workload_requests=4)
+                                      num_requests=4)
             assert setting.space.uses_graphs
             led = Ledger(tmp_path / "l.sqlite")
             lab = Lab(ledger=led, engines={"fast": client})

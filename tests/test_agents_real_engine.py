@@ -122,7 +122,7 @@ def test_llm_writer_kernels_pass_the_real_checks(engines, tmp_path):
     try:
         fast = engines["fast"]
         setting, _ = make_setting(fast.state(), load_traffic("chat"), seed=0, max_len=64,
-                                  workload_requests=2, quick=True)
+                                  num_requests=2, quick=True)
         led = Ledger(tmp_path / "l.sqlite")
         board = Board()
         LLMKernelWriter("sk-test", base_url=fake.url, ops=["silu_and_mul"], attempts_per_op=3).run(

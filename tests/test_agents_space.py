@@ -99,7 +99,7 @@ def test_the_scheduler_grid_reaches_past_a_serving_cap_below_the_traffic_concurr
 
     state = STATE.model_copy(update={"plan": Plan(scheduler={"max_num_seqs": 2})})
     traffic = load_traffic("chat")  # 16 requests in flight
-    setting, _ = make_setting(state, traffic, seed=0, max_len=256, workload_requests=4)
+    setting, _ = make_setting(state, traffic, seed=0, max_len=256, num_requests=4)
     assert max(setting.batch_dist) >= 16
     grid = setting.space.scheduler_grid(limit_seqs=max(setting.batch_dist))
     assert max(k.max_num_seqs for k in grid) >= 16
