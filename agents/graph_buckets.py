@@ -168,9 +168,9 @@ class GraphBucketAgent:
                        f"x{expected_padding(dist, fitted):.3f} (base {base.cuda_graph_batch_sizes}: "
                        f"x{expected_padding(dist, base.cuda_graph_batch_sizes):.3f}); no CUDA graphs here")
             return
-        top = max(dist)
+        top, candidates = max(dist), graph_sizes_to_price(max(dist))
         base_targets = {next((g for g in sorted(base.cuda_graph_batch_sizes) if g >= b), None) for b in dist}
-        sizes = sorted(set(graph_sizes_to_price(top)) | {g for g in base_targets if g is not None})
+        sizes = sorted(set(candidates) | {g for g in base_targets if g is not None})
         # One plan holding every size: each size's step is timed replaying its own graph.
         pricing = base.model_copy(update={"cuda_graph_batch_sizes": sizes, "name": None})
         step_ms: dict[int, float] = {}
@@ -184,7 +184,7 @@ class GraphBucketAgent:
                 step_ms[g] = exp.measurement.median_ms
         except BudgetExhausted:
             return
-        fitted = fit_graph_buckets(dist, self.max_graphs, sizes=graph_sizes_to_price(top), step_ms=step_ms)
+        fitted = fit_graph_buckets(dist, self.max_graphs, sizes=candidates, step_ms=step_ms)
         fit_ms = expected_step_ms(dist, fitted, step_ms)
         base_ms = expected_step_ms(dist, base.cuda_graph_batch_sizes, step_ms)
         keep = fit_ms < base_ms * (1 - self.min_gain)

@@ -24,8 +24,8 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     ``quick`` (the CPU) times fewer steps per candidate: a CPU step of even a tiny model costs
     tens of milliseconds, and the README's compile must finish in a couple of minutes.
     ``num_requests`` (per workload replay) defaults to :func:`workload_requests` of the scaled
-    shape, as every other replay of it counts them (session 11: counted on the unscaled agentic shape, the
-    compile replayed 16 requests where ``bench/plans.py`` replayed 26).
+    shape, as every other replay of it counts them (session 11: counted on the unscaled agentic
+    shape, the compile replayed 16 requests where ``bench/plans.py`` replayed 26).
     """
     if max_len:
         traffic = traffic.scaled(max_len)
