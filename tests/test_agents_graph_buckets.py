@@ -52,9 +52,9 @@ def _tiled_ms(g: int) -> float:
 
 
 def test_fit_prices_by_step_time_and_covers_the_drain():
-    """Session 10's chat replay: steady at 16 rows, then a drain through every smaller batch. The
-    padded-rows fit over every size picks sizes the GEMM tiles do not reward; priced by step time
-    over kernel-friendly sizes it keeps the drain's small graphs and the 16."""
+    """Session 10's chat replay: steady at 16 rows, then a drain through every smaller batch.
+    Priced by step time over kernel-friendly sizes, the fit keeps a graph for the drain's single
+    request and the 16, and is the cheapest subset of those sizes."""
     dist = replayed_distribution({16: 600, **{b: 40 for b in range(1, 16)}})
     assert sum(dist.values()) == pytest.approx(1.0) and max(dist) == 16
     sizes = graph_sizes_to_price(16)
