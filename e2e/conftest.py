@@ -37,6 +37,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries what its module's ``operator_log(funcargs)`` returns (the
+    operator's log tail). Why: session 11's CI lost an engine-restart wait under load and the
+    report held nothing to read; the log printed at the module's teardown is not shown then."""
+    outcome = yield
+    rep = outcome.get_result()
+    log = getattr(item.module, "operator_log", None)
+    if rep.when == "call" and rep.failed and log is not None:
+        try:
+            text = log(item.funcargs)
+        except Exception as e:  # noqa: BLE001 - a report must not fail for want of a log
+            text = f"(no operator log: {type(e).__name__}: {e})"
+        rep.sections.append(("operator log, last 20000 characters", text))
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     state = tmp_path_factory.mktemp("cluster")

@@ -68,6 +68,13 @@ def operator_pods(cluster):
     return chart.operator_pods(cluster, OPERATOR_NS)
 
 
+def operator_log(funcargs) -> str:
+    """The operator pod's log tail, for a failed test's report (e2e/conftest.py)."""
+    c = funcargs.get("anneal")
+    pods = operator_pods(c) if c is not None else []
+    return c.pod_log(OPERATOR_NS, pods[0]["metadata"]["name"])[-20000:] if pods else "(no operator pod)"
+
+
 @pytest.fixture(scope="module")
 def anneal(cluster):
     """The chart installed by helm; the operator runs on the local runner node. Teardown deletes
