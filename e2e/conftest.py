@@ -50,7 +50,7 @@ def pytest_runtest_makereport(item, call):
             text = log(item.funcargs)
         except Exception as e:  # noqa: BLE001 - a report must not fail for want of a log
             text = f"(no operator log: {type(e).__name__}: {e})"
-        rep.sections.append(("operator log, last 20000 characters", text))
+        rep.sections.append(("operator log (tail, without HTTP requests)", text))
 
 
 @pytest.fixture(scope="session")

@@ -72,7 +72,10 @@ def operator_log(funcargs) -> str:
     """The operator pod's log tail, for a failed test's report (e2e/conftest.py)."""
     c = funcargs.get("anneal")
     pods = operator_pods(c) if c is not None else []
-    return c.pod_log(OPERATOR_NS, pods[0]["metadata"]["name"])[-20000:] if pods else "(no operator pod)"
+    if not pods:
+        return "(no operator pod)"
+    lines = c.pod_log(OPERATOR_NS, pods[0]["metadata"]["name"]).splitlines()
+    return "\n".join(x for x in lines if "urllib3.connectionpool" not in x)[-20000:]  # requests drown the handlers
 
 
 @pytest.fixture(scope="module")
@@ -423,7 +426,19 @@ def test_an_engine_lost_mid_search_is_recreated_with_backoff(anneal):
     wait_for(lambda: status(c, "cjob", "r1", ns).get("phase") == "Searching", 120, "r1 Searching")
     before = _uids(c, ns, "r1")
     assert c.kubectl("delete", "pod", "r1-fast", "-n", ns, "--wait=false").returncode == 0
-    st = wait_for(lambda: (s := status(c, "cjob", "r1", ns)).get("engineRestarts") == 1 and s, 60, "a restart")
+    # Session 11: no restart within the wait in two CI runs and in a run of this whole module (even
+    # with 180 s), while the test passes alone and with a few neighbours: order-dependent and not
+    # yet diagnosed. A timeout says the job's last status; the report carries the operator's log.
+    last: dict = {}
+
+    def restarted():
+        last.update(status(c, "cjob", "r1", ns))
+        return last.get("engineRestarts") == 1 and dict(last)
+
+    try:
+        st = wait_for(restarted, 60, "a restart")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the job's last status: {json.dumps(last)}") from None
     assert st["phase"] == "Provisioning" and st.get("lastRestartAt")
     # the engines come back (after the backoff) as new pods, and a new coordinator starts
     wait_for(lambda: (u := _uids(c, ns, "r1"))["pod/r1-fast"] not in (None, before["pod/r1-fast"])
