@@ -89,11 +89,17 @@ def fit_graph_buckets(dist: dict[int, float], max_graphs: int = 6, *, sizes: lis
     return sorted(out)
 
 
+def graph_for(batch: int, buckets: list[int]) -> int | None:
+    """The captured size a decode step of ``batch`` rows replays (the smallest ``>= batch``); None
+    when it exceeds them all and runs eagerly."""
+    return min((g for g in buckets if g >= batch), default=None)
+
+
 def expected_step_ms(dist: dict[int, float], buckets: list[int], step_ms: dict[int, float]) -> float:
     """E[step ms] when each batch replays its graph; inf when a batch has no graph to replay."""
-    total, buckets = 0.0, sorted(buckets)
+    total = 0.0
     for b, p in dist.items():
-        top = next((g for g in buckets if g >= b), None)
+        top = graph_for(b, buckets)
         if top is None or top not in step_ms:
             return math.inf
         total += p * step_ms[top]
@@ -102,13 +108,12 @@ def expected_step_ms(dist: dict[int, float], buckets: list[int], step_ms: dict[i
 
 def expected_padding(dist: dict[int, float], buckets: list[int]) -> float:
     """E[padded batch] / E[batch]: 1.0 means no wasted rows."""
-    buckets = sorted(buckets)
     mean = sum(b * p for b, p in dist.items())
     if not buckets or not mean:
         return math.inf
     padded = 0.0
     for b, p in dist.items():
-        top = next((g for g in buckets if g >= b), None)
+        top = graph_for(b, buckets)
         padded += p * (top if top is not None else b)
     return padded / mean
 
@@ -168,9 +173,10 @@ class GraphBucketAgent:
                        f"x{expected_padding(dist, fitted):.3f} (base {base.cuda_graph_batch_sizes}: "
                        f"x{expected_padding(dist, base.cuda_graph_batch_sizes):.3f}); no CUDA graphs here")
             return
-        top, candidates = max(dist), graph_sizes_to_price(max(dist))
-        base_targets = {next((g for g in sorted(base.cuda_graph_batch_sizes) if g >= b), None) for b in dist}
-        sizes = sorted(set(candidates) | {g for g in base_targets if g is not None})
+        top = max(dist)
+        candidates = graph_sizes_to_price(top)
+        base_targets = {graph_for(b, base.cuda_graph_batch_sizes) for b in dist} - {None}
+        sizes = sorted(set(candidates) | base_targets)
         # One plan holding every size: each size's step is timed replaying its own graph.
         pricing = base.model_copy(update={"cuda_graph_batch_sizes": sizes, "name": None})
         step_ms: dict[int, float] = {}
