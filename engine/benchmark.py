@@ -336,16 +336,15 @@ class _TimeSplit:
     def __init__(self, start) -> None:
         self.start = start  # the engine's stats when the replay began
         self.decode_s = self.prefill_s = self.drain_s = 0.0
-        self.decode_steps = self.prefill_steps = self.decode_seqs = self.prompt_tokens = 0
+        self.prefill_steps = self.prompt_tokens = 0
         self.decode_context = 0  # KV positions the decode steps' rows attended, summed
         self.prefill_rows = self.prefill_context = 0  # the same for the steps with prompt tokens
-        self.decode_batches: Counter[int] = Counter()  # decode-only steps per batch size: what graphs replay
+        # decode-only steps per batch size (what graphs replay); their count and rows derive from it
+        self.decode_batches: Counter[int] = Counter()
 
     def add(self, stats, dt: float, draining: bool) -> None:
         if stats.last_decode_only:
             self.decode_s += dt
-            self.decode_steps += 1
-            self.decode_seqs += stats.last_batch_size
             self.decode_batches[stats.last_batch_size] += 1
             self.decode_context += stats.last_context_tokens
         else:
@@ -358,17 +357,19 @@ class _TimeSplit:
             self.drain_s += dt
 
     def summary(self, total_s: float, end) -> dict[str, float]:
+        decode_steps = sum(self.decode_batches.values())
+        decode_seqs = sum(b * n for b, n in self.decode_batches.items())
         return {
             # engine steps, and how many launched before the previous one's tokens were read
             # (overlap scheduling; the step() calls above count differently when it pipelines)
             "engine_steps": end.steps - self.start.steps,
             "pipelined_steps": end.pipelined_steps - self.start.pipelined_steps,
             "total_ms": total_s * 1e3,
-            "decode_ms": self.decode_s * 1e3, "decode_steps": self.decode_steps,
-            "decode_mean_batch": self.decode_seqs / max(1, self.decode_steps),
-            "decode_step_ms": self.decode_s * 1e3 / max(1, self.decode_steps),
+            "decode_ms": self.decode_s * 1e3, "decode_steps": decode_steps,
+            "decode_mean_batch": decode_seqs / max(1, decode_steps),
+            "decode_step_ms": self.decode_s * 1e3 / max(1, decode_steps),
             # with the batch, what the decode steps had to read: the roofline headroom in reports
-            "decode_mean_context": self.decode_context / max(1, self.decode_seqs),
+            "decode_mean_context": self.decode_context / max(1, decode_seqs),
             "prefill_ms": self.prefill_s * 1e3, "prefill_steps": self.prefill_steps,
             "tokens_in_prefill_steps": self.prompt_tokens,
             "prefill_mean_rows": self.prefill_rows / max(1, self.prefill_steps),
