@@ -21,7 +21,7 @@ from anneal.operator.api import compilation_job as api
 from anneal.operator.api import inference_deployment as idep_api
 from anneal.operator.api.base import now_iso
 from anneal.operator.compilation_status import (
-    APPLY_RESULT, PROVISION, RELEASE_ENGINES, RESTART_ENGINES, START_COORDINATOR, STOP_COORDINATOR, JobObserved, decide,
+    APPLY_RESULT, KEEP_SUPPORT, PROVISION, RELEASE_ENGINES, RESTART_ENGINES, START_COORDINATOR, STOP_COORDINATOR, JobObserved, decide,
     validate_result,
 )
 from anneal.operator.context import Context
@@ -92,8 +92,9 @@ def _owned(body: kopf.Body, obj: dict[str, Any] | None) -> dict[str, Any] | None
     return obj
 
 
-def provision(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, target: objects.Target) -> None:
-    """Every child but the coordinator, each created only if absent (safe to repeat after a restart)."""
+def provision(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, target: objects.Target, engines: bool = True) -> None:
+    """Every child but the coordinator (and, without `engines`, but the engine pods), each created
+    only if absent (safe to repeat after a restart)."""
     name, ns = body.metadata.name, body.metadata.namespace
     children = [
         deployment_objects.admin_secret(naming.job_secret(name), ns, naming.job_labels(name, "engine")),
@@ -103,7 +104,7 @@ def provision(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, targe
         objects.result_config_map(name, ns),
         objects.traffic_config_map(name, ns, spec),
         objects.seeds_config_map(name, ns, target),
-        *(objects.tier_pod(name, ns, tier, spec, target, ctx.settings) for tier in objects.TIERS),
+        *(objects.tier_pod(name, ns, tier, spec, target, ctx.settings) for tier in objects.TIERS if engines),
     ]
     for child in children:
         if child is not None:
@@ -260,11 +261,11 @@ def _execute(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, target
     """Carry out the actions `decide` chose, recording what they produced in `new`."""
     name, ns = body.metadata.name, body.metadata.namespace
     kube = ctx.kube
-    if target is None and {PROVISION, START_COORDINATOR} & set(decision.actions):
+    if target is None and {PROVISION, KEEP_SUPPORT, START_COORDINATOR} & set(decision.actions):
         new["message"] = f"target unavailable: {obs.target_problem[1] if obs.target_problem else 'unknown'}"
     for action in decision.actions:
-        if action == PROVISION and target is not None:
-            provision(ctx, body, spec, target)
+        if action in (PROVISION, KEEP_SUPPORT) and target is not None:
+            provision(ctx, body, spec, target, engines=action == PROVISION)
         elif action == START_COORDINATOR and target is not None:
             ips = {t: (obs.pods[t] or {}).get("status", {}).get("podIP") for t in objects.TIERS}
             if not all(ips.values()):

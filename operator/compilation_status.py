@@ -16,6 +16,10 @@ from anneal.operator.plan_source import speedup
 
 # Actions the handler knows how to do.
 PROVISION = "provision"  # secret, RBAC, ConfigMaps, engine pods (create if absent)
+# The same without the engine pods: once the search runs, a lost engine is a restart (the
+# coordinator holds its address), never a pod silently re-created by a reconcile that read it
+# alive just before it was deleted.
+KEEP_SUPPORT = "keep-support"
 START_COORDINATOR = "start-coordinator"
 RESTART_ENGINES = "restart-engines"  # delete engine pods and the coordinator Job; back to Provisioning
 RELEASE_ENGINES = "release-engines"  # terminal: delete engine pods, free the GPUs
@@ -159,13 +163,14 @@ def decide(obs: JobObserved) -> Decision:
             unsched = next((p for p in problems.values() if p and p.reason == "Unschedulable"), None)
             reason = "EnginesUnschedulable" if unsched else "WaitingForEngines"
             return out("Provisioning", reason, unsched.message if unsched else waiting, [PROVISION])
-        return out("Searching", "CoordinatorStarted", "both engines ready", [PROVISION, START_COORDINATOR])
+        return out("Searching", "CoordinatorStarted", "both engines ready", [KEEP_SUPPORT, START_COORDINATOR])
 
     if _job_condition(obs.job, "Failed"):
         return out("Failed", "CoordinatorFailed", _coordinator_failure(obs), [RELEASE_ENGINES])
     if not engines_ready and not _job_condition(obs.job, "Complete"):
         waiting = ", ".join(f"{t}: {_pod_state(obs.pods.get(t))}" for t in TIERS)
-        return out("Provisioning", "WaitingForEngines", waiting, [PROVISION])
+        searching = obs.phase in ("Searching", "Verifying")  # the pods exist: an absent one is dead above
+        return out("Provisioning", "WaitingForEngines", waiting, [KEEP_SUPPORT if searching else PROVISION])
     if _job_condition(obs.job, "Complete"):
         compiled, why = validate_result(obs.result)
         if compiled is None:
@@ -186,7 +191,7 @@ def decide(obs: JobObserved) -> Decision:
         phase = "Verifying"
     else:
         phase = "Searching"
-    return out(phase, "CoordinatorRunning", str(obs.progress.get("message") or ""), [PROVISION])
+    return out(phase, "CoordinatorRunning", str(obs.progress.get("message") or ""), [KEEP_SUPPORT])
 
 
 def restart_backoff(restarts: int) -> float:

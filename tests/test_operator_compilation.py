@@ -144,6 +144,20 @@ def test_an_engine_vanishing_mid_search_restarts_the_engines():
     assert d.actions == [cs.RESTART_ENGINES] and "disappeared" in d.message
 
 
+def test_a_reconcile_mid_search_never_creates_engine_pods():
+    """Session 11's flaky e2e: a reconcile that read the fast pod alive, then ran its actions after
+    the pod was deleted, re-created it; the restart was never counted and the coordinator kept a
+    stale address. Mid-search only the support objects are kept; a lost pod is a restart."""
+    ready = {"fast": engine(), "slow": engine()}
+    for phase, progress_ in (("Searching", {}), ("Verifying", {"phase": "Verifying"})):
+        d = cs.decide(obs(phase=phase, pods=ready, job=job(), progress=progress_))
+        assert d.phase == phase and d.actions == [cs.KEEP_SUPPORT]
+    d = cs.decide(obs(phase="Searching", pods={"fast": engine(ready=False), "slow": engine()}, job=job()))
+    assert d.reason == "WaitingForEngines" and d.actions == [cs.KEEP_SUPPORT]
+    d = cs.decide(obs(phase="Provisioning", pods=ready))
+    assert d.phase == "Searching" and cs.PROVISION not in d.actions and cs.START_COORDINATOR in d.actions
+
+
 def test_deadline_fails_releases_and_stops_the_coordinator():
     d = cs.decide(obs(phase="Searching", now=T0 + timedelta(hours=2), pods={"fast": engine(), "slow": engine()}, job=job()))
     assert d.phase == "Failed" and d.reason == "DeadlineExceeded"
