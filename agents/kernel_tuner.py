@@ -8,11 +8,16 @@ representative decode batch size with the rest of the plan fixed; the score is t
 time of the op itself (the engine times each op in a few eager steps when asked: on the H200 a
 whole 2-layer step of 0.58 ms moved ~1% run to run, more than most single-op changes).
 
-Why round-robin: the ops' descents take turns, one configuration each. Descending one op to the end
+Why turns: the ops' descents take turns, one configuration each. Descending one op to the end
 before the next spent a whole 200 s H200 budget on gate_up (39 timings, none better than the base)
 and never timed qkv, o or down. When the budget runs out, every op offers the best it has found.
 Within an op, each implementation is timed at its defaults first and the descents start from the
 most promising one.
+
+Why turns by the gap to the roofline: once every op has timed its base configuration, each takes
+turns in proportion to how far its time is above what its bytes and FLOPs allow. On the H200 (8B,
+batch 12) gate_up ran at 96% of its bytes' time and o at 61%: turns in proportion to the ops' share
+of the step gave gate_up the most, though it had the least to win.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class KernelTuner:
     def __init__(self, passes: int = 2, major_share: float = 0.05):
         self.passes = passes
         self.major_share = major_share  # ops predicted below this share of their step go last
+        self.gaps: dict[str, float] = {}  # op -> weighted ms of its base above its roofline
         # (op, (batch, context)) -> the best config at that shape alone
         self.bucket_best: dict[tuple[str, tuple[int, int | None]], tuple[float, OpChoice]] = {}
 
@@ -40,22 +46,59 @@ class KernelTuner:
         ops = setting.space.tunable_ops()
         rng.shuffle(ops)
         major, minor = self.phases(ops, lab, setting)
+        self.gaps = {}
         descents = {op: _Descent(op, self, lab, setting, board) for op in ops}
         unfinished = set(ops)
         try:
             for phase in (major, minor):
-                turns = [(op, descents[op].steps()) for op in phase]
-                while turns:
-                    for turn in list(turns):
-                        try:
-                            next(turn[1])
-                        except StopIteration:
-                            turns.remove(turn)
-                            unfinished.discard(turn[0])
+                self._take_turns(phase, descents, unfinished, lab, setting)
         except BudgetExhausted:
             pass
         for op in ops:
             descents[op].finish(interrupted=op in unfinished)
+        gaps = {op: g for op, g in self.gaps.items() if math.isfinite(g)}
+        if gaps:
+            board.note("kernel turns by the gap to the roofline (weighted ms above it): "
+                       + ", ".join(f"{op} {g:.4f} ({descents[op].tried} configs)"
+                                   for op, g in sorted(gaps.items(), key=lambda t: -t[1])))
+
+    def _take_turns(self, phase: list[str], descents: dict[str, "_Descent"], unfinished: set[str],
+                    lab: Lab, setting: SearchSetting) -> None:
+        """Every op of ``phase`` times its base first (in ``phase`` order); then the op with the
+        fewest turns per ms of gap to its roofline goes next (stride scheduling: each op's turns
+        grow in proportion to its gap, and none starves)."""
+        turns = {op: descents[op].steps() for op in phase}
+        taken = dict.fromkeys(phase, 0)
+        while turns:
+            fresh = [op for op in phase if op in turns and taken[op] == 0]
+            op = fresh[0] if fresh else min(turns, key=lambda o: (taken[o] / self.gaps[o], phase.index(o)))
+            try:
+                next(turns[op])
+            except StopIteration:
+                del turns[op]
+                unfinished.discard(op)
+                continue
+            taken[op] += 1
+            if taken[op] == 1:
+                self.gaps[op] = self.gap(op, descents[op].best, lab, setting)
+
+    def gap(self, op: str, measured_ms: float, lab: Lab, setting: SearchSetting) -> float:
+        """Weighted ms of ``op`` above its roofline (at least 2% of its time, so an op at the roofline
+        still gets some turns); its time itself without a cost model."""
+        if not math.isfinite(measured_ms):
+            return 1e-9  # its base does not run: the other configs get the fewest turns
+        floor = self.floor_ms(op, lab, setting) if lab.cost_model is not None else 0.0
+        return max(measured_ms - floor, 0.02 * measured_ms, 1e-9)
+
+    def floor_ms(self, op: str, lab: Lab, setting: SearchSetting) -> float:
+        """``op``'s roofline (bytes at copy bandwidth or FLOPs at the matmul rate, one launch),
+        weighted over the shape buckets as ``score`` weighs its timings."""
+        total = 0.0
+        for (b, ctx), w in _shape_weights(op, setting).items():
+            spec = setting.spec_for(op, b, ctx)
+            per_op = lab.cost_model.predict(setting.base, spec, calibrated=False, step_factor=False).per_op_ms or {}
+            total += w * per_op.get(op, 0.0)
+        return total
 
     def phases(self, ops: list[str], lab: Lab, setting: SearchSetting) -> tuple[list[str], list[str]]:
         """(major, minor): the ops the cost model puts at ``major_share`` or more of their step
@@ -83,16 +126,13 @@ class KernelTuner:
 
     def score(self, op: str, choice: OpChoice, lab: Lab, setting: SearchSetting, board: Board) -> float:
         """Traffic-weighted ms of ``op`` with ``choice``; inf when any bucket fails."""
-        shapes = setting.shape_buckets(op)
-        weights = _bucket_weights(sorted({b for b, _ in shapes}), setting.batch_dist)
-        n_ctx = len({c for _, c in shapes})
         total = 0.0
         per_bucket: dict[tuple[int, int | None], float] = {}
         # The op's own time (the setting's specs ask the engine to time ops one by one), unless the
         # base fuses ops: then an op may run alone in one config and inside a fused kernel in
         # another, and only the step compares them.
         own_time = not setting.base.fusions
-        for b, ctx in shapes:
+        for (b, ctx), w in _shape_weights(op, setting).items():
             spec = setting.spec_for(op, b, ctx)
             plan = setting.base.with_ops(**{op: choice})
             where = f"b={b}" + (f" ctx={ctx}" if ctx else "")
@@ -102,7 +142,7 @@ class KernelTuner:
                 return math.inf
             m = exp.measurement
             per_bucket[(b, ctx)] = (m.per_op_ms or {}).get(op, m.median_ms) if own_time else m.median_ms
-            total += weights[b] / n_ctx * per_bucket[(b, ctx)]
+            total += w * per_bucket[(b, ctx)]
             if spec == setting.decode_spec:
                 board.offer_plan(m.median_ms, plan, self.name)
         for b, ms in per_bucket.items():
@@ -172,6 +212,15 @@ class _Descent:
             board.note(f"{op}: per-bucket optima differ from the weighted choice: "
                        + "; ".join(f"batch {b}{f' ctx {c}' if c else ''}: {ch.impl} {ch.params}"
                                    for (b, c), ch in sorted(own.items(), key=lambda t: (t[0][0], t[0][1] or 0))))
+
+
+def _shape_weights(op: str, setting: SearchSetting) -> dict[tuple[int, int | None], float]:
+    """Each (batch, context) shape ``op`` is tuned at, with its share of the traffic (contexts
+    weigh alike)."""
+    shapes = setting.shape_buckets(op)
+    weights = _bucket_weights(sorted({b for b, _ in shapes}), setting.batch_dist)
+    n_ctx = len({c for _, c in shapes})
+    return {(b, ctx): weights[b] / n_ctx for b, ctx in shapes}
 
 
 def _bucket_weights(buckets: list[int], dist: dict[int, float]) -> dict[int, float]:

@@ -74,13 +74,16 @@ def test_kernel_tuner_spreads_a_short_budget_over_the_ops_and_keeps_what_it_foun
     take turns, and when the budget runs out each offers the best config it has timed."""
     lab, setting, board = env
     calls = _budget_measurements(lab, monkeypatch, 40)
-    KernelTuner().run(lab, setting, board)
+    tuner = KernelTuner()
+    tuner.run(lab, setting, board)
     ops = setting.space.tunable_ops()
     assert len(ops) >= 3 and set(calls) == set(ops)  # every op timed, not the first one's descent
     assert set(board.best_ops) == set(ops)  # each offers its best so far
     assert any("(budget spent)" in n for n in board.notes)
-    # The fake's best elementwise config is one step from the defaults: found within the budget.
-    assert board.best_ops["rmsnorm"][0] == OpChoice(impl="triton", params={"block": 128})
+    # The fake's best elementwise config is one step from the defaults: found within the budget by
+    # the elementwise op furthest above its roofline (the one given more turns).
+    assert lab.cost_model is not None and tuner.gaps["silu_and_mul"] > tuner.gaps["rmsnorm"]
+    assert board.best_ops["silu_and_mul"][0] == OpChoice(impl="triton", params={"block": 128})
 
 
 def test_kernel_tuner_ranks_configs_on_the_ops_own_time(env):
@@ -106,6 +109,33 @@ def test_kernel_tuner_gives_the_costliest_ops_their_turns_first(env, monkeypatch
     tuner.run(lab, setting, board)
     assert set(calls) == {ranked[0]}  # the budget went to the costliest op's descent
     assert set(board.best_ops) == {ranked[0]}  # the others never started: nothing to offer
+
+
+def test_kernel_tuner_gives_turns_by_the_gap_to_the_roofline(env, monkeypatch):
+    """Turns in proportion to the ops' share of the step gave gate_up (at 96% of its roofline on
+    the H200) the most: after each op times its base, the one furthest above its roofline gets
+    the most turns, and an op at its roofline still gets some."""
+    lab, setting, board = env
+    tuner = KernelTuner(major_share=0.0)  # all ops in one phase
+    measured = {}
+
+    def floor(op, lab_, setting_):  # attention (the largest share) sits at its roofline
+        measured[op] = tuner.floor_ms.__wrapped_real__(op, lab_, setting_)
+        return {"attention_decode": 10.0}.get(op, 0.0)
+
+    floor.__wrapped_real__ = KernelTuner.floor_ms.__get__(tuner)
+    monkeypatch.setattr(tuner, "floor_ms", floor)
+    calls = _budget_measurements(lab, monkeypatch, 16)
+    tuner.run(lab, setting, board)
+    per_bucket = len(setting.shape_buckets("rmsnorm"))
+    att_bucket = len(setting.shape_buckets("attention_decode"))
+    turns = {op: calls.count(op) for op in set(calls)}
+    assert set(turns) == set(setting.space.tunable_ops())  # every op timed its base
+    assert turns["attention_decode"] == att_bucket  # its base only: 2% of its time is its gap
+    assert turns["rmsnorm"] >= 2 * per_bucket and turns["silu_and_mul"] >= 2 * per_bucket
+    assert tuner.gaps["attention_decode"] < tuner.gaps["rmsnorm"]
+    assert all(v > 0 for v in measured.values())  # the real roofline was computed for each op
+    assert any("gap to the roofline" in n for n in board.notes)
 
 
 def test_prefill_attention_is_tuned_in_mixed_steps_when_the_scheduler_mixes(env):
