@@ -248,6 +248,13 @@ class CostModel:
                     corrected = True
         return Prediction(ms=total, per_op_ms=per_op, corrected=corrected)
 
+    def full_model_factor(self, op: str) -> float:
+        """How many times the whole model runs ``op`` in a step for each time the loaded layers do:
+        the fast tier's 2 layers time o_proj twice, the 8B model runs it 32 times; lm_head runs
+        once in both. What a fast-tier millisecond of ``op`` is worth on the deployment."""
+        per_layer = op in PER_LAYER_OPS or op.startswith("attention")
+        return self.shape.num_layers / self.layers if per_layer and self.layers else 1.0
+
     def roofline_step_ms(self, tokens: float, rows: float, keys: float) -> float:
         """One step of ``tokens`` from ``rows`` sequences, each token attending ``keys`` positions,
         at the roofline alone: every op at the larger of its bytes / copy bandwidth and FLOPs /

@@ -84,11 +84,14 @@ class KernelTuner:
 
     def gap(self, op: str, measured_ms: float, lab: Lab, setting: SearchSetting) -> float:
         """Weighted ms of ``op`` above its roofline (at least 2% of its time, so an op at the roofline
-        still gets some turns); its time itself without a cost model."""
+        still gets some turns), as the whole model would run it; its time itself without a cost
+        model."""
         if not math.isfinite(measured_ms):
             return 1e-9  # its base does not run: the other configs get the fewest turns
-        floor = self.floor_ms(op, lab, setting) if lab.cost_model is not None else 0.0
-        return max(measured_ms - floor, 0.02 * measured_ms, 1e-9)
+        if lab.cost_model is None:
+            return max(measured_ms, 1e-9)
+        floor = self.floor_ms(op, lab, setting)
+        return max(measured_ms - floor, 0.02 * measured_ms, 1e-9) * lab.cost_model.full_model_factor(op)
 
     def floor_ms(self, op: str, lab: Lab, setting: SearchSetting) -> float:
         """``op``'s roofline (bytes at copy bandwidth or FLOPs at the matmul rate, one launch),
@@ -101,10 +104,11 @@ class KernelTuner:
         return total
 
     def phases(self, ops: list[str], lab: Lab, setting: SearchSetting) -> tuple[list[str], list[str]]:
-        """(major, minor): the ops the cost model puts at ``major_share`` or more of their step
-        (projections, attention), largest first, take turns before the rest. Why: a compile's budget
-        buys each configuration a timing at every bucket, and on the H200 a 290 s budget reached only
-        2-3 configurations per op when the norms and argmax took equal turns with the projections."""
+        """(major, minor): the ops the cost model puts at ``major_share`` or more of the whole
+        model's step (projections, attention), largest first, take turns before the rest. Why: a
+        compile's budget buys each configuration a timing at every bucket, and on the H200 a 290 s
+        budget reached only 2-3 configurations per op when the norms and argmax took equal turns
+        with the projections."""
         if lab.cost_model is None:
             return ops, []
         share = self.shares(ops, lab, setting)
@@ -114,12 +118,15 @@ class KernelTuner:
 
     @staticmethod
     def shares(ops: list[str], lab: Lab, setting: SearchSetting) -> dict[str, float]:
-        """Each op's predicted share of the step it is tuned in, at the traffic's typical batch (at
-        batch 1 decode attention looked negligible; at the chat replay's 12 it is 12% of the step)."""
+        """Each op's predicted share of the whole model's step, at the traffic's typical batch (at
+        batch 1 decode attention looked negligible; at the chat replay's 12 it is 12% of the step).
+        The whole model's, not the fast tier's: on 2 of the 8B's 32 layers lm_head was 60% of the
+        step, and o_proj and decode attention fell under ``major_share`` and never got a turn."""
+        cm = lab.cost_model
         share: dict[str, float] = {}
         for op in ops:
             spec = setting.spec_for(op, setting.decode_spec.batch_size)
-            per_op = lab.cost_model.predict(setting.base, spec).per_op_ms or {}
+            per_op = {o: ms * cm.full_model_factor(o) for o, ms in (cm.predict(setting.base, spec).per_op_ms or {}).items()}
             total = sum(per_op.values())
             share[op] = per_op.get(op, 0.0) / total if total > 0 else 0.0
         return share

@@ -213,3 +213,12 @@ def test_replay_headroom_is_a_bound_from_the_steps_means():
     assert head["bound"] == pytest.approx(400.0 / head["bound_ms"]) and head["bound"] > 1
     assert replay_headroom({k: v for k, v in split.items() if k != "decode_mean_context"}, cm) is None
     assert replay_headroom({**split, "decode_steps": 0}, cm) is None
+
+
+def test_a_fast_tier_millisecond_of_a_layer_op_is_worth_the_models_layers():
+    """The kernel tuner ranks ops by what they cost the deployment: on the fast tier's 2 of 32
+    layers lm_head was 60% of the step, and o_proj and decode attention never got a turn."""
+    fast = CostModel.from_state(H200.model_copy(update={"num_layers_loaded": 2}))
+    assert fast.full_model_factor("o_proj") == fast.full_model_factor("attention_decode") == 16
+    assert fast.full_model_factor("lm_head") == fast.full_model_factor("rmsnorm") == 1  # once per step
+    assert CostModel.from_state(H200).full_model_factor("o_proj") == 1

@@ -138,6 +138,18 @@ def test_kernel_tuner_gives_turns_by_the_gap_to_the_roofline(env, monkeypatch):
     assert any("gap to the roofline" in n for n in board.notes)
 
 
+def test_kernel_tuner_weighs_ops_by_the_whole_models_step(env):
+    """On the fast tier's 2 of the 8B's 32 layers lm_head was 60% of the step and o_proj fell under
+    ``major_share``: a layer op's share counts every layer of the model, lm_head's counts once."""
+    lab, setting, _ = env
+    cm = lab.cost_model
+    assert cm.shape.num_layers > cm.layers  # the fake's fast tier loads fewer layers than its model
+    share = KernelTuner.shares(["silu_and_mul", "rmsnorm"], lab, setting)
+    per_op = cm.predict(setting.base, setting.decode_spec).per_op_ms
+    on_fast_tier = per_op["silu_and_mul"] / per_op["rmsnorm"]
+    assert share["silu_and_mul"] / share["rmsnorm"] == pytest.approx(on_fast_tier * cm.shape.num_layers / cm.layers)
+
+
 def test_prefill_attention_is_tuned_in_mixed_steps_when_the_scheduler_mixes(env):
     """Under mixed prefill the steps with prompt tokens also carry the decode rows, which the prefill
     kernel serves too: it is timed in such a step, else in a lone prompt's."""
