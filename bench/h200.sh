@@ -7,6 +7,7 @@
 #   plans                           issue 5: reference vs hand-set vs compiled plans, both shapes
 #   overlap                         issue 5: hand-set plan with and without scheduler.overlap (8B, 1B)
 #   l2-prefetch                     issue 4: o_proj weights streamed into L2 during attention (bench/l2_prefetch.py)
+#   attention-layout                issue 5: decode attention on an NHD vs an HND KV cache (bench/attention_layout.py)
 #   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
@@ -78,6 +79,9 @@ for s in "$@"; do
       ;;
     l2-prefetch)  # issue 4: can o_proj read its weights from L2, streamed in during attention?
       stage l2-prefetch 120 $py bench/l2_prefetch.py --out "$OUT"
+      ;;
+    attention-layout)  # issue 5: is decode attention at 50% of its roofline because of the cache layout?
+      stage attention-layout 180 $py bench/attention_layout.py --out "$OUT"
       ;;
     serving)
       stage serving 480 $py bench/serving.py --serve "$py -m anneal.cli serve --model random:llama-3.1-8b \
