@@ -402,8 +402,8 @@ def _cross_measure(lab: Lab, spec_name: str, max_len: int | None, promo: Promoti
     from anneal.engine.traffic import load_traffic
 
     other = load_traffic(spec_name)
-    if max_len and other.max_total_len > max_len:
-        other = other.scaled(max_len)
+    if max_len:
+        other = other.scaled(max_len)  # unchanged when it fits
     tj = other.model_dump(mode="json", exclude_none=True)
     res: dict[str, Any] = {"traffic": other.name or spec_name}
     for label, plan in (("baseline", promo.baseline), ("compiled", promo.winner)):

@@ -80,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                         memory_gb=hw.get("memory_gb") or 1))
     shapes = []
     for name in args.traffic.split(","):
-        t = load_traffic(name)
-        if t.max_total_len > eng.max_model_len:
-            t = t.scaled(eng.max_model_len)
+        t = load_traffic(name).scaled(eng.max_model_len)  # unchanged when it fits
         shapes.append((name, t, workload_requests(t, quick=device != "cuda")))
 
     # One untimed replay per shape first: the plan measured first in round 0 would otherwise pay the
