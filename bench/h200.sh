@@ -63,7 +63,8 @@ for s in "$@"; do
       # the lanes' own ($OUT/gpu0:$OUT/gpu1) when this runs after them
       IFS=: read -ra dirs <<< "$OUT:${PLANS_DIR:-}"
       for d in "${dirs[@]}"; do
-        for c in compile-chat compile-agentic; do [ -f "$d/$c/plan.json" ] && plans="$plans,$d/$c/plan.json"; done
+        # compile-chat/, compile-agentic/ and tagged ones (COMPILE_TAG: compile-chat-s12/)
+        for f in "$d"/compile-chat*/plan.json "$d"/compile-agentic*/plan.json; do [ -f "$f" ] && plans="$plans,$f"; done
       done
       # PLANS: this list instead (comma-separated plan files, or reference)
       stage plans "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "${PLANS:-$plans}" \
