@@ -34,6 +34,9 @@ class SearchSetting:
     workload_requests: int = 8
     long_context_len: int | None = None  # the traffic's p90 context: attention is also tuned there
     seeds: list[Plan] = field(default_factory=list)  # plans the plan search starts from besides the base
+    # steps with prompt tokens per decode step in a replay of the traffic (an estimate from its
+    # lengths): what a millisecond of prefill attention is worth beside one of a decode op
+    prefill_steps_per_decode_step: float = 1.0
 
     def rng(self, agent: str) -> random.Random:
         """A reproducible random stream per agent (a resumed run proposes the same candidates)."""
@@ -55,6 +58,10 @@ class SearchSetting:
                              per_op=self.decode_spec.per_op)
         return self.decode_spec.model_copy(
             update={"batch_size": batch_size, "context_len": context_len or self.decode_spec.context_len})
+
+    def steps_weight(self, op: str) -> float:
+        """How often the step ``op`` is timed in comes round, per decode step of a replay."""
+        return self.prefill_steps_per_decode_step if self.spec_for(op, 1).mode != "decode" else 1.0
 
     def shape_buckets(self, op: str) -> list[tuple[int, int | None]]:
         """(batch, context) shapes an op is tuned at: decode attention also at the long context."""

@@ -84,14 +84,16 @@ class KernelTuner:
 
     def gap(self, op: str, measured_ms: float, lab: Lab, setting: SearchSetting) -> float:
         """Weighted ms of ``op`` above its roofline (at least 2% of its time, so an op at the roofline
-        still gets some turns), as the whole model would run it; its time itself without a cost
-        model."""
+        still gets some turns), as the whole model would run it, per decode step of a replay (prefill
+        attention's steps come round far less often: in chat's s12 compile its 1.34 ms gap per prompt
+        step took 10 turns to decode attention's 4); its time itself without a cost model."""
         if not math.isfinite(measured_ms):
             return 1e-9  # its base does not run: the other configs get the fewest turns
         if lab.cost_model is None:
             return max(measured_ms, 1e-9)
         floor = self.floor_ms(op, lab, setting)
-        return max(measured_ms - floor, 0.02 * measured_ms, 1e-9) * lab.cost_model.full_model_factor(op)
+        return (max(measured_ms - floor, 0.02 * measured_ms, 1e-9) * lab.cost_model.full_model_factor(op)
+                * setting.steps_weight(op))
 
     def floor_ms(self, op: str, lab: Lab, setting: SearchSetting) -> float:
         """``op``'s roofline (bytes at copy bandwidth or FLOPs at the matmul rate, one launch),

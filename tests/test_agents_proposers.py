@@ -138,6 +138,22 @@ def test_kernel_tuner_gives_turns_by_the_gap_to_the_roofline(env, monkeypatch):
     assert any("gap to the roofline" in n for n in board.notes)
 
 
+def test_kernel_tuner_weighs_prefill_attention_by_how_often_prompt_steps_come(env, monkeypatch):
+    """Chat's s12 compile gave prefill attention (1.34 ms above its roofline per prompt step) 10
+    turns to decode attention's 4, though a replay runs ~30 decode steps per prompt step."""
+    lab, setting, _ = env
+    w = setting.prefill_steps_per_decode_step
+    assert 0 < w < 1 and setting.steps_weight("attention_prefill") == w and setting.steps_weight("rmsnorm") == 1.0
+    tuner = KernelTuner()
+    monkeypatch.setattr(tuner, "floor_ms", lambda op, lab_, setting_: 0.0)
+    full = lab.cost_model.full_model_factor("attention_prefill")
+    assert tuner.gap("attention_prefill", 2.0, lab, setting) == pytest.approx(2.0 * full * w)
+    assert tuner.gap("rmsnorm", 2.0, lab, setting) == pytest.approx(2.0)
+    # fewer decode steps per request (shorter outputs) make prompt steps weigh more
+    short = make_setting(lab.engines["fast"].state(), load_traffic("chat"), seed=0, max_len=64, num_requests=4)[0]
+    assert short.prefill_steps_per_decode_step > w
+
+
 def test_kernel_tuner_weighs_ops_by_the_whole_models_step(env):
     """On the fast tier's 2 of the 8B's 32 layers lm_head was 60% of the step and o_proj fell under
     ``major_share``: a layer op's share counts every layer of the model, lm_head's counts once."""
