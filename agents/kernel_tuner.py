@@ -128,7 +128,8 @@ class KernelTuner:
         share: dict[str, float] = {}
         for op in ops:
             spec = setting.spec_for(op, setting.decode_spec.batch_size)
-            per_op = {o: ms * cm.full_model_factor(o) for o, ms in (cm.predict(setting.base, spec).per_op_ms or {}).items()}
+            predicted = cm.predict(setting.base, spec).per_op_ms or {}
+            per_op = {o: ms * cm.full_model_factor(o) for o, ms in predicted.items()}
             total = sum(per_op.values())
             share[op] = per_op.get(op, 0.0) / total if total > 0 else 0.0
         return share
