@@ -308,6 +308,12 @@ class ModelRunner:
                          device=self.device, dtype=self.dtype)
         bufs = self._static_buffers(max(batch_sizes)) if batch_sizes else {}
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None:
+            # The buffers' zeros (and, right after an engine start, the weights) are still queued on
+            # this thread's stream; the passes' stream does not wait for it by itself (PyTorch's
+            # streams are non-blocking). Without this an H200 test read garbage token ids in the
+            # embedding: a device-side assert that took the whole process down.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
 
         def run(bs: int) -> None:
             with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():

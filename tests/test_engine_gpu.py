@@ -57,6 +57,33 @@ def test_triton_plan_equals_reference(cuda, model):
     assert agree > 0.98, agree
 
 
+AHEAD_RACE = """
+import torch
+from anneal.engine.llm import Engine, EngineArgs
+eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=64, max_model_len=256))
+torch.cuda.synchronize()
+junk = [torch.full((64,), 10**12, dtype=torch.int64, device="cuda") for _ in range(2000)]
+del junk  # freed small blocks full of out-of-range token ids, for the next small allocations
+torch.cuda._sleep(400_000_000)  # the current stream busy (as after an engine start)
+for run_pass in eng.runner.ahead_passes(eng.runner.model.ops, [2, 4]):
+    run_pass()
+torch.cuda.synchronize()
+print("ok")
+"""
+
+
+def test_compile_ahead_passes_wait_for_what_is_queued_before_them(cuda):
+    """Session 12's GPU suite: a compile-ahead pass ran on its own stream while its buffers' zeros
+    were still queued behind other work, read garbage token ids and hit a device-side assert that
+    failed every later test of the worker. Here the stream is held busy and the freed memory holds
+    out-of-range ids; the pass must wait (a child process: an assert would poison this one)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", AHEAD_RACE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_parallel_jit_compiles_a_new_plan_ahead_and_changes_no_output(cuda):
     """With parallel_jit, applying a plan whose kernel parameters this process never compiled
     reports the kernels the parallel pass compiled, and generates what the one-by-one path does."""
