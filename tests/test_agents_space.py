@@ -103,3 +103,25 @@ def test_the_scheduler_grid_reaches_past_a_serving_cap_below_the_traffic_concurr
     assert max(setting.batch_dist) >= 16
     grid = setting.space.scheduler_grid(limit_seqs=max(setting.batch_dist))
     assert max(k.max_num_seqs for k in grid) >= 16
+
+
+def test_no_candidate_admits_fewer_sequences_than_twice_the_traffic_concurrency():
+    """Session 12 (H200): agentic's compile chose max_num_seqs 8 at its concurrency of 8, no better
+    there than 16 (x1.04 both), and on chat (concurrency 16) the plan ran x0.63-0.67 with TTFT p90
+    x11. Neither the scheduler grid nor a plan-search move may go below twice the concurrency."""
+    from anneal.agents.setting import make_setting
+    from anneal.engine.traffic import load_traffic
+
+    for name, conc in (("agentic", 8), ("chat", 16)):
+        traffic = load_traffic(name)
+        assert traffic.concurrency == conc
+        setting, _ = make_setting(STATE, traffic, seed=0, max_len=256, num_requests=4)
+        assert min(setting.space.max_num_seqs) == 2 * conc
+        grid = setting.space.scheduler_grid(limit_seqs=max(setting.batch_dist))
+        assert grid and min(k.max_num_seqs for k in grid) >= 2 * conc
+        rng = random.Random(0)
+        seqs = {setting.space.mutate_scheduler(Plan().scheduler, rng).max_num_seqs for _ in range(200)}
+        assert len(seqs) > 1 and min(seqs) >= 2 * conc  # the plan search's scheduler moves
+    huge = load_traffic("chat").model_copy(update={"concurrency": 10_000})  # beyond every value: the largest
+    setting, _ = make_setting(STATE, huge, seed=0, max_len=256, num_requests=4)
+    assert setting.space.max_num_seqs == (max(setting.space.max_num_seqs),) and setting.space.max_num_seqs[0] == 256
