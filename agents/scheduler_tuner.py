@@ -63,7 +63,8 @@ class SchedulerTuner:
             board.set(scheduler=best[1], scheduler_runners_up=[k for _, k in ok[1:3]])
             board.note(f"scheduler, best on the fast tier: {_label(best[1])} at {best[0]:.1f} tok/s there; "
                        f"it and {len(board.scheduler_runners_up)} runner(s)-up go to the slow tier, whose "
-                       f"replay picks the winner")
+                       f"replay picks the winner (max_num_seqs searched from {min(setting.space.max_num_seqs)}: "
+                       f"kept at twice the traffic's concurrency or more, where the grid reaches, as headroom for bursts)")
 
 
 def _label(k) -> str:

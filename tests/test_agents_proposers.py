@@ -208,6 +208,8 @@ def test_scheduler_tuner_respects_the_latency_bound(env):
     SchedulerTuner(max_settings=40).run(lab, setting, board)
     free = board.scheduler
     assert free is not None
+    floor = min(setting.space.max_num_seqs)
+    assert any(f"max_num_seqs searched from {floor}" in n for n in board.notes)  # the report says so
     rows = [r for r in lab.ledger.experiments() if r.spec.mode == "workload"]
     best_any = max(rows, key=lambda r: r.measurement.tokens_per_s)
     assert free == best_any.plan.scheduler
