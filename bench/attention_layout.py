@@ -15,6 +15,9 @@ L2; block tables a random permutation of each copy's blocks): µs per call and t
 that the K/V bytes of the call make, for NHD and HND at each (batch, context, config).
 Prediction: HND 20-35% faster at batch >= 8 for the same config; at batch 1 a wash. If HND is not
 faster, the layout is not the cause and the cache stays as it is.
+Measured (session 12, H200, bench/results/attention-layout-2026-11-30-s12-call3.json): HND x0.98-1.02
+at every shape and config. The kernel reaches the roofline at 32 x 4096 and loses a fixed ~9 µs per
+call at short contexts (51% at 12 x 800): the layout stays.
 
     python bench/attention_layout.py                # CUDA; JSON to bench/results/
     python bench/attention_layout.py --device cpu   # Triton interpreter, tiny shapes: checks only
