@@ -27,18 +27,18 @@ call at short contexts (51% at 12 x 800): the layout stays.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import itertools
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from anneal.engine.hardware import measure
 from anneal.engine.kernels.attention_decode import paged_decode_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth_gbps, environment, write_result  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # llama-3.1-8b, the engine's block size
 CONFIGS = [dict(split_k=0, block_n=64)] + [
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if device.type != "cuda":
         return 0
-    bw = measure(device)["copy_gbps"]
+    bw = copy_bandwidth_gbps()
     rows = []
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
@@ -159,13 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, b in best.items():
         print(f"best at {key}: NHD {b['nhd']['us']} µs ({b['nhd']['of_roofline']:.0%}) {b['nhd']['config']}; "
               f"HND {b['hnd']['us']} µs ({b['hnd']['of_roofline']:.0%}) {b['hnd']['config']}", file=sys.stderr)
-    out_dir = Path(args.out or Path(__file__).resolve().parent / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"attention-layout-{dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "copy_gbps": bw, "reps": args.reps,
-                                "rows": rows, "best": best, "torch": torch.__version__,
-                                "triton": __import__("triton").__version__,
-                                "host": os.uname().nodename}, indent=1))
+    path = write_result("attention-layout", {"env": environment(), "gpu": torch.cuda.get_device_name(device),
+                                             "copy_gbps": bw, "reps": args.reps, "rows": rows, "best": best},
+                        Path(args.out) if args.out else None)
     print(json.dumps({"wrote": str(path)}))
     return 0
 
