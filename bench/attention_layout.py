@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import torch
 from anneal.engine.kernels.attention_decode import paged_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, environment, write_result  # noqa: E402
+from common import copy_bandwidth_gbps, environment, time_graph, write_result  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # llama-3.1-8b, the engine's block size
 CONFIGS = [dict(split_k=0, block_n=64)] + [
@@ -77,32 +76,6 @@ def same_output(device, dtype) -> float:
     a = paged_decode_attention(q, k, v, bt, lens, 0.088, split_k=2, block_n=16)
     b = paged_decode_attention(q, k_hnd, v_hnd, bt, lens, 0.088, split_k=2, block_n=16)
     return (a.float() - b.float()).abs().max().item()
-
-
-def time_graph(fn, n_inputs: int, reps: int) -> float:
-    """Median µs of one call: every input set called once inside a CUDA graph (as the engine runs
-    its decode step), the graph replayed ``reps`` times behind a sleep kernel that holds its launch.
-    Why not events around each eager call: the wrapper's host work (checks, allocations, two
-    launches) outlasted the kernels, and the first run of this probe timed the host (~150 µs)."""
-    for i in range(n_inputs):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n_inputs):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / n_inputs)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

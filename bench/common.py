@@ -79,6 +79,32 @@ def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
+def time_graph(fn, n_inputs: int, reps: int) -> float:
+    """Median µs of one call: every input set called once inside a CUDA graph (as the engine runs
+    its decode step), the graph replayed ``reps`` times behind a sleep kernel that holds its launch.
+    Why not events around each eager call: a wrapper's host work (checks, allocations, launches)
+    can outlast its kernels; session 12's first attention-layout probe timed the host (~150 µs)."""
+    for i in range(n_inputs):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_inputs):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / n_inputs)
+    return statistics.median(times)
+
+
 def summarize(samples_s: list[float]) -> dict:
     xs = sorted(samples_s)
     q = lambda p: xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]  # noqa: E731

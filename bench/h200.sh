@@ -8,6 +8,7 @@
 #   overlap                         issue 5: hand-set plan with and without scheduler.overlap (8B, 1B)
 #   l2-prefetch                     issue 4: o_proj weights streamed into L2 during attention (bench/l2_prefetch.py)
 #   attention-layout                issue 5: decode attention on an NHD vs an HND KV cache (bench/attention_layout.py)
+#   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)
 #   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
@@ -83,6 +84,9 @@ for s in "$@"; do
       ;;
     attention-layout)  # issue 5: is decode attention at 50% of its roofline because of the cache layout?
       stage attention-layout 180 $py bench/attention_layout.py --out "$OUT"
+      ;;
+    blas-backend)  # issue 5: would cuBLASLt run o/qkv/down faster at the chat replay's batches?
+      stage blas-backend 240 $py bench/blas_backend.py --out "$OUT"
       ;;
     serving)
       stage serving 480 $py bench/serving.py --serve "$py -m anneal.cli serve --model random:llama-3.1-8b \

@@ -32,3 +32,17 @@ def test_bench_kernels_tiny_cpu(tmp_path):
         for entry in rec["sweep"]:
             assert "error" not in entry, entry
             assert entry[rec["err_metric"]] <= (0.0 if rec["op"] == "lm_head_argmax" else 0.1), entry
+
+
+@pytest.mark.parametrize("script, says", [
+    ("attention_layout.py", "NHD vs HND, same values: max |diff| 0"),
+    ("blas_backend.py", "every setting computes F.linear"),
+])
+def test_gpu_probes_check_their_premise_on_the_cpu(script, says):
+    """The device probes' CPU mode: the two cache layouts give the same attention, and every BLAS
+    setting computes the same linear (so on the GPU only their timings differ)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--device", "cpu"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert says in r.stderr
