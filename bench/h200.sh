@@ -67,9 +67,11 @@ for s in "$@"; do
         # compile-chat/, compile-agentic/ and tagged ones (COMPILE_TAG: compile-chat-s12/)
         for f in "$d"/compile-chat*/plan.json "$d"/compile-agentic*/plan.json; do [ -f "$f" ] && plans="$plans,$f"; done
       done
-      # PLANS: this list instead (comma-separated plan files, or reference)
-      stage plans "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "${PLANS:-$plans}" \
-        --traffic "${TRAFFIC:-chat,agentic}" --rounds "${ROUNDS:-2}" --seed "${PLANS_SEED:-0}" --out "$OUT"
+      # PLANS: this list instead (comma-separated plan files, or reference); PLANS_NAME: the result's
+      # and log's name, so two plans stages in one lane keep both
+      name=${PLANS_NAME:-plans-llama-3.1-8b}
+      stage "$name" "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "${PLANS:-$plans}" \
+        --traffic "${TRAFFIC:-chat,agentic}" --rounds "${ROUNDS:-2}" --seed "${PLANS_SEED:-0}" --name "$name" --out "$OUT"
       ;;
     overlap)  # issue 5: the hand-set plan with and without overlap scheduling, side by side
       stage plans-overlap-8b 420 $py bench/plans.py --model random:llama-3.1-8b \
