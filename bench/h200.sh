@@ -71,7 +71,8 @@ for s in "$@"; do
       # and log's name, so two plans stages in one lane keep both
       name=${PLANS_NAME:-plans-llama-3.1-8b}
       stage "$name" "${PLANS_LIMIT:-420}" $py bench/plans.py --model random:llama-3.1-8b --plans "${PLANS:-$plans}" \
-        --traffic "${TRAFFIC:-chat,agentic}" --rounds "${ROUNDS:-2}" --seed "${PLANS_SEED:-0}" --name "$name" --out "$OUT"
+        --traffic "${TRAFFIC:-chat,agentic}" --rounds "${ROUNDS:-2}" --seed "${PLANS_SEED:-0}" --name "$name" --out "$OUT" \
+        ${PLANS_ARGS:-}
       ;;
     overlap)  # issue 5: the hand-set plan with and without overlap scheduling, side by side
       stage plans-overlap-8b 420 $py bench/plans.py --model random:llama-3.1-8b \

@@ -101,7 +101,10 @@ def start_server(model: str, port: int, aport: int, plan_file: str | None, kv_bl
                  compile_ahead_processes: int | None = None):
     cmd = [sys.executable, "-m", "anneal.cli", "serve", "--model", model, "--device", "cuda",
            "--host", "127.0.0.1", "--port", str(port), "--admin-port", str(aport),
-           "--max-model-len", "2048", "--num-kv-blocks", str(kv_blocks), "--log-level", "warning"]
+           "--max-model-len", "2048", "--num-kv-blocks", str(kv_blocks), "--log-level", "warning",
+           # a candidate as the compiler's fast tier evaluates it: timed on decode steps, whose
+           # kernels the apply warms; prompt steps' kernels are warmed by serving engines only
+           "--no-warm-prompt-steps"]
     if plan_file:
         cmd += ["--plan", plan_file]
     if parallel_jit:

@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="round r replays request sample seed + r (another GPU "
                     "running the same list with another seed adds independent samples)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--no-warm-replays", dest="warm_replays", action="store_false",
+                    help="skip the untimed replay of each plan (to see what a plan's first replay after its "
+                         "apply costs)")
     ap.add_argument("--name", default=None, help="result file stem (default plans-<model>)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
@@ -84,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         shapes.append((name, t, workload_requests(t, quick=device != "cuda")))
 
     # One untimed replay of every plan on every shape first, on a seed of its own (no round's requests
-    # are replayed before they are timed). A plan's first replay pays the Triton specializations its
-    # prompt steps need: applying a plan compiles only what its decode graphs launch. Session 4
-    # warmed the first plan alone (it had read 10% low in round 0); session 13's chat plan, whose
-    # fused GEMVs run in prompt steps of up to 64 rows, lost 2.6 s of prompt-step time in its first
-    # timed replay (x0.76 against x1.04-1.06 in the next two). The reference plan is torch ops (no
-    # JIT) and replays for minutes: it is warmed only when it is the one plan.
-    warm = [(label, plan) for label, plan in plans if label != "reference"] or plans
+    # are replayed before they are timed): a plan's first replay after its apply pays whatever the
+    # apply left, cuBLAS heuristics and allocations for new shapes, and Triton compiles when the
+    # engine does not warm prompt steps (engine/prompt_warmup.py). Session 4 warmed the first plan
+    # alone (it had read 10% low in round 0); session 13's chat plan, before the engine warmed prompt
+    # steps, lost 2.6 s of prompt-step time to JIT in its first timed replay (x0.76 against
+    # x1.04-1.06 in the next two). The reference plan is torch ops (no JIT) and replays for minutes:
+    # it is warmed only when it is the one plan.
+    warm = ([(label, plan) for label, plan in plans if label != "reference"] or plans) if args.warm_replays else []
     for (label, plan), (sname, shape, n) in tqdm([(p, s) for p in warm for s in shapes], desc="warm-up replays",
                                                  file=sys.stderr):
         eng.apply_plan(plan)

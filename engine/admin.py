@@ -158,6 +158,8 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
                 "timings": {"build_s": report.build_s, "warmup_s": report.warmup_s,
                             "capture_s": report.capture_s, "total_s": report.total_s,
                             **({"ahead_wait_s": report.ahead_wait_s} if report.ahead_wait_s else {}),
+                            **({"prompt_warmup_s": report.prompt_warmup_s}
+                               if report.prompt_warmup_s is not None else {}),
                             **({"parallel_jit_s": report.parallel_jit_s,
                                 "parallel_jit_kernels": report.parallel_jit_kernels}
                                if report.parallel_jit_s is not None else {})}}

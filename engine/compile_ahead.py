@@ -260,7 +260,7 @@ class CompileAhead:
             with self.runner.device_lock:  # its torch ops (and an agent kernel's registration) meet no capture
                 register_plan_kernels(plan)
                 ops = OpTable.from_plan(plan, self.runner.device.type)
-                for run_pass in self.runner.ahead_passes(ops, graph_sizes(plan)):
+                for run_pass in self.runner.ahead_passes(ops, graph_sizes(plan), plan.scheduler.max_num_seqs):
                     run_pass()
         except Exception as e:  # noqa: BLE001 - recorded against the plan, the engine serves on
             log.warning("compile-ahead of plan %s failed: %s: %s", plan.hash[:12], type(e).__name__, e)

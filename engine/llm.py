@@ -44,6 +44,11 @@ class EngineArgs(BaseModel):
         None, ge=0, description="child processes that compile queued plans' kernels (POST /admin/prepare); "
                                 "None: a quarter of the cores, at most 4, started by the first prepare; N > 0: "
                                 "started with the engine; 0: a thread of the engine process compiles them")
+    warm_prompt_steps: bool | None = Field(
+        None, description="compile the Triton kernels a plan's prompt steps launch when it is applied "
+                          "(engine/prompt_warmup.py), not in the first requests after it; None: on for the whole "
+                          "model (serving, the slow tier), off for a --layers tier, whose candidates are timed "
+                          "on decode steps")
     seed: int = 0
     plan: Plan = Field(default_factory=Plan)
 
@@ -73,6 +78,7 @@ class ApplyReport:
     capture_s: float
     total_s: float
     parallel_jit_s: float | None = None  # of warmup_s, with EngineArgs.parallel_jit
+    prompt_warmup_s: float | None = None  # of warmup_s, with EngineArgs.warm_prompt_steps
     parallel_jit_kernels: int | None = None
     ahead_wait_s: float = 0.0  # of build_s: waiting for this plan's compile-ahead to finish
 
@@ -149,6 +155,7 @@ class Engine:
             self.max_model_len,
         )
         self.runner.parallel_jit = args.parallel_jit
+        self.runner.warm_prompt_steps = args.layers is None if args.warm_prompt_steps is None else args.warm_prompt_steps
         # kernels of plans the compiler will try next
         self.compile_ahead = CompileAhead(self.runner, processes=args.compile_ahead_processes)
         if args.compile_ahead_processes and self.device.type == "cuda":
@@ -157,7 +164,7 @@ class Engine:
         kv_s = time.perf_counter() - t0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # weight-init temporaries go back before graphs take their pool
-        captured = self.runner.capture(graph_sizes(self.plan))
+        captured = self.runner.capture(graph_sizes(self.plan), self.plan.scheduler.max_num_seqs)
         # phases only, so they add up to the start (the parallel JIT's share is inside warmup_s)
         self.startup = {"config_s": t0 - t_init - self.load_s, "weights_s": self.load_s, "kv_cache_s": kv_s,
                         "warmup_s": captured["warmup_s"], "capture_s": captured["capture_s"]}
@@ -310,10 +317,10 @@ class Engine:
         t1 = time.perf_counter()
         try:
             self.runner.model.ops = ops
-            timings = self.runner.capture(graph_sizes(plan))
+            timings = self.runner.capture(graph_sizes(plan), plan.scheduler.max_num_seqs)
         except Exception:
             self.runner.model.ops = old_ops
-            self.runner.capture(graph_sizes(old_plan))
+            self.runner.capture(graph_sizes(old_plan), old_plan.scheduler.max_num_seqs)
             raise
         self.plan = plan
         self.blocks.reset_prefix_cache()
@@ -327,6 +334,7 @@ class Engine:
             total_s=time.perf_counter() - t0,
             parallel_jit_s=timings.get("parallel_jit_s"),
             parallel_jit_kernels=timings.get("parallel_jit_kernels"),
+            prompt_warmup_s=timings.get("prompt_warmup_s"),
             ahead_wait_s=ahead_wait_s,
         )
 

@@ -27,6 +27,7 @@ from anneal.engine.context import AttnContext
 from anneal.engine.models.transformer import Transformer
 from anneal.engine.op_table import OpTable
 from anneal.engine.parallel_jit import precompile
+from anneal.engine.prompt_warmup import Layout, prompt_step_layouts
 from anneal.engine.sequence import Sequence, TokenLogprobs
 from anneal.engine.weights import Weights
 
@@ -92,6 +93,7 @@ class ModelRunner:
         self._graph_pool = None
         self._bufs: dict[str, torch.Tensor] = {}
         self.parallel_jit = False  # compile a plan's Triton kernels all at once before its warm-up
+        self.warm_prompt_steps = False  # compile a plan's prompt-step kernels when it is applied (prompt_warmup.py)
         self.device_lock = threading.Lock()  # captures vs compile-ahead passes (engine/compile_ahead.py)
 
     @property
@@ -100,13 +102,14 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------------
 
-    def _block_table_rows(self, seqs: list[Sequence], width: int) -> torch.Tensor:
-        """``[len(seqs), width]`` int32, each row a block table padded with 0. Built in numpy: a
+    @staticmethod
+    def _block_table_rows(tables: list[list[int]], width: int) -> torch.Tensor:
+        """``[len(tables), width]`` int32, each row a block table padded with 0. Built in numpy: a
         torch.tensor per row cost 0.72 ms of host time per decode step at batch 64, context 1024
         (2.6 ms at 8192) against 0.09 ms (0.54 ms) this way — time the GPU sat idle."""
-        bt = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            bt[i, : len(s.block_table)] = s.block_table
+        bt = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = t
         return torch.from_numpy(bt)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
@@ -188,42 +191,47 @@ class ModelRunner:
                ids: torch.Tensor | None = None):
         """Varlen pass over each item's next ``n`` tokens; logits of the items that finish their chunk.
         ``ids``: the token ids on the device instead of the sequences' (decode steps only)."""
-        host_ids, pos, slots, cu = [], [], [], [0]
-        sample_rows, last_idx = [], []
+        host_ids, pos, slots, cu, sample_rows = self._rows(items)
+        if ids is None:
+            ids = torch.tensor(host_ids, dtype=torch.int64, device=self.device)
+        logits = self._varlen_logits(self.model, self.kv, ids, pos, slots, cu,
+                                     [s.num_computed_tokens + n for s, n in items],
+                                     [s.block_table for s, _ in items], decode_only,
+                                     [cu[i + 1] - 1 for i in sample_rows])
+        return logits, None, sample_rows
+
+    def _rows(self, items: list[tuple[Sequence, int]]):
+        """The host side of an eager step over each item's next ``n`` tokens: token ids, positions,
+        cache slots, cumulative row counts, and the items that finish their chunk (sampled)."""
+        ids, pos, slots, cu, sample_rows = [], [], [], [0], []
         for i, (s, n) in enumerate(items):
             start = s.num_computed_tokens
-            host_ids += s.token_ids[start : start + n]
+            ids += s.token_ids[start : start + n]
             pos += range(start, start + n)
             slots += self._slots(s, start, start + n)
             cu.append(cu[-1] + n)
             if start + n == len(s):
                 sample_rows.append(i)
-                last_idx.append(cu[-1] - 1)
+        return ids, pos, slots, cu, sample_rows
+
+    def _varlen_logits(self, model: Transformer, kv: torch.Tensor, ids: torch.Tensor, positions: list[int],
+                       slots: list[int], cu: list[int], context_lens: list[int], tables: list[list[int]],
+                       decode_only: bool, last_idx: list[int]) -> torch.Tensor | None:
+        """An eager step: the varlen forward pass over rows ``cu[i]:cu[i+1]`` of each sequence, and
+        the fp32 logits of the rows in ``last_idx`` (None when there are none)."""
         d = self.device
-        seqs = [s for s, _ in items]
-        width = max(len(s.block_table) for s in seqs)
         ctx = AttnContext(
             is_prefill=not decode_only,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
-            block_tables=self._block_table_rows(seqs, width).to(d),
-            context_lens=torch.tensor(
-                [s.num_computed_tokens + n for s, n in items], dtype=torch.int32, device=d
-            ),
+            block_tables=self._block_table_rows(tables, max(len(t) for t in tables)).to(d),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=d),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=d),
-            max_seqlen_q=max(n for _, n in items),
+            max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
         )
-        if ids is None:
-            ids = torch.tensor(host_ids, dtype=torch.int64, device=d)
-        hidden = self.model.forward(
-            ids,
-            torch.tensor(pos, dtype=torch.int64, device=d),
-            ctx,
-            self.kv,
-        )
-        if not sample_rows:
-            return None, None, []
-        logits = self.model.logits(hidden[torch.tensor(last_idx, device=d)]).float()
-        return logits, None, sample_rows
+        hidden = model.forward(ids, torch.tensor(positions, dtype=torch.int64, device=d), ctx, kv)
+        if not last_idx:
+            return None
+        return model.logits(hidden[torch.tensor(last_idx, device=d)]).float()
 
     @torch.inference_mode()
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -237,28 +245,10 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill_all_logits(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Logits at every scheduled position (tests compare them to Hugging Face)."""
-        ids, pos, slots, cu = [], [], [], [0]
-        for s, n in items:
-            start = s.num_computed_tokens
-            ids += s.token_ids[start : start + n]
-            pos += range(start, start + n)
-            slots += self._slots(s, start, start + n)
-            cu.append(cu[-1] + n)
-        d = self.device
-        seqs = [s for s, _ in items]
-        ctx = AttnContext(
-            is_prefill=True,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
-            block_tables=self._block_table_rows(seqs, max(len(s.block_table) for s in seqs)).to(d),
-            context_lens=torch.tensor(
-                [s.num_computed_tokens + n for s, n in items], dtype=torch.int32, device=d
-            ),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=d),
-            max_seqlen_q=max(n for _, n in items),
-        )
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=d)
-        hidden = self.model.forward(ids_t, torch.tensor(pos, device=d), ctx, self.kv)
-        return self.model.logits(hidden).float()
+        ids, pos, slots, cu, _ = self._rows(items)
+        return self._varlen_logits(self.model, self.kv, torch.tensor(ids, dtype=torch.int64, device=self.device),
+                                   pos, slots, cu, [s.num_computed_tokens + n for s, n in items],
+                                   [s.block_table for s, _ in items], False, list(range(cu[-1])))
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
 
@@ -292,11 +282,10 @@ class ModelRunner:
         logits = model.logits(hidden)
         return {"hidden": hidden, "logits": logits, "greedy": ops.argmax(logits)}
 
-    def ahead_passes(self, ops: OpTable, batch_sizes: list[int]) -> list:
-        """Decode passes that launch every Triton kernel ``ops`` would launch in a capture of these
-        buckets, touching nothing the engine uses: the first two layers (the first layer's path
-        and every later one's), their weights shared read-only, with static buffers, a small KV
-        cache and a CUDA stream of their own. For ``parallel_jit.precompile`` on another thread."""
+    def _view(self, ops: OpTable):
+        """The first two layers (the first layer's path and every later one's) with ``ops``, their
+        weights shared read-only, a small KV cache and a CUDA stream of their own: passes on it
+        launch the kernels the engine's steps would, touching nothing the engine uses."""
         view = copy.copy(self.model)
         view.ops = ops
         view.w = dataclasses.replace(self.model.w, layers=self.model.w.layers[:2])
@@ -306,31 +295,77 @@ class ModelRunner:
         # in case a kernel takes the count as an argument (Triton specializes on it).
         kv = torch.empty(view.num_layers, 2, 16 if nb % 16 == 0 else 17, *rest,
                          device=self.device, dtype=self.dtype)
-        bufs = self._static_buffers(max(batch_sizes)) if batch_sizes else {}
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if stream is not None:
-            # The buffers' zeros (and, right after an engine start, the weights) are still queued on
+            # Buffers made before this (and, right after an engine start, the weights) are still queued on
             # this thread's stream; the passes' stream does not wait for it by itself (PyTorch's
             # streams are non-blocking). Without this an H200 test read garbage token ids in the
             # embedding: a device-side assert that took the whole process down.
             stream.wait_stream(torch.cuda.current_stream(self.device))
+        return view, kv, stream
+
+    def ahead_passes(self, ops: OpTable, batch_sizes: list[int], max_seqs: int = 0) -> list:
+        """Passes that launch every Triton kernel ``ops`` would launch in ``capture(batch_sizes,
+        max_seqs)``: decode steps on static buffers and, when the engine warms prompt steps, those
+        steps too, all on a two-layer view (``_view``). For ``parallel_jit.precompile`` on another
+        thread."""
+        bufs = self._static_buffers(max(batch_sizes)) if batch_sizes else {}
+        view, kv, stream = self._view(ops)  # its stream waits for the buffers' zeros too
 
         def run(bs: int) -> None:
             with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
                 self._decode_body(bs, view, bufs, kv)
 
-        return [functools.partial(run, bs) for bs in sorted(batch_sizes, reverse=True)]
+        decode = [functools.partial(run, bs) for bs in sorted(batch_sizes, reverse=True)]
+        if not (self.warm_prompt_steps and max_seqs):
+            return decode
+        return decode + self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0))
 
-    def capture(self, batch_sizes: list[int]) -> dict[str, float | int]:
-        """Warm the kernels up and capture one decode graph per bucket; returns timings (s)."""
+    def _prompt_passes(self, view: Transformer, kv: torch.Tensor, stream, max_seqs: int, largest_graph: int) -> list:
+        """One pass per ``prompt_warmup.prompt_step_layouts`` step on the view: the forward pass, the
+        sampled rows' logits and their argmax, as an eager step runs them."""
+        bs, nb = self.block_size, kv.shape[2]
+
+        def run(layout: Layout) -> None:
+            pos, slots, cu, lens, tables = [], [], [0], [], []
+            for n, ctx in layout.rows:
+                table = [j % nb for j in range(-(-ctx // bs))]
+                pos += range(ctx - n, ctx)
+                slots += [table[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
+                cu.append(cu[-1] + n)
+                lens.append(ctx)
+                tables.append(table)
+            with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                ids = torch.zeros(cu[-1], dtype=torch.int64, device=self.device)
+                logits = self._varlen_logits(view, kv, ids, pos, slots, cu, lens, tables, layout.decode_only,
+                                             [c - 1 for c in cu[1:]])
+                view.ops.argmax(logits)
+
+        layouts = prompt_step_layouts(self.max_model_len, max_seqs, largest_graph)
+        return [functools.partial(run, layout) for layout in layouts]
+
+    def capture(self, batch_sizes: list[int], max_seqs: int = 0) -> dict[str, float | int]:
+        """Warm the kernels up and capture one decode graph per bucket; when the engine warms
+        prompt steps, first run the eager steps of ``prompt_warmup`` for a plan of ``max_seqs``
+        sequences a step, so that none of its prompt steps compiles a kernel while serving.
+        Returns timings (s)."""
         self.graphs.clear()
         self._graph_pool = None
-        if self.device.type != "cuda" or not batch_sizes:
+        if self.device.type != "cuda":
             return {"warmup_s": 0.0, "capture_s": 0.0}
         with self.device_lock:  # a compile-ahead pass's torch ops wait until the capture is done
-            self._bufs = self._static_buffers(max(batch_sizes))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            prompt = {}
+            if self.warm_prompt_steps and max_seqs:
+                view, kv, stream = self._view(self.ops)
+                for run_pass in self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0)):
+                    run_pass()
+                torch.cuda.synchronize()
+                prompt = {"prompt_warmup_s": time.perf_counter() - t0}
+            if not batch_sizes:
+                return {"warmup_s": time.perf_counter() - t0, "capture_s": 0.0, **prompt}
+            self._bufs = self._static_buffers(max(batch_sizes))
             jit: dict = {}
             with torch.inference_mode():
                 if self.parallel_jit:
@@ -342,7 +377,7 @@ class ModelRunner:
                 with collection_paused():
                     self._capture_graphs(batch_sizes)
         torch.cuda.synchronize()
-        timings = {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1}
+        timings = {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1, **prompt}  # prompt's is part of warmup_s
         if jit:  # part of warmup_s: the parallel compile, and how many kernels it compiled
             timings.update(parallel_jit_s=jit["s"], parallel_jit_kernels=jit["kernels"])
         return timings
@@ -379,7 +414,7 @@ class ModelRunner:
         b["positions"][:bs].copy_(dev[1])
         b["slot_mapping"][:bs].copy_(dev[2])
         b["context_lens"][:bs].copy_(dev[3].to(torch.int32))
-        bt = self._block_table_rows(seqs, self.max_blocks_per_seq)
+        bt = self._block_table_rows([s.block_table for s in seqs], self.max_blocks_per_seq)
         b["block_tables"][:n].copy_(bt.to(self.device, non_blocking=True))
         b["block_tables"][n:bs].zero_()
         g, outputs = self.graphs[bs]

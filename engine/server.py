@@ -261,6 +261,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "with the server; 0: a thread of the server process compiles them)",
     )
     parser.add_argument(
+        "--warm-prompt-steps", action=argparse.BooleanOptionalAction, default=None,
+        help="compile the kernels a plan's prompt steps launch when it is applied, not in the first "
+             "requests after it (default: on for the whole model, off with --layers)",
+    )
+    parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
         help="seconds in-flight requests may finish after SIGTERM before they are aborted (default 30)",
     )
@@ -308,6 +313,7 @@ def build_engine(args: argparse.Namespace) -> Any:
             gpu_memory_utilization=args.gpu_memory_utilization,
             parallel_jit=args.parallel_jit,
             compile_ahead_processes=args.compile_ahead_processes,
+            warm_prompt_steps=args.warm_prompt_steps,
             seed=args.seed,
         )
     )

@@ -201,6 +201,56 @@ def test_applying_a_prepared_plan_compiles_no_kernel(cuda, processes, tmp_path, 
         "\nahead:\n" + "\n".join(ahead)
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["warmed", "not-warmed"])
+def test_a_prompt_step_after_an_apply_compiles_no_kernel(cuda, warm):
+    """Applying a plan warms what its prompt and mixed steps launch (engine/prompt_warmup.py), so
+    requests of any prompt length and batch compile nothing afterwards. Session 13: a compiled plan
+    lost 2.6 s of its first replay after the apply to such compiles. Without the warm-up the same
+    requests compile kernels, so the test can fail. Parameters no other test uses, a set per
+    variant: a kernel compiled earlier in this process is never compiled again."""
+    from triton.runtime.jit import JITFunction
+
+    stages = 3 if warm else 4
+    gemv = {"impl": "triton_gemv_splitk", "params": {"block_n": 32, "block_k": 64, "num_warps": 2,
+                                                     "num_stages": stages, "max_m": 64}}
+    plan = Plan.model_validate({
+        "ops": {**TRITON, "gate_up_proj": gemv, "o_proj": gemv, "down_proj": gemv, "qkv_proj": gemv,
+                "attention_prefill": {"impl": "triton", "params": {"block_m": 32, "block_n": 32, "num_warps": 2,
+                                                                   "num_stages": stages}}},
+        "fusions": {"gate_up_silu": True, "norm_stats": True},
+        "cuda_graph_batch_sizes": [1, 2, 4, 8],
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512}})
+    eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=512, max_model_len=512,
+                            warm_prompt_steps=warm))
+    compiles: list[str] = []
+    original = JITFunction._do_compile
+
+    def recording(self, key, *args, **kwargs):
+        compiles.append(f"{self.__name__} {key}")
+        return original(self, key, *args, **kwargs)
+
+    JITFunction._do_compile = recording
+    try:
+        report = eng.apply_plan(plan)
+        at_apply = len(compiles)
+        compiles.clear()
+        g = torch.Generator().manual_seed(1)
+        # prompt lengths 1-400 in batches of 1-16: prompt steps of 1 to 512 rows, mixed steps
+        # (decode rows beside a chunk), block tables of 1 to 25 blocks
+        for n in (1, 3, 16, 9):
+            lengths = torch.randint(1, 400, (n,), generator=g).tolist()
+            prompts = [torch.randint(0, eng.config.vocab_size, (L,), generator=g).tolist() for L in lengths]
+            eng.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    finally:
+        JITFunction._do_compile = original
+    if warm:
+        assert report.prompt_warmup_s is not None and at_apply > 0
+        assert not compiles, "compiled while serving after the apply:\n" + "\n".join(compiles)
+    else:
+        assert report.prompt_warmup_s is None
+        assert compiles, "nothing left to compile without the warm-up: this test cannot fail"
+
+
 @pytest.mark.parametrize("graphs", [[1, 2, 4, 8], []], ids=["graphs", "eager"])
 def test_overlap_scheduling_gives_the_plain_schedulers_tokens(cuda, graphs):
     """With ``scheduler.overlap`` the next step reads its ids from the device while the host is one

@@ -74,3 +74,29 @@ def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
         assert stats_calls and sum(stats_used) >= len(stats_calls)
     agree = sum(a == b for r, o in zip(ref, got) for a, b in zip(r, o)) / sum(len(r) for r in ref)
     assert agree > 0.98, (agree, ref, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu"])  # on the GPU: tests/test_engine_gpu.py (nothing compiles after an apply)
+def test_the_prompt_warmup_runs_a_fused_plan_at_every_row_tile(device):
+    """The warm-up's steps run the fused GEMVs at every row tile and row class up to 64 rows
+    (prompt_warmup.ROW_LADDER) through the kernels, not around them, and store nothing in the
+    engine's cache. A pass that failed would fail the apply of a plan that serves fine."""
+    from anneal.engine.kernels import gemv
+    from anneal.engine.prompt_warmup import prompt_step_layouts
+
+    eng = Engine(EngineArgs(model="random:tiny", device=device, dtype="float32", num_kv_blocks=64, max_model_len=64))
+    eng.apply_plan(fused_plan(device, ("norm_stats", "qkv_rope", "gate_up_silu")))
+    before = eng.runner.kv.clone()
+    rows: list[int] = []
+    small = gemv.small_m_gemm
+    gemv.small_m_gemm = lambda x, *a, **k: rows.append(x.shape[0]) or small(x, *a, **k)
+    try:
+        passes = eng.runner.ahead_passes(eng.runner.ops, [], max_seqs=16)
+        for p in passes:
+            p()
+    finally:
+        gemv.small_m_gemm = small
+    assert len(passes) == len(prompt_step_layouts(64, 16, 0))
+    assert {1, 2, 16, 17, 32, 33, 48, 64} <= set(rows)
+    assert torch.equal(eng.runner.kv, before)
