@@ -10,10 +10,11 @@ class of each integer argument (1, a multiple of 16, or neither) and per row til
 same way, and the compiler ranks such a plan on its first replay.
 
 So each layout below is a step the runner runs on a two-layer view of the model with a KV cache of
-its own (``ModelRunner.prompt_passes``): row counts on a ladder that has a member of every class
-up to 257 rows (past it only the 1 / multiple-of-16 classes change, and 256 / 257 hold both), as one
-prompt (one sequence, the sampled-row count 1) and as that many one-token rows (the decode rows of
-a mixed step, sampled-row count = rows), with block-table widths of 1, 2-3 and 16-17 blocks.
+its own (``ModelRunner.ahead_passes`` and ``capture``): row counts on a ladder that has a member of
+every class up to 257 rows (past it only the 1 / multiple-of-16 classes change, and 256 / 257 hold
+both), as one prompt (one sequence, the sampled-row count 1) and as that many one-token rows (the
+decode rows of a mixed step, sampled-row count = rows), with block-table widths of 1, 2-3 and
+16-17 blocks; and a decode step of every batch size above the largest graph.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ def prompt_step_layouts(max_len: int, max_seqs: int, largest_graph: int) -> list
     for i, m in enumerate(ROW_LADDER):
         if m <= max_len:
             out.append(Layout(False, ((m, m),)))  # one prompt of m tokens: widths 1 .. 17 over the ladder
-        if m > max_seqs:
-            continue
-        rows = ((1, min(ROW_CONTEXTS[i % len(ROW_CONTEXTS)], max_len)),) * m
-        if m > 1:  # m one-token rows (a mixed step's decode rows; one row is the prompt of 1 above)
-            out.append(Layout(False, rows))
-        if m > largest_graph:  # a decode step no graph holds
-            out.append(Layout(True, rows))
+        if 1 < m <= max_seqs:  # m one-token rows (a mixed step's decode rows; one row is the prompt of 1)
+            out.append(Layout(False, ((1, _row_context(i, max_len)),) * m))
+    # Decode steps no graph holds, every batch size: the decode attention's split count follows the
+    # batch (its block table is a graph's width, ModelRunner._varlen_logits), not only its classes.
+    for m in range(largest_graph + 1, max_seqs + 1):
+        out.append(Layout(True, ((1, _row_context(m, max_len)),) * m))
     return out
+
+
+def _row_context(i: int, max_len: int) -> int:
+    return min(ROW_CONTEXTS[i % len(ROW_CONTEXTS)], max_len)

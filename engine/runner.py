@@ -220,10 +220,16 @@ class ModelRunner:
         """An eager step: the varlen forward pass over rows ``cu[i]:cu[i+1]`` of each sequence, and
         the fp32 logits of the rows in ``last_idx`` (None when there are none)."""
         d = self.device
+        # On the GPU a decode step's block table is as wide as a graph's: the attention kernel's
+        # split count and Triton specialization then depend on the batch alone, as in a replay, and
+        # the prompt-step warm-up covers every eager decode step (an H200 test found one it had
+        # missed). The CPU compiles nothing, and its reference attention reads the whole width.
+        wide = decode_only and d.type == "cuda"
+        width = self.max_blocks_per_seq if wide else max(len(t) for t in tables)
         ctx = AttnContext(
             is_prefill=not decode_only,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
-            block_tables=self._block_table_rows(tables, max(len(t) for t in tables)).to(d),
+            block_tables=self._block_table_rows(tables, width).to(d),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=d),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=d),
             max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
@@ -356,20 +362,19 @@ class ModelRunner:
         with self.device_lock:  # a compile-ahead pass's torch ops wait until the capture is done
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            prompt = {}
+            prompt_passes = []
             if self.warm_prompt_steps and max_seqs:
                 view, kv, stream = self._view(self.ops)
-                for run_pass in self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0)):
-                    run_pass()
-                torch.cuda.synchronize()
-                prompt = {"prompt_warmup_s": time.perf_counter() - t0}
-            if not batch_sizes:
-                return {"warmup_s": time.perf_counter() - t0, "capture_s": 0.0, **prompt}
-            self._bufs = self._static_buffers(max(batch_sizes))
+                prompt_passes = self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0))
+            self._bufs = self._static_buffers(max(batch_sizes, default=1))
             jit: dict = {}
             with torch.inference_mode():
                 if self.parallel_jit:
-                    jit = precompile([functools.partial(self._decode_body, bs) for bs in batch_sizes])
+                    jit = precompile([functools.partial(self._decode_body, bs) for bs in batch_sizes] + prompt_passes)
+                for run_pass in prompt_passes:
+                    run_pass()
+                torch.cuda.synchronize()
+                prompt = {"prompt_warmup_s": time.perf_counter() - t0} if prompt_passes else {}
                 for bs in sorted(batch_sizes, reverse=True):  # warm-up compiles every kernel variant
                     self._decode_body(bs)
                 torch.cuda.synchronize()
