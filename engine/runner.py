@@ -366,7 +366,7 @@ class ModelRunner:
             if self.warm_prompt_steps and max_seqs:
                 view, kv, stream = self._view(self.ops)
                 prompt_passes = self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0))
-            self._bufs = self._static_buffers(max(batch_sizes, default=1))
+            self._bufs = self._static_buffers(max(batch_sizes)) if batch_sizes else {}
             jit: dict = {}
             with torch.inference_mode():
                 if self.parallel_jit:
