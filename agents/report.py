@@ -251,7 +251,7 @@ def write_report(
         "",
         "## Gain against the baseline (slow tier, traffic replay, same run)",
         "",
-        "| metric | baseline | compiled | ratio |",
+        "| metric | baseline (median) | compiled (median) | ratio (median of per-sample ratios) |",
         "|---|---|---|---|",
     ]
     for g in compiled.gains:

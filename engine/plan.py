@@ -172,9 +172,15 @@ class Gain(_Strict):
     baseline: float
     candidate: float
     unit: str = ""
+    paired: float | None = Field(
+        None, description="median over the request samples of candidate / baseline on the same sample; "
+                          "``ratio`` when set. Each sample's requests move both plans alike, which the ratio of "
+                          "the two medians (taken on different samples) does not cancel")
 
     @property
     def ratio(self) -> float:
+        if self.paired is not None:
+            return self.paired
         return self.candidate / self.baseline if self.baseline else float("nan")
 
 

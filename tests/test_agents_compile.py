@@ -172,7 +172,22 @@ def test_promotion_gain_comes_from_fresh_request_samples_only():
     firsts = [next(h for s, h in order[-6:] if s == seed) for seed in (1, 2, 3)]
     assert firsts == [lucky.hash, Plan().hash, lucky.hash]
     tps = next(g for g in promo.gains if g.metric == "tokens_per_s")
-    assert tps.ratio == pytest.approx(1.02)  # medians of the fresh samples: 102 vs 100
+    assert tps.ratio == pytest.approx(1.02)  # the median of the fresh samples' ratios
+    assert (tps.baseline, tps.candidate) == (100.0, 102.0)  # and each side's median
+
+
+def test_the_reported_gain_pairs_each_request_sample():
+    """A sample's requests move both plans alike (session 7: the baseline read 359-674 tok/s across
+    four samples), so the gain is the median of per-sample ratios, as bench/plans.py computes it,
+    not the ratio of two medians taken on different samples (session 13: x1.108 against x1.076)."""
+    from anneal.agents.promotion import gains
+    from anneal.agents.types import Measurement
+
+    base = [Measurement(median_ms=1.0, tokens_per_s=t) for t in (100.0, 200.0, 300.0)]
+    cand = [Measurement(median_ms=1.0, tokens_per_s=t) for t in (110.0, 190.0, 360.0)]  # x1.10, x0.95, x1.20
+    tps = next(g for g in gains(base, cand) if g.metric == "tokens_per_s")
+    assert (tps.baseline, tps.candidate) == (200.0, 190.0)  # the medians alone would say x0.95
+    assert tps.ratio == pytest.approx(1.10)
 
 
 def test_promotion_rounds_set_how_often_winner_and_baseline_are_remeasured(tmp_path, fakes):
