@@ -14,7 +14,8 @@ its own (``ModelRunner.ahead_passes`` and ``capture``): row counts on a ladder t
 every class up to 257 rows (past it only the 1 / multiple-of-16 classes change, and 256 / 257 hold
 both), as one prompt (one sequence, the sampled-row count 1) and as that many one-token rows (the
 decode rows of a mixed step, sampled-row count = rows), with block-table widths of 1, 2-3 and
-16-17 blocks; and a decode step of every batch size above the largest graph.
+16-17 blocks; and a decode step of every batch size above the largest graph (none when the
+graphs reach max_num_seqs, as ``graph_sizes`` keeps them; one short pass per batch otherwise).
 """
 
 from __future__ import annotations
