@@ -44,12 +44,17 @@ def test_layouts_stay_inside_the_engine_and_the_plan():
     assert [len(lay.rows) for lay in layouts if lay.decode_only] == [1, 2, 3, 4]  # no graphs: every decode step is eager
 
 
-@pytest.mark.parametrize("layers, asked, warms", [(None, None, True), (1, None, False), (None, False, False),
-                                                  (1, True, True)])
-def test_serving_engines_warm_prompt_steps_and_fast_tiers_do_not(layers, asked, warms):
-    eng = Engine(EngineArgs(model="random:tiny", device="cpu", max_model_len=64, num_kv_blocks=16,
-                            layers=layers, warm_prompt_steps=asked))
-    assert eng.runner.warm_prompt_steps is warms
+@pytest.mark.parametrize("flags, warms", [([], True), (["--layers", "1"], False),
+                                          (["--no-warm-prompt-steps"], False), (["--layers", "1", "--warm-prompt-steps"], True)])
+def test_serving_engines_warm_prompt_steps_and_fast_tiers_do_not(flags, warms):
+    """`anneal serve`: on for the whole model, off for a --layers tier, either way when asked."""
+    import argparse
+
+    from anneal.engine.server import add_serve_args, build_engine
+
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(
+        ["--model", "random:tiny", "--device", "cpu", "--max-model-len", "64", "--num-kv-blocks", "16", *flags])
+    assert build_engine(args).runner.warm_prompt_steps is warms
 
 
 def test_the_prompt_passes_run_every_layout_and_leave_the_engine_kv_cache_alone():
