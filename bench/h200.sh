@@ -20,6 +20,7 @@
 #   greedy-fp32, greedy-bf16        issue 4: greedy tokens vs the reference over 256 steps, in fp32 / bf16
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
 #   iteration-parallel-jit          the same with `serve --parallel-jit` (kernels compiled in parallel)
+#   iteration-slow-tier             the same with `serve --warm-prompt-steps` (each apply as the slow tier's)
 #   iteration-ahead                 12 candidates, each one's kernels compiled ahead (POST /admin/prepare)
 #                                   in 4 child processes started with the server
 #   iteration-ahead-threads         the same, compiled on a thread of the server process
@@ -168,6 +169,10 @@ for s in "$@"; do
     iteration)
       stage iteration 300 $py bench/iteration.py --shape llama-3.1-8b --out "$OUT"
       stage iteration-cold-jit 360 $py bench/iteration.py --shape llama-3.1-8b --cold-jit-cache --name iteration-cold-jit --out "$OUT"
+      ;;
+    iteration-slow-tier)  # what the prompt warm-up adds to an apply, warm Triton cache (the slow tier's candidates)
+      stage iteration-slow-tier 300 $py bench/iteration.py --shape llama-3.1-8b --warm-prompt-steps \
+        --name iteration-slow-tier --out "$OUT"
       ;;
     iteration-parallel-jit)  # the same two, the server compiling each plan's kernels in parallel
       stage iteration-pjit 300 $py bench/iteration.py --shape llama-3.1-8b --parallel-jit --name iteration-pjit --out "$OUT"

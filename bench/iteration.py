@@ -98,13 +98,13 @@ def drop_page_cache() -> bool:
 
 def start_server(model: str, port: int, aport: int, plan_file: str | None, kv_blocks: int,
                  jit_cache: str | None = None, parallel_jit: bool = False,
-                 compile_ahead_processes: int | None = None):
+                 compile_ahead_processes: int | None = None, warm_prompt_steps: bool = False):
     cmd = [sys.executable, "-m", "anneal.cli", "serve", "--model", model, "--device", "cuda",
            "--host", "127.0.0.1", "--port", str(port), "--admin-port", str(aport),
            "--max-model-len", "2048", "--num-kv-blocks", str(kv_blocks), "--log-level", "warning",
-           # a candidate as the compiler's fast tier evaluates it: timed on decode steps, whose
-           # kernels the apply warms; prompt steps' kernels are warmed by serving engines only
-           "--no-warm-prompt-steps"]
+           # by default a candidate as the compiler's fast tier evaluates it: timed on decode steps,
+           # whose kernels the apply warms; the slow tier and serving engines warm prompt steps too
+           "--warm-prompt-steps" if warm_prompt_steps else "--no-warm-prompt-steps"]
     if plan_file:
         cmd += ["--plan", plan_file]
     if parallel_jit:
@@ -173,12 +173,16 @@ def main() -> int:
     ap.add_argument("--compile-ahead-processes", type=int, default=None, metavar="N",
                     help="the server's compile-ahead child processes (default: its own; 0: compile on a "
                          "thread of the server process, as session 5 did)")
+    ap.add_argument("--warm-prompt-steps", action="store_true",
+                    help="each apply also compiles what the plan's prompt steps launch, as on the slow tier "
+                         "and a serving engine (engine/prompt_warmup.py)")
     ap.add_argument("--name", default="iteration")
     args = ap.parse_args()
     result: dict = {"env": environment(), "shape": args.shape, "benchmark": BENCH,
                     "cold_jit_cache": args.cold_jit_cache, "parallel_jit": args.parallel_jit,
                     "compile_ahead": args.compile_ahead, "ahead": args.ahead if args.compile_ahead else 0,
-                    "compile_ahead_processes": args.compile_ahead_processes}
+                    "compile_ahead_processes": args.compile_ahead_processes,
+                    "warm_prompt_steps": args.warm_prompt_steps}
     folder = Path(tempfile.mkdtemp(prefix="anneal-ckpt-", dir="/tmp"))
     result["write_checkpoint_s"] = write_checkpoint(args.shape, folder)
     print(f"checkpoint written in {result['write_checkpoint_s']:.1f} s", flush=True)
@@ -195,7 +199,7 @@ def main() -> int:
     t_spawn = time.perf_counter()
     jit_cache = tempfile.mkdtemp(prefix="anneal-triton-cache-", dir="/tmp") if args.cold_jit_cache else None
     proc = start_server(str(folder), 18000, 18001, str(plan_file), args.kv_blocks, jit_cache, args.parallel_jit,
-                        args.compile_ahead_processes)
+                        args.compile_ahead_processes, args.warm_prompt_steps)
     try:
         t_ready = wait_ready(18000, proc)
         st = admin.get("/admin/state").json()
