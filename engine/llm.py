@@ -78,8 +78,8 @@ class ApplyReport:
     capture_s: float
     total_s: float
     parallel_jit_s: float | None = None  # of warmup_s, with EngineArgs.parallel_jit
-    prompt_warmup_s: float | None = None  # of warmup_s, with EngineArgs.warm_prompt_steps
     parallel_jit_kernels: int | None = None
+    prompt_warmup_s: float | None = None  # of warmup_s, with EngineArgs.warm_prompt_steps
     ahead_wait_s: float = 0.0  # of build_s: waiting for this plan's compile-ahead to finish
 
 
