@@ -59,7 +59,8 @@ for s in "$@"; do
       ;;
     plans)
       # The reference plan's decode attention gathers max_model_len-wide block tables (it exists
-      # for verification), so a replay of it at 8192 context takes minutes: opt in with REFERENCE=1.
+      # for verification): a chat replay of it took 156 s (session 4), an agentic one 34 s
+      # (session 13). Opt in with REFERENCE=1.
       plans=$([ "${REFERENCE:-0}" = 1 ] && echo reference,)bench/plans/triton.json
       # PLANS_DIR: more folders (colon-separated) holding compile-chat/ and compile-agentic/, e.g.
       # the lanes' own ($OUT/gpu0:$OUT/gpu1) when this runs after them
