@@ -37,7 +37,7 @@ import torch
 from anneal.engine.kernels.attention_decode import paged_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, environment, time_graph, write_result  # noqa: E402
+from common import copy_bandwidth_gbps, time_graph, write_probe  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # llama-3.1-8b, the engine's block size
 CONFIGS = [dict(split_k=0, block_n=64)] + [
@@ -132,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, b in best.items():
         print(f"best at {key}: NHD {b['nhd']['us']} µs ({b['nhd']['of_roofline']:.0%}) {b['nhd']['config']}; "
               f"HND {b['hnd']['us']} µs ({b['hnd']['of_roofline']:.0%}) {b['hnd']['config']}", file=sys.stderr)
-    path = write_result("attention-layout", {"env": environment(), "gpu": torch.cuda.get_device_name(device),
-                                             "copy_gbps": bw, "reps": args.reps, "rows": rows, "best": best},
-                        Path(args.out) if args.out else None)
-    print(json.dumps({"wrote": str(path)}))
+    write_probe("attention-layout", args.out, device, copy_gbps=bw, reps=args.reps, rows=rows, best=best)
     return 0
 
 

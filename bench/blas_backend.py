@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, environment, time_graph, write_result  # noqa: E402
+from common import copy_bandwidth_gbps, time_graph, write_probe  # noqa: E402
 
 # (N, K) of each projection's weight
 PROJECTIONS = {
@@ -128,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 del xs
             del ws
             torch.cuda.empty_cache()
-    path = write_result("blas-backend", {"env": environment(), "gpu": torch.cuda.get_device_name(device),
-                                         "copy_gbps": bw, "reps": args.reps, "rows": rows, "kernels_m12": kernels},
-                        Path(args.out) if args.out else None)
-    print(json.dumps({"wrote": str(path)}))
+    write_probe("blas-backend", args.out, device, copy_gbps=bw, reps=args.reps, rows=rows, kernels_m12=kernels)
     return 0
 
 

@@ -116,6 +116,17 @@ def summarize(samples_s: list[float]) -> dict:
     }
 
 
+def write_probe(name: str, out: str | None, device: torch.device, *, copy_gbps: float, reps: int,
+                rows: list[dict], **extra) -> Path:
+    """A device probe's result file (bench/attention_layout.py, bench/blas_backend.py): environment,
+    GPU, the copy bandwidth its rooflines use, its repetitions and rows, and ``extra``; prints where
+    it went."""
+    path = write_result(name, {"env": environment(), "gpu": torch.cuda.get_device_name(device), "copy_gbps": copy_gbps,
+                               "reps": reps, "rows": rows, **extra}, Path(out) if out else None)
+    print(json.dumps({"wrote": str(path)}))
+    return path
+
+
 def write_result(name: str, data: dict, out_dir: Path | None = None) -> Path:
     out_dir = out_dir or RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
