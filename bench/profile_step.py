@@ -12,7 +12,9 @@ slow" and "too many kernels / gaps", which decides what to fuse.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -137,6 +139,7 @@ def profile_mixed(engine: Engine, bs: int, context: int, prompt: int, reps: int)
         t0 = time.perf_counter()
         engine.runner.run(batch, decode_only=False)  # ends in the step's one host sync
         walls.append((time.perf_counter() - t0) * 1e6)
+    host = host_profile(lambda: engine.runner.run(batch, decode_only=False), reps)
     ks = []
     if cuda:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -149,7 +152,22 @@ def profile_mixed(engine: Engine, bs: int, context: int, prompt: int, reps: int)
     return {"prompt_tokens": prompt, "decode_rows": bs, "kernels_per_step": len(ks),
             "wall_us_median": statistics.median(walls),
             "span_us": ks[-1][1] + ks[-1][2] - ks[0][1] if ks else 0.0,
-            "kernel_sum_us": sum(k[2] for k in ks), "kernels": table}
+            "kernel_sum_us": sum(k[2] for k in ks), "kernels": table, "host_functions": host}
+
+
+def host_profile(step, reps: int, top: int = 25) -> list[dict]:
+    """Where a host-bound step's Python time goes: cProfile over ``reps`` steps, the functions with
+    the most time of their own (µs per step), so a launch path that costs more than its kernels shows."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(f).name}:{line}({name})", "calls_per_step": calls / reps,
+             "own_us_per_step": tt / reps * 1e6, "cum_us_per_step": ct / reps * 1e6}
+            for (f, line, name), (_, calls, tt, ct, _) in rows]
 
 
 def main() -> int:
@@ -189,6 +207,9 @@ def main() -> int:
                       f"{r['kernels_per_step']} kernels, wall {r['wall_us_median']:.0f} µs, span {r['span_us']:.0f} µs, "
                       f"kernels {r['kernel_sum_us']:.0f} µs", flush=True)
                 print_kernels(r["kernels"])
+                print("  host: functions by their own time (µs per step, calls per step, cumulative µs)")
+                for h in r["host_functions"]:
+                    print(f"    {h['own_us_per_step']:9.1f} {h['calls_per_step']:8.1f} {h['cum_us_per_step']:9.1f}  {h['function']}")
                 continue
             r = profile_plan(engine, bs, ctx, args.replays)
         except Exception as e:  # a plan that fails is a result

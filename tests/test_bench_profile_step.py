@@ -22,6 +22,10 @@ def test_a_mixed_step_runs_and_gives_its_blocks_back():
     r = bench.profile_mixed(eng, bs=3, context=40, prompt=70, reps=2)
     assert r["prompt_tokens"] == 70 and r["decode_rows"] == 3 and r["wall_us_median"] > 0
     assert eng.blocks.num_free_blocks == free  # nothing left allocated for the next plan
+    own = {h["function"]: h for h in r["host_functions"]}
+    assert any("transformer.py" in f and "(forward)" in f for f in own), list(own)  # the host path is profiled
+    fwd = next(h for f, h in own.items() if "(forward)" in f)
+    assert fwd["calls_per_step"] == 1.0 and fwd["cum_us_per_step"] <= r["wall_us_median"] * 3
 
 
 def test_the_kernel_table_sums_each_kernel_per_step():
