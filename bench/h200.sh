@@ -9,6 +9,8 @@
 #   l2-prefetch                     issue 4: o_proj weights streamed into L2 during attention (bench/l2_prefetch.py)
 #   attention-layout                issue 5: decode attention on an NHD vs an HND KV cache (bench/attention_layout.py)
 #   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)
+#   prefill-attention               issue 5: the paged prefill kernel vs torch SDPA at agentic's prompt shapes
+#   profile-mixed-agentic           issue 5: one eager 3072-token prompt step with 7 decode rows (agentic's prompt steps)
 #   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
@@ -92,6 +94,13 @@ for s in "$@"; do
       ;;
     blas-backend)  # issue 5: would cuBLASLt run o/qkv/down faster at the chat replay's batches?
       stage blas-backend 240 $py bench/blas_backend.py --out "$OUT"
+      ;;
+    prefill-attention)  # issue 5: agentic's prompt steps run at ~73% of their roofline; is it the attention?
+      stage prefill-attention 240 $py bench/prefill_attention.py --out "$OUT"
+      ;;
+    profile-mixed-agentic)
+      stage profile-8b-mixed-agentic 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 7 --context 4000 \
+        --mixed 3072 --replays 5 --plans "${PROFILE_PLANS:-triton}" --name profile-step-8b-mixed-agentic --out "$OUT"
       ;;
     serving)
       stage serving 480 $py bench/serving.py --serve "$py -m anneal.cli serve --model random:llama-3.1-8b \

@@ -37,10 +37,12 @@ def test_bench_kernels_tiny_cpu(tmp_path):
 @pytest.mark.parametrize("script, says", [
     ("attention_layout.py", "NHD vs HND, same values: max |diff| 0"),
     ("blas_backend.py", "every setting computes F.linear"),
+    ("prefill_attention.py", "kernel, SDPA and reference on one shape: max |diff|"),
 ])
 def test_gpu_probes_check_their_premise_on_the_cpu(script, says):
-    """The device probes' CPU mode: the two cache layouts give the same attention, and every BLAS
-    setting computes the same linear (so on the GPU only their timings differ)."""
+    """The device probes' CPU mode: the two cache layouts give the same attention, every BLAS
+    setting computes the same linear, and the paged prefill kernel, SDPA with a bottom-right causal
+    mask and the reference agree (so on the GPU only their timings differ)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--device", "cpu"],
                        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
