@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue,
+    KernelInputError, cdiv, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -51,7 +51,7 @@ def build_silu_and_mul(block: int = 1024, num_warps: int = 4, pdl: bool = False)
         T, I = x.shape[0], x.shape[1] // 2
         out = torch.empty((T, I), dtype=x.dtype, device=x.device)
         if T > 0 and I > 0:
-            grid = (T, triton.cdiv(I, block))
+            grid = (T, cdiv(I, block))
             _silu_and_mul_kernel[grid](x, out, I, x.stride(0), out.stride(0), BLOCK=block, PDL=pdl_enabled(pdl),
                                              num_warps=num_warps, **launch_opts(pdl))
         return out

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2,
+    KernelInputError, cdiv, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -70,7 +70,7 @@ def build_argmax(block: int = 4096, num_warps: int = 4, pdl: bool = False):
             return tokens
         if V == 0:
             raise KernelInputError("argmax: empty vocabulary")
-        tiles = triton.cdiv(V, block)
+        tiles = cdiv(V, block)
         vals = torch.empty((B, tiles), dtype=torch.float32, device=logits.device)
         idxs = torch.empty((B, tiles), dtype=torch.int32, device=logits.device)
         _argmax_tile_kernel[(B, tiles)](logits, vals, idxs, V, logits.stride(0), BLOCK=block,

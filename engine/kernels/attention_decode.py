@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
+    KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
     pdl_launch_dependents, pdl_prologue, pdl_wait, pow2, pow2_split, sm_count, tile_counters,
 )
 from anneal.engine.ops.registry import Param, variant
@@ -203,7 +203,7 @@ def auto_split_k(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, d
     """A split count from static shapes only: about four programs per SM, never more splits than
     ``block_n`` tiles in the longest context the block table can hold."""
     want = max(1, (4 * sm_count(device)) // max(1, batch * num_kv_heads))
-    return pow2_split(want, max(1, triton.cdiv(max_tokens, block_n)), MAX_SPLIT_K)
+    return pow2_split(want, max(1, cdiv(max_tokens, block_n)), MAX_SPLIT_K)
 
 
 def paged_decode_attention(

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
+    KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
     pdl_launch_dependents, pdl_prologue, pdl_wait, pow2, pow2_split, sm_count, tile_counters,
 )
 from anneal.engine.kernels.activation import silu_mul
@@ -369,7 +369,7 @@ def auto_split_k(tiles: int, K: int, block_k: int, device: torch.device) -> int:
     """Splits so that about four programs per SM stream W (enough loads in flight to reach full
     bandwidth), from static shapes only."""
     want = max(1, (4 * sm_count(device)) // max(1, tiles))
-    return pow2_split(want, max(1, triton.cdiv(K, block_k)), MAX_SPLIT_K)
+    return pow2_split(want, max(1, cdiv(K, block_k)), MAX_SPLIT_K)
 
 
 def _check(name, x, weight, k_in):
@@ -464,7 +464,7 @@ def small_m_gemm(
         if residual.shape != (M, N) or residual.dtype != x.dtype or residual.stride(-1) != 1:
             raise KernelInputError(f"{name}: residual must be [{M}, {N}] of {x.dtype}, contiguous in N, got "
                                    f"{tuple(residual.shape)} {residual.dtype}")
-        ss = torch.empty((M, triton.cdiv(N, block_n)), dtype=torch.float32, device=x.device)
+        ss = torch.empty((M, cdiv(N, block_n)), dtype=torch.float32, device=x.device)
         if M == 0 or N == 0:
             return residual.clone(), ss.zero_()
     if M == 0 or N == 0:
@@ -474,12 +474,12 @@ def small_m_gemm(
     if reduce not in ("kernel", "ticket") or m1 not in ("dot", "fma") or ahead not in (1, 2, 3):
         raise KernelInputError(f"{name}: reduce must be 'kernel' or 'ticket', m1 'dot' or 'fma', ahead 1-3")
     BLOCK_M = _block_m(M, block_m, m1)
-    n_tiles = triton.cdiv(N // 2, block_n // 2) if silu_out else triton.cdiv(N, block_n)
-    tiles = n_tiles * triton.cdiv(M, BLOCK_M)
+    n_tiles = cdiv(N // 2, block_n // 2) if silu_out else cdiv(N, block_n)
+    tiles = n_tiles * cdiv(M, BLOCK_M)
     if split_k == 0:
         split_k = auto_split_k(tiles, K, block_k, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)  # no empty splits
+    k_per_split = cdiv(cdiv(K, split_k), block_k) * block_k
+    split_k = cdiv(K, k_per_split)  # no empty splits
     paired = bool(rope) or silu_out  # epilogues that pair rows: through the workspace, at the last arrival
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 or paired else out
     # the paired epilogues run at a tile's last arrival; the add-norm one at the grid's
@@ -488,7 +488,7 @@ def small_m_gemm(
     if BLOCK_M > 1:  # the M == 1 path keeps its tiles in registers (no shared-memory pipeline)
         x_cols = 2 * block_k if silu_mul_input else block_k
         num_stages = fit_stages(num_stages, (BLOCK_M * x_cols + block_n * block_k) * x.element_size())
-    grid = (n_tiles, split_k, triton.cdiv(M, BLOCK_M))
+    grid = (n_tiles, split_k, cdiv(M, BLOCK_M))
     r = residual if residual is not None else x
     sm = summed if summed is not None else x
     hn = h if add_norm is not None else out
@@ -512,7 +512,7 @@ def small_m_gemm(
         return out, ss
     if split_k > 1 and not ticket:
         BLOCK = min(1024, pow2(N))
-        _splitk_sum_kernel[(M, triton.cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK,
+        _splitk_sum_kernel[(M, cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK,
                                                          PDL=pdl_enabled(pdl), num_warps=4, **launch_opts(pdl))
     return out if summed is None else (out, summed)
 
@@ -666,18 +666,18 @@ def lm_head_argmax(
     if N == 0:
         raise KernelInputError("lm_head_argmax: empty vocabulary")
     BLOCK_M = _block_m(M, block_m, m1)
-    tiles = triton.cdiv(N, block_n)
+    tiles = cdiv(N, block_n)
     vals = torch.empty((M, tiles), dtype=torch.float32, device=x.device)
     if BLOCK_M > 1:
         num_stages = fit_stages(num_stages, (BLOCK_M + block_n) * block_k * x.element_size())
     idxs = torch.empty((M, tiles), dtype=torch.int32, device=x.device)
     r = residual if residual is not None else x
     summed = torch.empty_like(x) if residual is not None else x  # written by the kernel, not returned
-    _gemv_kernel[(tiles, 1, triton.cdiv(M, BLOCK_M))](
+    _gemv_kernel[(tiles, 1, cdiv(M, BLOCK_M))](
         x, weight, vals, vals, vals, idxs, r, norm_w if norm_w is not None else x, summed, x,
         x, x, x, x, x, x,
         M, N, K, x.stride(0), weight.stride(0), 0, r.stride(0), summed.stride(0),
-        triton.cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0, x, 0,
+        cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0, x, 0,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False,
         NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=True, TICKET=False,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_enabled(pdl),

@@ -327,3 +327,17 @@ def test_norm_stats_rejects_bad_statistics():
         norm_stats_linear(x, torch.zeros(3, 2), nw, 1e-5, w)
     with pytest.raises(KernelInputError, match="residual"):
         linear_add_stats(x, w, torch.zeros(2, 5))
+
+
+def test_the_host_side_tile_arithmetic_matches_triton():
+    """``pow2`` and ``cdiv`` size every launch's grid and blocks; they replace triton's slower
+    host helpers and must agree with them everywhere."""
+    import triton
+
+    from anneal.engine.kernels._common import cdiv, pow2
+
+    for n in range(0, 300):
+        for minimum in (1, 16):
+            assert pow2(n, minimum) == max(minimum, triton.next_power_of_2(n)), (n, minimum)
+        for d in (1, 3, 16, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
