@@ -21,10 +21,53 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
+    KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
     pdl_prologue, pow2,
 )
 from anneal.engine.ops.registry import Param, variant
+
+
+@triton.jit
+def _attend_keys(q, kc_ptr, vc_ptr, bt_row, n0, hi, qpos, d, dm, kvh, m_i, l_i, acc, scale_log2,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 BLOCK_N: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                 PV_F32: tl.constexpr, MASKED: tl.constexpr, FULL_D: tl.constexpr):
+    """Keys ``n0 .. n0 + BLOCK_N`` into the online softmax. MASKED: the causal mask and the bounds
+    ``< hi``; otherwise every key of the tile is valid and before every row's position."""
+    t = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        blk = tl.load(bt_row + t // BS, mask=t < hi, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + t // BS).to(tl.int64)
+    tok = t % BS
+    k_ptrs = kc_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + d[None, :]
+    v_ptrs = vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :]
+    if MASKED:
+        kmask = (t < hi)[:, None] & dm[None, :]
+        k = tl.load(k_ptrs, mask=kmask, other=0.0)
+    elif FULL_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=dm[None, :], other=0.0)
+    sc = mma(q, tl.trans(k), PREC, UPCAST) * scale_log2
+    if MASKED:
+        # Rows past q_len have qpos >= ctx: they see every valid key, stay finite, and are not stored.
+        sc = tl.where((t < hi)[None, :] & (t[None, :] <= qpos[:, None]), sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=kmask, other=0.0)
+    elif FULL_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=dm[None, :], other=0.0)
+    if PV_F32:  # probabilities kept in fp32 (tf32 MMA): closer to the fp32 reference, slower
+        pv = mma(p, v.to(tl.float32), PREC, UPCAST)
+    else:
+        pv = mma(p.to(v.dtype), v, PREC, UPCAST)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -73,29 +116,18 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     hi = tl.minimum(ctx, ctx - q_len + (mb + 1) * TOK)  # last position in this block + 1
-    for n0 in range(0, hi, BLOCK_N):
-        t = n0 + tl.arange(0, BLOCK_N)
-        tm = t < hi
-        blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
-        tok = t % BS
-        kmask = tm[:, None] & dm[None, :]
-        k = tl.load(kc_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=kmask, other=0.0)
-        sc = mma(q, tl.trans(k), PREC, UPCAST) * scale_log2
-        # Rows past q_len have qpos >= ctx: they see every valid key, stay finite, and are not stored.
-        sc = tl.where(tm[None, :] & (t[None, :] <= qpos[:, None]), sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=kmask, other=0.0)
-        if PV_F32:  # probabilities kept in fp32 (tf32 MMA): closer to the fp32 reference, slower
-            pv = mma(p, v.to(tl.float32), PREC, UPCAST)
-        else:
-            pv = mma(p.to(v.dtype), v, PREC, UPCAST)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # Keys up to the block's first query position are visible to every row (positions grow with
+    # the row): whole tiles of them need no causal mask and no bounds checks. Only the tiles from
+    # there to ``hi`` (the diagonal) are masked. Same tiles in the same order as one masked loop.
+    full = (ctx - q_len + mb * TOK + 1) // BLOCK_N * BLOCK_N
+    for n0 in range(0, full, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, bt_row, n0, hi, qpos, d, dm, kvh, m_i, l_i, acc, scale_log2,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                     BLOCK_N, BS, PREC, UPCAST, PV_F32, False, D == BLOCK_D)
+    for n0 in range(full, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, bt_row, n0, hi, qpos, d, dm, kvh, m_i, l_i, acc, scale_log2,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                     BLOCK_N, BS, PREC, UPCAST, PV_F32, True, D == BLOCK_D)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
@@ -138,9 +170,9 @@ def paged_prefill_attention(
     G = H // Hkv
     if pack_gqa:
         block_m = max(block_m, pow2(G, 16))  # room for at least one token's G heads
-        grid = (triton.cdiv(int(max_seqlen_q), block_m // G), B, Hkv)
+        grid = (cdiv(int(max_seqlen_q), block_m // G), B, Hkv)
     else:
-        grid = (triton.cdiv(int(max_seqlen_q), block_m), B, H)
+        grid = (cdiv(int(max_seqlen_q), block_m), B, H)
     num_stages = fit_stages(num_stages, 2 * block_n * pow2(D, 16) * k_cache.element_size())
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,

@@ -11,7 +11,8 @@ from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn
 from paged import paged_cache
 
 CASES_CPU = [  # [(q_len, context_len)], H, Hkv, D, block_size
-    ([(5, 5), (1, 30), (0, 7), (19, 40)], 4, 2, 16, 4),
+    # (4, 70): four whole key tiles before the diagonal, the unmasked loop's case
+    ([(5, 5), (1, 30), (0, 7), (19, 40), (4, 70)], 4, 2, 16, 4),
     ([(33, 33)], 3, 1, 24, 16),
 ]
 CASES_GPU = [
