@@ -26,7 +26,6 @@ call at short contexts (51% at 12 x 800): the layout stays.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -37,7 +36,7 @@ import torch
 from anneal.engine.kernels.attention_decode import paged_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, time_graph, write_probe  # noqa: E402
+from common import copy_bandwidth_gbps, probe_dtype, probe_parser, time_graph, write_probe  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # llama-3.1-8b, the engine's block size
 CONFIGS = [dict(split_k=0, block_n=64)] + [
@@ -79,14 +78,11 @@ def same_output(device, dtype) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
+    ap = probe_parser(__doc__, reps=60)
     ap.add_argument("--shapes", default="1x800,12x800,12x4096,32x1024,32x4096")
-    ap.add_argument("--reps", type=int, default=60)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = probe_dtype(device)
     diff = same_output(device, dtype)
     print(f"NHD vs HND, same values: max |diff| {diff:.3g}", file=sys.stderr)
     if diff != 0.0:

@@ -25,7 +25,6 @@ shapes) by 10-30%, which would be ~3-5% of the chat step.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, time_graph, write_probe  # noqa: E402
+from common import copy_bandwidth_gbps, probe_parser, time_graph, write_probe  # noqa: E402
 
 # (N, K) of each projection's weight
 PROJECTIONS = {
@@ -79,12 +78,9 @@ def kernels_launched(x, w, setting: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
+    ap = probe_parser(__doc__, reps=40)
     ap.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--rows", default="1,4,6,8,10,12,14,16,24,32,64,128")
-    ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda":  # every setting must still compute F.linear (the settings only pick kernels)

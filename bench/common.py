@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import platform
@@ -114,6 +115,23 @@ def summarize(samples_s: list[float]) -> dict:
         "p90_ms": q(0.9) * 1e3,
         "n": len(xs),
     }
+
+
+def probe_parser(doc: str, reps: int) -> argparse.ArgumentParser:
+    """The device probes' shared options (bench/attention_layout.py, blas_backend.py,
+    prefill_attention.py): ``--device`` (cuda; cpu checks only the probe's premise), ``--reps``,
+    ``--out``. Each probe adds its own shapes."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--out", default=None)
+    return ap
+
+
+def probe_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on the GPU (what the engine serves); fp32 on the CPU, where the interpreter's checks
+    compare exactly."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def write_probe(name: str, out: str | None, device: torch.device, *, copy_gbps: float, reps: int,

@@ -27,7 +27,6 @@ prefill attention is not the lever.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from anneal.engine.kernels.attention_prefill import paged_prefill_attention
 from anneal.engine.ops import reference as ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_graph, write_probe  # noqa: E402
+from common import probe_dtype, probe_parser, time_graph, write_probe  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # llama-3.1-8b, the engine's block size
 CONFIGS = [dict(), dict(pack_gqa=True), dict(block_m=128, num_warps=8), dict(block_m=128, num_warps=8, pack_gqa=True),
@@ -100,14 +99,11 @@ def agree(device, dtype) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
+    ap = probe_parser(__doc__, reps=20)
     ap.add_argument("--shapes", default="2048x2048,3072x3072,3072x6144,1024x8192")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = probe_dtype(device)
     diff = agree(device, dtype)
     print(f"kernel, SDPA and reference on one shape: max |diff| {diff:.3g}", file=sys.stderr)
     if diff > (2e-2 if dtype == torch.bfloat16 else 1e-4):
