@@ -75,16 +75,6 @@ def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def mma_acc(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b`` in one ``tl.dot``: the MMA accumulates into ``acc`` (no separate add over
-    the accumulator tile, which a compute-bound loop pays for)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=PREC)
-
-
-@triton.jit
 def pdl_launch_dependents(PDL: tl.constexpr):
     """Programmatic dependent launch (sm_90+): let the next kernel in the stream start launching.
     Safe first thing in a kernel: the next kernel still waits (``pdl_wait``) for this one to finish

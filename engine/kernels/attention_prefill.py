@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, mma_acc,
-    pdl_enabled, pdl_prologue, pow2,
+    KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
+    pdl_prologue, pow2,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -49,13 +49,13 @@ def _attend_keys(q, kc_ptr, vc_ptr, bt_row, n0, hi, qpos, d, dm, kvh, m_i, l_i, 
         k = tl.load(k_ptrs)
     else:
         k = tl.load(k_ptrs, mask=dm[None, :], other=0.0)
-    sc = mma(q, tl.trans(k), PREC, UPCAST)  # unscaled: the scale joins the exponent's FMA below
+    sc = mma(q, tl.trans(k), PREC, UPCAST) * scale_log2
     if MASKED:
         # Rows past q_len have qpos >= ctx: they see every valid key, stay finite, and are not stored.
         sc = tl.where((t < hi)[None, :] & (t[None, :] <= qpos[:, None]), sc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1) * scale_log2)  # scale_log2 > 0: the max commutes
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(sc * scale_log2 - m_new[:, None])
+    p = tl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if MASKED:
         v = tl.load(v_ptrs, mask=kmask, other=0.0)
@@ -63,12 +63,11 @@ def _attend_keys(q, kc_ptr, vc_ptr, bt_row, n0, hi, qpos, d, dm, kvh, m_i, l_i, 
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=dm[None, :], other=0.0)
-    acc = acc * alpha[:, None]
     if PV_F32:  # probabilities kept in fp32 (tf32 MMA): closer to the fp32 reference, slower
-        acc = mma_acc(p, v.to(tl.float32), acc, PREC, UPCAST)
+        pv = mma(p, v.to(tl.float32), PREC, UPCAST)
     else:
-        acc = mma_acc(p.to(v.dtype), v, acc, PREC, UPCAST)
-    return m_new, l_i, acc
+        pv = mma(p.to(v.dtype), v, PREC, UPCAST)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
