@@ -19,6 +19,10 @@ events: they are long enough that the host stays ahead, and a backend that canno
 graph must not break the run). TFLOP/s from the causal pairs actually attended (4 * pairs * D * H).
 Prediction: the best config at 40-60% of the best SDPA backend at 3k x 6k; if it is within 80%,
 prefill attention is not the lever.
+Measured (session 14, H200, bench/results/prefill-attention-2026-12-01-s14-call3.json): 87% of
+flash at 3072 x 6144, 78% at 1024 x 8192, ~50% of cuDNN on fresh causal prompts. The kernel then
+masked every key tile; with the causal mask on the diagonal's tiles only (call 4) it leads torch's
+best by 6-14% at the chunk-over-context shapes and stays at ~60% of cuDNN on fresh prompts.
 
     python bench/prefill_attention.py                # CUDA; JSON to bench/results/
     python bench/prefill_attention.py --device cpu   # Triton interpreter, tiny shapes: checks only

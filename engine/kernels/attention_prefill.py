@@ -5,7 +5,9 @@ takes ``block_m`` of sequence b's new tokens, whose positions are ``context_len 
 (so chunked prefill and prefix-cache hits, where earlier tokens are already cached, work the same
 way), and streams the cached keys/values ``0 .. last position`` of its block through an online
 softmax with the causal mask. Key/value tiles are gathered through ``block_tables``; entries past
-the sequence's length are never read.
+the sequence's length are never read. Whole tiles before the block's first query position are
+visible to every row and run without masks; only the diagonal's tiles pay for the causal mask
+(flash attention's two-stage loop: x1.25-1.38 on the H200 at 2k-8k contexts, session 14).
 
 With ``pack_gqa`` the rows of a program are (token, query head) pairs of one kv head's G heads
 (``block_m // G`` tokens each), so each K/V tile is loaded once for all G heads: what chunked
