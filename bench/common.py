@@ -134,12 +134,13 @@ def probe_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def write_probe(name: str, out: str | None, device: torch.device, *, copy_gbps: float, reps: int,
-                rows: list[dict], **extra) -> Path:
-    """A device probe's result file (bench/attention_layout.py, bench/blas_backend.py): environment,
-    GPU, the copy bandwidth its rooflines use, its repetitions and rows, and ``extra``; prints where
-    it went."""
-    path = write_result(name, {"env": environment(), "gpu": torch.cuda.get_device_name(device), "copy_gbps": copy_gbps,
+def write_probe(name: str, out: str | None, device: torch.device, *, reps: int, rows: list[dict],
+                copy_gbps: float | None = None, **extra) -> Path:
+    """A device probe's result file (bench/attention_layout.py, blas_backend.py, prefill_attention.py):
+    environment, GPU, the copy bandwidth its rooflines use (memory-bound probes), its repetitions and
+    rows, and ``extra``; prints where it went."""
+    bw = {} if copy_gbps is None else {"copy_gbps": copy_gbps}
+    path = write_result(name, {"env": environment(), "gpu": torch.cuda.get_device_name(device), **bw,
                                "reps": reps, "rows": rows, **extra}, Path(out) if out else None)
     print(json.dumps({"wrote": str(path)}))
     return path

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if "paged" in b and "sdpa" in b:
             b["paged_vs_sdpa"] = round(b["sdpa"]["us"] / b["paged"]["us"], 3)
         print(f"best at {key}: {b}", file=sys.stderr)
-    write_probe("prefill-attention", args.out, device, copy_gbps=0.0, reps=args.reps, rows=rows, best=best)
+    write_probe("prefill-attention", args.out, device, reps=args.reps, rows=rows, best=best)
     return 0
 
 
