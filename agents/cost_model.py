@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import Plan
+from anneal.engine.plan import Plan, token_graph_size
 from anneal.agents.types import BenchSpec, EngineState, HardwareSpec, Measurement, ModelShape, Prediction
 
 # Data-sheet numbers (dense bf16; per-direction NVLink per GPU). Microbenchmarks override bandwidth
@@ -121,6 +121,14 @@ def op_costs(shape: ModelShape, spec: BenchSpec, tp: int = 1) -> dict[str, OpCos
         out["attention"] = OpCost(bytes=rows.bytes + chunk.bytes, flops=rows.flops + chunk.flops)
         return out
     return _costs(shape, tokens=T, rows=B, keys=spec.context_len, tp=tp)
+
+
+def padded_costs(costs: dict[str, OpCost], shape: ModelShape, tokens: int, tp: int = 1) -> dict[str, OpCost]:
+    """A token graph's step: every per-token op runs the bucket's ``tokens`` rows, padding included;
+    attention, the final norm, lm_head and sampling see only the step's own rows."""
+    padded = _costs(shape, tokens=tokens, rows=1, keys=0, tp=tp)
+    own = ("attention", "rmsnorm", "lm_head", "sample")
+    return {op: c if op in own else padded[op] for op, c in costs.items()}
 
 
 def step_tokens(spec: BenchSpec) -> int:
@@ -229,11 +237,20 @@ class CostModel:
         """
         tp = tp or plan.parallelism.tensor_parallel
         layers = self.layers or self.shape.num_layers
-        graphs = bool(plan.cuda_graph_batch_sizes) and spec.mode == "decode" and spec.batch_size <= max(
-            plan.cuda_graph_batch_sizes or [0]) and self.hw.name.lower() != "cpu"
+        gpu = self.hw.name.lower() != "cpu"
+        costs = op_costs(self.shape, spec, tp)
+        if spec.mode == "decode":
+            graphs = gpu and spec.batch_size <= max(plan.cuda_graph_batch_sizes or [0])
+        else:
+            seqs = spec.batch_size + (spec.mode == "mixed")
+            bucket = token_graph_size(plan.cuda_graph_token_sizes, step_tokens(spec), seqs,
+                                      plan.scheduler.max_num_seqs) if gpu else None
+            graphs = bucket is not None
+            if graphs:
+                costs = padded_costs(costs, self.shape, bucket, tp)
         per_op: dict[str, float] = {}
         corrected = False
-        for op, cost in op_costs(self.shape, spec, tp).items():
+        for op, cost in costs.items():
             name = _op_key(op, spec)
             factor, known = self._factor(name, plan, calibrated)
             corrected |= known
@@ -333,7 +350,8 @@ class CostModel:
         if calibrated and pred.ms > best_ms * (1.0 + margin):
             return True
         if base is not None and base_ms is not None and plan.fusions == base.fusions and (
-                plan.cuda_graph_batch_sizes == base.cuda_graph_batch_sizes):
+                plan.cuda_graph_batch_sizes == base.cuda_graph_batch_sizes) and (
+                plan.cuda_graph_token_sizes == base.cuda_graph_token_sizes):
             est = self.predict_from_base(base, plan, spec, base_ms)
             return est is not None and est > best_ms * (1.0 + margin)
         return False

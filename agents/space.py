@@ -25,6 +25,14 @@ GRAPH_SETS = (
     (1, 2, 4, 8, 16, 32, 64, 128),
     (1, 4, 16, 64),
 )
+# Token buckets of prompt and mixed steps: none, or every 64 / 128 tokens (the padding to the next
+# bucket costs GEMM rows; host time goes, which bounds small steps: session 14, 13-25 ms of wall for
+# ~11 ms of kernels in a 415-token mixed step of the 8B).
+TOKEN_GRAPH_SETS = (
+    (),
+    tuple(range(64, 513, 64)),
+    tuple(range(128, 2049, 128)),
+)
 
 
 @dataclass
@@ -78,6 +86,7 @@ class CandidateSpace:
     ops: dict[str, OpSpace]
     fusions: list[str] = field(default_factory=list)
     graph_sets: tuple[tuple[int, ...], ...] = GRAPH_SETS
+    token_graph_sets: tuple[tuple[int, ...], ...] = TOKEN_GRAPH_SETS
     max_num_seqs: tuple[int, ...] = MAX_NUM_SEQS
     max_batched_tokens: tuple[int, ...] = MAX_BATCHED_TOKENS
     uses_graphs: bool = False  # CUDA graphs exist only on the GPU
@@ -124,7 +133,7 @@ class CandidateSpace:
         for s in self.ops.values():
             n *= s.size
         n *= 2 ** len(self.fusions) * len(self.max_num_seqs) * len(self.max_batched_tokens) * 2
-        return n * (len(self.graph_sets) if self.uses_graphs else 1)
+        return n * (len(self.graph_sets) * len(self.token_graph_sets) if self.uses_graphs else 1)
 
     def random_plan(self, rng: random.Random, base: Plan | None = None) -> Plan:
         base = base or Plan()
@@ -133,12 +142,13 @@ class CandidateSpace:
         upd: dict[str, Any] = {"ops": ops, "fusions": fusions, "name": None}
         if self.uses_graphs:
             upd["cuda_graph_batch_sizes"] = list(rng.choice(self.graph_sets))
+            upd["cuda_graph_token_sizes"] = list(rng.choice(self.token_graph_sets))
         return normalized(base.model_copy(update=upd))
 
     def mutate(self, plan: Plan, rng: random.Random, n: int = 1,
                moves: tuple[str, ...] = ("op", "fusion", "graphs", "sched")) -> Plan:
-        """``n`` small moves among ``moves``: one op's parameter or impl, a fusion flag, the graph
-        sizes, or a scheduler knob.
+        """``n`` small moves among ``moves``: one op's parameter or impl, a fusion flag, the decode
+        or token graph sizes, or a scheduler knob.
 
         A move that lands on the same plan is retried (a few times), so a mutation changes something.
         """
@@ -166,6 +176,8 @@ class CandidateSpace:
             f = rng.choice(self.fusions)
             return plan.model_copy(update={"fusions": {**plan.fusions, f: not plan.fusions.get(f, False)}})
         if move == "graphs":
+            if rng.random() < 0.5:
+                return plan.model_copy(update={"cuda_graph_token_sizes": list(rng.choice(self.token_graph_sets))})
             return plan.model_copy(update={"cuda_graph_batch_sizes": list(rng.choice(self.graph_sets))})
         return plan.model_copy(update={"scheduler": self.mutate_scheduler(plan.scheduler, rng)})
 
@@ -203,6 +215,7 @@ class CandidateSpace:
             "ops": ops, "fusions": fusions, "name": None,
             "scheduler": (a if rng.random() < 0.5 else b).scheduler,
             "cuda_graph_batch_sizes": (a if rng.random() < 0.5 else b).cuda_graph_batch_sizes,
+            "cuda_graph_token_sizes": (a if rng.random() < 0.5 else b).cuda_graph_token_sizes,
         })
         return normalized(with_used_kernels(child, [*a.kernels, *b.kernels]))
 
@@ -234,5 +247,10 @@ def with_used_kernels(plan: Plan, kernels) -> Plan:
 
 def normalized(plan: Plan) -> Plan:
     """The plan re-validated, so equal plans hash equal (``model_copy`` skips the validators that
-    sort graph sizes and drop disabled fusions)."""
-    return Plan.model_validate(plan.model_dump(mode="json"))
+    sort graph sizes and drop disabled fusions). Without token graphs when its attention_prefill is
+    the reference, which reads sequence lengths on the host: the engine refuses that pair
+    (``runner.NotCapturable``), so proposing it would only spend an experiment."""
+    data = plan.model_dump(mode="json")
+    if plan.choice("attention_prefill").impl == "reference":
+        data["cuda_graph_token_sizes"] = []
+    return Plan.model_validate(data)

@@ -223,10 +223,8 @@ def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw
             print(f"{shape:14s} {name:12s} bs={bs:<4d} graph step {row['step']['median_ms']:8.3f} ms "
                   f"gpu {ms:8.3f} ms  {row['pct_roofline']:5.1f}% of roofline", flush=True)
             if name == "reference" or bs in (1, max(batch_sizes)):
-                graphs = engine.runner.graphs.copy()
-                engine.runner.graphs.clear()
-                er = time_steps(engine, items, max(steps // 4, 5), warmup=2)
-                engine.runner.graphs.update(graphs)
+                with engine.runner.eager():
+                    er = time_steps(engine, items, max(steps // 4, 5), warmup=2)
                 out["rows"].append({"plan": name, "batch_size": bs, "mode": "eager", "step": er,
                                     "pct_roofline": 100 * roof_all / er["median_ms"],
                                     "tokens_per_s": bs / er["median_ms"] * 1e3})

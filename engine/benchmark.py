@@ -84,13 +84,12 @@ def _timed_steps(engine, sets: list[list[tuple[Sequence, int]]], req: BenchmarkR
     """Wall time of each step (host prep + device, synced device-wide, so work on other streams
     counts) and, for graph replays on a GPU, the device time of each replay alone."""
     samples = []
-    graphs = engine.runner.graphs
     events = engine.runner.replay_events = [] if engine.device.type == "cuda" else None
     try:  # a step that raises must not leave every later serving replay recording events
         for i in range(req.warmup + req.steps):
             items = sets[i % len(sets)]
             with torch.inference_mode():  # graph outputs are inference tensors
-                for _g, outputs in graphs.values():  # poison graph outputs: a skipped write shows up
+                for outputs in engine.runner.all_graph_outputs():  # poison graph outputs: a skipped write shows up
                     for t in outputs.values():
                         if t is not None:
                             t.fill_(float("nan") if t.is_floating_point() else -1)
@@ -143,20 +142,18 @@ def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps:
             return out
         return timed
 
-    graphs = dict(engine.runner.graphs)
-    engine.runner.graphs.clear()
     try:
-        for name, fn in originals.items():
-            setattr(ops, name, wrap(name, fn))
-        engine.runner.run(items, decode_only)  # warm-up, not counted
-        calls.clear()
-        for _ in range(steps):
-            engine.runner.run(items, decode_only)
-        _sync(engine)
+        with engine.runner.eager():
+            for name, fn in originals.items():
+                setattr(ops, name, wrap(name, fn))
+            engine.runner.run(items, decode_only)  # warm-up, not counted
+            calls.clear()
+            for _ in range(steps):
+                engine.runner.run(items, decode_only)
+            _sync(engine)
     finally:
         for name, fn in originals.items():
             setattr(ops, name, fn)
-        engine.runner.graphs.update(graphs)
     totals: dict[str, float] = {}
     for name, s, e in calls:
         ms = s.elapsed_time(e) if cuda else (e - s) * 1e3
@@ -212,7 +209,7 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
         tokens_per_s=tokens_per_step / med, samples_ms=[x * 1e3 for x in timed],
         per_op_ms=per_op,
         extra={"batch_size": req.batch_size, "context_len": req.context_len,
-               "graph": req.mode == "decode" and bool(engine.runner.graphs),
+               "graph": timed is device,
                "timing": "graph replay (CUDA events)" if timed is device else "wall (device-wide sync)",
                **wall,
                **({"host_median_ms": statistics.median(w - d for w, d in zip(samples, device)) * 1e3}

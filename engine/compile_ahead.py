@@ -252,7 +252,7 @@ class CompileAhead:
         result["kernels"] = len(mode.future_kernels) - before if mode is not None else 0
 
     def _run_passes(self, plan: Plan, result: dict[str, Any]) -> None:
-        from anneal.engine.llm import graph_sizes, register_plan_kernels
+        from anneal.engine.llm import graph_shapes, register_plan_kernels
         from anneal.engine.op_table import OpTable
 
         t0 = time.perf_counter()
@@ -260,7 +260,7 @@ class CompileAhead:
             with self.runner.device_lock:  # its torch ops (and an agent kernel's registration) meet no capture
                 register_plan_kernels(plan)
                 ops = OpTable.from_plan(plan, self.runner.device.type)
-                for run_pass in self.runner.ahead_passes(ops, graph_sizes(plan), plan.scheduler.max_num_seqs):
+                for run_pass in self.runner.ahead_passes(ops, *graph_shapes(plan)):
                     run_pass()
         except Exception as e:  # noqa: BLE001 - recorded against the plan, the engine serves on
             log.warning("compile-ahead of plan %s failed: %s: %s", plan.hash[:12], type(e).__name__, e)

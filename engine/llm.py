@@ -83,13 +83,23 @@ class ApplyReport:
     ahead_wait_s: float = 0.0  # of build_s: waiting for this plan's compile-ahead to finish
 
 
+def _up_to_first_holding(sizes: list[int], most: int) -> list[int]:
+    cap = next((b for b in sorted(sizes) if b >= most), None)
+    return [b for b in sorted(sizes) if cap is None or b <= cap]
+
+
 def graph_sizes(plan: Plan) -> list[int]:
     """The plan's CUDA-graph buckets that a step can use: none above the first bucket that holds
     ``max_num_seqs`` (a larger one is never replayed, and its capture holds memory the KV cache
     could use — with the reference attention, many GB)."""
-    sizes = sorted(plan.cuda_graph_batch_sizes)
-    cap = next((b for b in sizes if b >= plan.scheduler.max_num_seqs), None)
-    return [b for b in sizes if cap is None or b <= cap]
+    return _up_to_first_holding(plan.cuda_graph_batch_sizes, plan.scheduler.max_num_seqs)
+
+
+def graph_shapes(plan: Plan) -> tuple[list[int], int, list[int]]:
+    """``ModelRunner.capture``'s arguments for ``plan``: its decode buckets, its sequences a step,
+    and its token buckets up to the first that holds a whole step's token budget."""
+    tokens = _up_to_first_holding(plan.cuda_graph_token_sizes, plan.scheduler.max_num_batched_tokens)
+    return graph_sizes(plan), plan.scheduler.max_num_seqs, tokens
 
 
 def register_plan_kernels(plan: Plan) -> None:
@@ -164,7 +174,7 @@ class Engine:
         kv_s = time.perf_counter() - t0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # weight-init temporaries go back before graphs take their pool
-        captured = self.runner.capture(graph_sizes(self.plan), self.plan.scheduler.max_num_seqs)
+        captured = self.runner.capture(*graph_shapes(self.plan))
         # phases only, so they add up to the start (the parallel JIT's share is inside warmup_s)
         self.startup = {"config_s": t0 - t_init - self.load_s, "weights_s": self.load_s, "kv_cache_s": kv_s,
                         "warmup_s": captured["warmup_s"], "capture_s": captured["capture_s"]}
@@ -317,10 +327,10 @@ class Engine:
         t1 = time.perf_counter()
         try:
             self.runner.model.ops = ops
-            timings = self.runner.capture(graph_sizes(plan), plan.scheduler.max_num_seqs)
+            timings = self.runner.capture(*graph_shapes(plan))
         except Exception:
             self.runner.model.ops = old_ops
-            self.runner.capture(graph_sizes(old_plan), old_plan.scheduler.max_num_seqs)
+            self.runner.capture(*graph_shapes(old_plan))
             raise
         self.plan = plan
         self.blocks.reset_prefix_cache()

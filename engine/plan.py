@@ -49,6 +49,22 @@ FUSIONS = {
 DEFAULT_GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
+def token_graph_seqs(tokens: int, max_seqs: int) -> int:
+    """Sequences a token graph of ``tokens`` rows holds: each sequence of a step brings at least one
+    token, and a step holds at most the plan's ``max_seqs``."""
+    return min(tokens, max_seqs)
+
+
+def token_graph_size(sizes: list[int], tokens: int, seqs: int, max_seqs: int) -> int | None:
+    """The token graph a prompt or mixed step of ``tokens`` rows from ``seqs`` sequences replays:
+    the smallest of ``sizes`` that holds its tokens, if that one holds its sequences too; None:
+    the step runs eagerly."""
+    for size in sorted(sizes):
+        if size >= tokens:
+            return size if seqs <= token_graph_seqs(size, max_seqs) else None
+    return None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -84,8 +100,8 @@ class SchedulerKnobs(_Strict):
 
 
 # Knobs added after plans were stored and hashed (ledgers, CompiledPlans): left out of the hash
-# while they hold their default.
-_HASHED_WHEN_SET = (("scheduler", "overlap"),)
+# while they hold their default. A path: a plan field, or a group and its knob.
+_HASHED_WHEN_SET = (("scheduler", "overlap"), ("cuda_graph_token_sizes",))
 
 
 class Parallelism(_Strict):
@@ -113,6 +129,12 @@ class Plan(_Strict):
     cuda_graph_batch_sizes: list[int] = Field(
         default_factory=lambda: list(DEFAULT_GRAPH_BATCH_SIZES),
         description="decode batch sizes captured as CUDA graphs (GPU only); [] = eager",
+    )
+    cuda_graph_token_sizes: list[int] = Field(
+        default_factory=list,
+        description="prompt and mixed steps of up to this many tokens (and as many sequences, at most "
+        "max_num_seqs) replay a CUDA graph of the next size up, padded (GPU only; every op of a prompt step "
+        "must run without waiting on the host, as the reference attention_prefill does); [] = eager",
     )
     scheduler: SchedulerKnobs = Field(default_factory=SchedulerKnobs)
     parallelism: Parallelism = Field(default_factory=Parallelism)
@@ -142,6 +164,13 @@ class Plan(_Strict):
             raise ValueError("CUDA-graph batch sizes must be in 1..4096")
         return sorted(set(sizes))
 
+    @field_validator("cuda_graph_token_sizes")
+    @classmethod
+    def _token_buckets(cls, sizes: list[int]) -> list[int]:
+        if any(s < 1 or s > 16384 for s in sizes):
+            raise ValueError("CUDA-graph token sizes must be in 1..16384")
+        return sorted(set(sizes))
+
     def choice(self, op: str) -> OpChoice:
         return self.ops.get(op, OpChoice())
 
@@ -149,9 +178,13 @@ class Plan(_Strict):
         """The hashed content: defaults made explicit, the label left out."""
         data = self.model_dump(mode="json", exclude={"name"})
         data["ops"] = {op: self.choice(op).model_dump(mode="json") for op in OP_NAMES}
-        for group, knob in _HASHED_WHEN_SET:  # so plans written before the knob keep their hash
-            if data[group][knob] == type(getattr(self, group)).model_fields[knob].default:
-                del data[group][knob]
+        for *groups, knob in _HASHED_WHEN_SET:  # so plans written before the knob keep their hash
+            model, held = self, data
+            for g in groups:
+                model, held = getattr(model, g), held[g]
+            field = type(model).model_fields[knob]
+            if held[knob] == field.get_default(call_default_factory=True):
+                del held[knob]
         return data
 
     def canonical_json(self) -> str:

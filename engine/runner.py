@@ -1,11 +1,12 @@
 """The model runner: the only part that touches the device.
 
 It owns the KV cache and turns a scheduled batch into tensors, runs the model, and samples. Mixed
-and prefill steps run eagerly through the varlen path. Decode-only steps on the GPU replay a CUDA
-graph captured per batch-size bucket (padded up to the bucket; padding rows store nothing and
-attend to nothing); graphs share one memory pool, and all inputs live in static buffers refilled
-before each replay. Greedy decode takes the argmax inside the graph; sampled requests take the
-graph's logits through the plan's `sample` op.
+and prefill steps run through the varlen path: eagerly, or on the GPU as a CUDA graph per token
+bucket when the plan asks (padded to the bucket's tokens and sequences). Decode-only steps on the
+GPU replay a CUDA graph captured per batch-size bucket. Padding rows store nothing and attend to
+nothing; graphs share one memory pool, and all inputs live in static buffers refilled before each
+replay. Greedy steps take the argmax inside the graph; sampled requests take the graph's logits
+through the plan's `sample` op.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import gc
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +29,7 @@ from anneal.engine.context import AttnContext
 from anneal.engine.models.transformer import Transformer
 from anneal.engine.op_table import OpTable
 from anneal.engine.parallel_jit import precompile
+from anneal.engine.plan import token_graph_seqs, token_graph_size
 from anneal.engine.prompt_warmup import Layout, prompt_step_layouts
 from anneal.engine.sequence import Sequence, TokenLogprobs
 from anneal.engine.weights import Weights
@@ -65,6 +68,32 @@ def collection_paused():
             gc.enable()
 
 
+class NotCapturable(ValueError):
+    """A plan's step waits on the device (a host sync), so no CUDA graph can hold it."""
+
+
+@contextlib.contextmanager
+def capturable(what: str):
+    """Inside, an op that makes the host wait on the device raises ``NotCapturable`` naming the
+    code that did, before a capture would fail on it (a failed capture can leave the device's RNG
+    marked as capturing: see ``collection_paused``). The reference ``attention_prefill`` reads its
+    sequence lengths on the host, so a plan with it cannot graph its prompt steps."""
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    except RuntimeError as e:
+        if "synchronizing" not in str(e):
+            raise
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
+        where = f"{frames[-1].name} ({frames[-1].filename}:{frames[-1].lineno})" if frames else "an op"
+        raise NotCapturable(f"the CUDA graph of {what} cannot be captured: {where} waits on the device "
+                            f"({e}). Use ops that do not (a Triton attention_prefill), or no "
+                            "cuda_graph_token_sizes") from e
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -88,10 +117,14 @@ class ModelRunner:
             device=device, dtype=dtype,
         )
         self.kv.normal_()  # never zeros: stale reads must show up as wrong outputs
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}  # decode steps, by batch size
+        self.token_graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}  # prompt/mixed steps, by tokens
+        self.token_graph_replays = 0
         self.replay_events: list | None = None  # (start, end) CUDA events per graph replay, when set
         self._graph_pool = None
         self._bufs: dict[str, torch.Tensor] = {}
+        self._token_bufs: dict[str, torch.Tensor] = {}
+        self._token_max_seqs = 0  # the plan's max_num_seqs, when it captures token graphs
         self.parallel_jit = False  # compile a plan's Triton kernels all at once before its warm-up
         self.warm_prompt_steps = False  # compile a plan's prompt-step kernels when it is applied (prompt_warmup.py)
         self.device_lock = threading.Lock()  # captures vs compile-ahead passes (engine/compile_ahead.py)
@@ -134,7 +167,11 @@ class ModelRunner:
         if decode_only and self.graphs and len(seqs) <= max(self.graphs):
             logits, greedy = self._replay(seqs)
         else:
-            logits, greedy, sample_rows = self.extend(items, decode_only)
+            tokens = None if decode_only else self.token_bucket(items)
+            if tokens is not None:
+                logits, greedy, sample_rows = self._replay_tokens(items, tokens)
+            else:
+                logits, greedy, sample_rows = self.extend(items, decode_only)
             seqs_sampling = [seqs[i] for i in sample_rows]
             return self._finish(items, sample_rows, seqs_sampling, logits, greedy)
         return self._finish(items, list(range(len(seqs))), seqs, logits, greedy)
@@ -273,20 +310,122 @@ class ModelRunner:
         """One decode step of ``bs`` rows on the static buffers (what a graph captures); the
         compile-ahead pass runs it on a two-layer view with buffers and a cache of its own."""
         model, b, kv = model or self.model, bufs or self._bufs, self.kv if kv is None else kv
-        ops = model.ops
         ctx = AttnContext(
             is_prefill=False,
             slot_mapping=b["slot_mapping"][:bs],
             block_tables=b["block_tables"][:bs],
             context_lens=b["context_lens"][:bs],
         )
-        hidden = model.forward(b["ids"][:bs], b["positions"][:bs], ctx, kv)
+        return self._heads(model, model.forward(b["ids"][:bs], b["positions"][:bs], ctx, kv))
+
+    @staticmethod
+    def _heads(model: Transformer, hidden: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """A graph's outputs from the hidden states of its sampled rows: the greedy tokens, and the
+        logits unless the fused lm_head + argmax writes none."""
+        ops = model.ops
         if ops.lm_head_argmax is not None:  # fused: the graph writes no logits
             return {"hidden": hidden, "logits": None, "greedy": ops.lm_head_argmax(hidden, model.w.lm_head)}
         # Logits stay in the model's dtype inside the graph (a [bs, vocab] fp32 copy cost 4 µs of a
         # 1 ms step): greedy needs none, sampling and logprobs convert outside the graph.
         logits = model.logits(hidden)
         return {"hidden": hidden, "logits": logits, "greedy": ops.argmax(logits)}
+
+    # ---- CUDA graphs of prompt and mixed steps ----------------------------------------------------
+
+    def _token_buffers(self, max_tokens: int, max_seqs: int) -> dict[str, torch.Tensor]:
+        """Static inputs of the token graphs, in three tensors so a replay fills them in three copies:
+        per token (ids, positions, cache slots), per sequence (context lengths, the cumulative query
+        rows, the sampled rows) and the block tables, as wide as a decode graph's."""
+        d = self.device
+        rows = torch.zeros(3, max_tokens, dtype=torch.int64, device=d)
+        rows[2].fill_(-1)
+        per_seq = torch.zeros(3, max_seqs + 1, dtype=torch.int32, device=d)
+        tables = torch.zeros(max_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=d)
+        return dict(rows=rows, per_seq=per_seq, block_tables=tables)
+
+    def _token_body(self, tokens: int, seqs: int, model: Transformer | None = None, bufs: dict | None = None,
+                    kv: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+        """One prompt or mixed step of ``tokens`` rows from ``seqs`` sequences on the static buffers
+        (what a token graph captures). Sequences past the step's own have no rows (their programs
+        return at once); rows past its tokens belong to no sequence and store nothing. The attention
+        grid is sized for a sequence of all ``tokens`` rows, so no host value of the step sizes it."""
+        model, b, kv = model or self.model, bufs or self._token_bufs, self.kv if kv is None else kv
+        rows, per_seq = b["rows"], b["per_seq"]
+        ctx = AttnContext(
+            is_prefill=True,
+            slot_mapping=rows[2, :tokens],
+            block_tables=b["block_tables"][:seqs],
+            context_lens=per_seq[0, :seqs],
+            cu_seqlens_q=per_seq[1, : seqs + 1],
+            max_seqlen_q=tokens,
+        )
+        hidden = model.forward(rows[0, :tokens], rows[1, :tokens], ctx, kv)
+        return self._heads(model, hidden.index_select(0, per_seq[2, :seqs]))
+
+    def _token_seqs(self, tokens: int) -> int:
+        return token_graph_seqs(tokens, self._token_max_seqs)
+
+    def token_bucket(self, items: list[tuple[Sequence, int]]) -> int | None:
+        """The token graph a step of ``items`` replays; None for an eager step."""
+        return token_graph_size(list(self.token_graphs), sum(k for _, k in items), len(items), self._token_max_seqs)
+
+    def _fill_token_buffers(self, items: list[tuple[Sequence, int]], tokens: int, seqs: int) -> list[int]:
+        """Write a step's inputs into the token buffers, padded to ``tokens`` rows and ``seqs``
+        sequences; returns the items whose logits the step samples."""
+        ids, pos, slots, cu, sample_rows = self._rows(items)
+        n, k, b = cu[-1], len(items), self._token_bufs
+        rows = np.zeros((3, tokens), dtype=np.int64)
+        rows[0, :n], rows[1, :n], rows[2, n:] = ids, pos, -1
+        rows[2, :n] = slots
+        per_seq = np.zeros((3, seqs + 1), dtype=np.int32)
+        per_seq[0, :k] = [s.num_computed_tokens + m for s, m in items]
+        per_seq[1, : k + 1], per_seq[1, k + 1 :] = cu, n
+        per_seq[2, : len(sample_rows)] = [cu[i + 1] - 1 for i in sample_rows]
+        b["rows"][:, :tokens].copy_(torch.from_numpy(rows), non_blocking=True)
+        b["per_seq"][:, : seqs + 1].copy_(torch.from_numpy(per_seq), non_blocking=True)
+        tables = self._block_table_rows([s.block_table for s, _ in items] + [[]] * (seqs - k),
+                                        self.max_blocks_per_seq)
+        b["block_tables"][:seqs].copy_(tables, non_blocking=True)
+        return sample_rows
+
+    def _replay_tokens(self, items: list[tuple[Sequence, int]], tokens: int):
+        g, outputs = self.token_graphs[tokens]
+        sample_rows = self._fill_token_buffers(items, tokens, self._token_seqs(tokens))
+        self._launch_graph(g)
+        self.token_graph_replays += 1
+        return self._graph_outputs(outputs, len(sample_rows)) + (sample_rows,)
+
+    def _graph_outputs(self, outputs: dict, n: int):
+        """The first ``n`` rows of a graph's logits (lazy when the graph wrote none) and tokens."""
+        logits = outputs["logits"]
+        if logits is None:  # fused greedy graph: logits only when someone samples
+            return _LazyLogits(self.model, outputs["hidden"][:n]), outputs["greedy"][:n]
+        return logits[:n], outputs["greedy"][:n]  # model dtype; sampling converts
+
+    def _launch_graph(self, g: torch.cuda.CUDAGraph) -> None:
+        if self.replay_events is not None:  # a benchmark wants the device time of the replay alone
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            self.replay_events.append((start, end))
+        else:
+            g.replay()
+
+    def all_graph_outputs(self) -> list[dict]:
+        return [outputs for _g, outputs in [*self.graphs.values(), *self.token_graphs.values()]]
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Every step eager inside (per-op timing); the graphs come back after."""
+        graphs, tokens = dict(self.graphs), dict(self.token_graphs)
+        self.graphs.clear()
+        self.token_graphs.clear()
+        try:
+            yield
+        finally:
+            self.graphs.update(graphs)
+            self.token_graphs.update(tokens)
 
     def _view(self, ops: OpTable):
         """The first two layers (the first layer's path and every later one's) with ``ops``, their
@@ -310,22 +449,26 @@ class ModelRunner:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         return view, kv, stream
 
-    def ahead_passes(self, ops: OpTable, batch_sizes: list[int], max_seqs: int = 0) -> list:
+    def ahead_passes(self, ops: OpTable, batch_sizes: list[int], max_seqs: int = 0,
+                     token_sizes: list[int] = ()) -> list:
         """Passes that launch every Triton kernel ``ops`` would launch in ``capture(batch_sizes,
-        max_seqs)``: decode steps on static buffers and, when the engine warms prompt steps, those
-        steps too, all on a two-layer view (``_view``). For ``parallel_jit.precompile`` on another
-        thread."""
+        max_seqs, token_sizes)``: decode and token-graph steps on static buffers and, when the engine
+        warms prompt steps, those steps too, all on a two-layer view (``_view``). For
+        ``parallel_jit.precompile`` on another thread."""
+        token_sizes = sorted(token_sizes) if max_seqs else []
         bufs = self._static_buffers(max(batch_sizes)) if batch_sizes else {}
+        tbufs = self._token_buffers(token_sizes[-1], token_graph_seqs(token_sizes[-1], max_seqs)) if token_sizes else {}
         view, kv, stream = self._view(ops)  # its stream waits for the buffers' zeros too
 
-        def run(bs: int) -> None:
+        def run(body, *args) -> None:
             with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-                self._decode_body(bs, view, bufs, kv)
+                body(*args, model=view, bufs=bufs if body == self._decode_body else tbufs, kv=kv)
 
-        decode = [functools.partial(run, bs) for bs in sorted(batch_sizes, reverse=True)]
+        passes = [functools.partial(run, self._token_body, t, token_graph_seqs(t, max_seqs)) for t in reversed(token_sizes)]
+        passes += [functools.partial(run, self._decode_body, bs) for bs in sorted(batch_sizes, reverse=True)]
         if not (self.warm_prompt_steps and max_seqs):
-            return decode
-        return decode + self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0))
+            return passes
+        return passes + self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0))
 
     def _prompt_passes(self, view: Transformer, kv: torch.Tensor, stream, max_seqs: int, largest_graph: int) -> list:
         """One pass per ``prompt_warmup.prompt_step_layouts`` step on the view: the forward pass, the
@@ -350,15 +493,17 @@ class ModelRunner:
         layouts = prompt_step_layouts(self.max_model_len, max_seqs, largest_graph)
         return [functools.partial(run, layout) for layout in layouts]
 
-    def capture(self, batch_sizes: list[int], max_seqs: int = 0) -> dict[str, float | int]:
-        """Warm the kernels up and capture one decode graph per bucket; when the engine warms
-        prompt steps, first run the eager steps of ``prompt_warmup`` for a plan of ``max_seqs``
-        sequences a step, so that none of its prompt steps compiles a kernel while serving.
-        Returns timings (s)."""
+    def capture(self, batch_sizes: list[int], max_seqs: int = 0, token_sizes: list[int] = ()) -> dict[str, float | int]:
+        """Warm the kernels up and capture one decode graph per batch bucket and, for a plan of
+        ``max_seqs`` sequences a step, one prompt/mixed-step graph per token bucket; when the engine
+        warms prompt steps, first run the eager steps of ``prompt_warmup``, so that none of its
+        prompt steps compiles a kernel while serving. Returns timings (s)."""
         self.graphs.clear()
+        self.token_graphs.clear()
         self._graph_pool = None
         if self.device.type != "cuda":
             return {"warmup_s": 0.0, "capture_s": 0.0}
+        token_sizes = sorted(token_sizes) if max_seqs else []
         with self.device_lock:  # a compile-ahead pass's torch ops wait until the capture is done
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -367,37 +512,50 @@ class ModelRunner:
                 view, kv, stream = self._view(self.ops)
                 prompt_passes = self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0))
             self._bufs = self._static_buffers(max(batch_sizes)) if batch_sizes else {}
+            self._token_max_seqs = max_seqs if token_sizes else 0
+            self._token_bufs = (self._token_buffers(token_sizes[-1], self._token_seqs(token_sizes[-1]))
+                                if token_sizes else {})
+            bodies = self._graph_bodies(batch_sizes, token_sizes)
             jit: dict = {}
             with torch.inference_mode():
                 if self.parallel_jit:
-                    jit = precompile([functools.partial(self._decode_body, bs) for bs in batch_sizes] + prompt_passes)
+                    jit = precompile([body for _, _, body in bodies] + prompt_passes)
                 for run_pass in prompt_passes:
                     run_pass()
                 torch.cuda.synchronize()
                 prompt = {"prompt_warmup_s": time.perf_counter() - t0} if prompt_passes else {}
-                for bs in sorted(batch_sizes, reverse=True):  # warm-up compiles every kernel variant
-                    self._decode_body(bs)
+                for graphs, key, body in bodies:  # warm-up compiles every kernel variant
+                    with capturable(f"{'token' if graphs is self.token_graphs else 'batch'} size {key}"):
+                        body()
                 torch.cuda.synchronize()
                 t1 = time.perf_counter()
                 with collection_paused():
-                    self._capture_graphs(batch_sizes)
+                    self._capture_graphs(bodies)
         torch.cuda.synchronize()
         timings = {"warmup_s": t1 - t0, "capture_s": time.perf_counter() - t1, **prompt}  # prompt's is part of warmup_s
         if jit:  # part of warmup_s: the parallel compile, and how many kernels it compiled
             timings.update(parallel_jit_s=jit["s"], parallel_jit_kernels=jit["kernels"])
         return timings
 
-    def _capture_graphs(self, batch_sizes: list[int]) -> None:
-        """One graph per bucket, largest first, sharing one memory pool."""
-        for bs in sorted(batch_sizes, reverse=True):
+    def _graph_bodies(self, batch_sizes: list[int], token_sizes: list[int]) -> list:
+        """``(graph dict, key, body)`` per graph to capture: token graphs, then decode graphs, each
+        largest first (the first capture sizes the shared pool)."""
+        tokens = [(self.token_graphs, t, functools.partial(self._token_body, t, self._token_seqs(t)))
+                  for t in sorted(token_sizes, reverse=True)]
+        return tokens + [(self.graphs, bs, functools.partial(self._decode_body, bs))
+                         for bs in sorted(batch_sizes, reverse=True)]
+
+    def _capture_graphs(self, bodies: list) -> None:
+        """One graph per body, in order, sharing one memory pool."""
+        for graphs, key, body in bodies:
             g = torch.cuda.CUDAGraph()
             # thread_local: the compile-ahead thread's Triton compiles may make CUDA calls
             # that a global-mode capture would count against this one.
             with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
-                outputs = self._decode_body(bs)
+                outputs = body()
             if self._graph_pool is None:
                 self._graph_pool = g.pool()
-            self.graphs[bs] = (g, outputs)
+            graphs[key] = (g, outputs)
 
     def _replay(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(seqs)
@@ -423,15 +581,5 @@ class ModelRunner:
         b["block_tables"][:n].copy_(bt.to(self.device, non_blocking=True))
         b["block_tables"][n:bs].zero_()
         g, outputs = self.graphs[bs]
-        if self.replay_events is not None:  # a benchmark wants the device time of the replay alone
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            self.replay_events.append((start, end))
-        else:
-            g.replay()
-        logits = outputs["logits"]
-        if logits is None:  # fused greedy graph: logits only when someone samples
-            return _LazyLogits(self.model, outputs["hidden"][:n]), outputs["greedy"][:n]
-        return logits[:n], outputs["greedy"][:n]  # model dtype; sampling converts
+        self._launch_graph(g)
+        return self._graph_outputs(outputs, n)

@@ -164,7 +164,7 @@ def verify(engine, req: VerifyRequest) -> VerifyReport:
     # The reference runs eager: its decode attention gathers max_model_len-wide block tables,
     # and a captured graph of that would hold many GB the KV cache already owns.
     reference = req.plan.model_copy(update={"ops": {}, "kernels": [], "fusions": {},
-                                            "cuda_graph_batch_sizes": []})
+                                            "cuda_graph_batch_sizes": [], "cuda_graph_token_sizes": []})
     forcer = _Forcer(engine)
     results: list[CheckResult] = []
     try:

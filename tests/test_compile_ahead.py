@@ -32,7 +32,7 @@ class _Runner:
         self.ran: list[tuple[int, int]] = []
         self.fail_on = fail_on
 
-    def ahead_passes(self, ops, batch_sizes, max_seqs=0):
+    def ahead_passes(self, ops, batch_sizes, max_seqs=0, token_sizes=()):
         split_k = ops.choices["attention_decode"][1]["split_k"]
 
         def run(bs):
@@ -49,7 +49,7 @@ def _hold_passes(runner: _Runner, split_k: int | None = None) -> tuple[threading
     started, release = threading.Event(), threading.Event()
     passes = runner.ahead_passes
 
-    def held(ops, batch_sizes, max_seqs=0):
+    def held(ops, batch_sizes, max_seqs=0, token_sizes=()):
         if split_k is None or ops.choices["attention_decode"][1]["split_k"] == split_k:
             started.set()
             release.wait(30)
@@ -214,7 +214,7 @@ def test_with_children_each_plan_is_released_as_soon_as_its_own_kernels_are_in(m
     runner = _Runner()
     passes = runner.ahead_passes
 
-    def recorded_passes(ops, batch_sizes, max_seqs=0):
+    def recorded_passes(ops, batch_sizes, max_seqs=0, token_sizes=()):
         split_k = ops.choices["attention_decode"][1]["split_k"]
         if recording["specs"] is not None:  # the record pass: one kernel per plan
             recording["specs"].append(("decode_split", split_k))

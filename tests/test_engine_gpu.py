@@ -57,6 +57,47 @@ def test_triton_plan_equals_reference(cuda, model):
     assert agree > 0.98, agree
 
 
+@pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3"])
+def test_token_graphs_give_the_eager_steps_tokens(cuda, model):
+    """Prompt and mixed steps replaying token graphs (padded to the bucket's tokens and sequences)
+    against the same plan with every such step eager: greedy and seeded-sampled tokens, with
+    prompts of 5-200 tokens in steps of up to 256 so that chunks, mixed steps and the eager
+    fallback above the largest bucket all occur."""
+    def run(token_sizes: list[int], temperature: float):
+        plan = Plan.model_validate({"ops": TRITON, "cuda_graph_batch_sizes": [1, 2, 4, 8],
+                                    "cuda_graph_token_sizes": token_sizes,
+                                    "scheduler": {"max_num_batched_tokens": 256, "max_num_seqs": 8}})
+        eng = Engine(EngineArgs(model=model, device="cuda", dtype="float32", num_kv_blocks=512,
+                                max_model_len=512, plan=plan))
+        assert sorted(eng.runner.token_graphs) == token_sizes
+        prompts = _prompts(eng.config.vocab_size, n=12)
+        params = SamplingParams(max_tokens=24, temperature=temperature, seed=7, ignore_eos=True)
+        return eng.generate(prompts, params), eng.runner.token_graph_replays
+
+    for temperature in (0.0, 0.8):
+        eager, none = run([], temperature)
+        graphed, replays = run([32, 64, 128], temperature)
+        assert none == 0 and replays > 5, replays
+        agree = sum(a == b for r, g in zip(eager, graphed) for a, b in zip(r, g)) / sum(len(r) for r in eager)
+        assert agree > 0.98, (temperature, agree)
+
+
+def test_a_plan_whose_prompt_steps_wait_on_the_device_gets_no_token_graphs(cuda):
+    """The reference attention_prefill reads its sequence lengths on the host: a graph cannot hold
+    it. The apply fails naming it, before any capture, and the old plan keeps serving."""
+    from anneal.engine.runner import NotCapturable
+
+    eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=256, max_model_len=256,
+                            plan=Plan.model_validate({"ops": TRITON})))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    before = eng.generate([[1, 2, 3, 4, 5]], params)
+    old = eng.plan
+    with pytest.raises(NotCapturable, match="attention_prefill"):
+        eng.apply_plan(Plan(cuda_graph_token_sizes=[64]))
+    assert eng.plan == old and not eng.runner.token_graphs and eng.runner.graphs
+    assert eng.generate([[1, 2, 3, 4, 5]], params) == before
+
+
 AHEAD_RACE = """
 import torch
 from anneal.engine.llm import Engine, EngineArgs
@@ -159,7 +200,8 @@ def test_applying_a_prepared_plan_compiles_no_kernel(cuda, processes, tmp_path, 
     ops = {**TRITON, "attention_decode": {"impl": "triton_splitk",
                                           "params": {"split_k": 16, "block_n": 32, "num_warps": 2,
                                                      "num_stages": 3 if processes else 2}}}
-    plan = Plan.model_validate({"ops": ops, "cuda_graph_batch_sizes": [1, 2, 4, 8, 16]})
+    plan = Plan.model_validate({"ops": ops, "cuda_graph_batch_sizes": [1, 2, 4, 8, 16],
+                                "cuda_graph_token_sizes": [64, 256]})
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))  # before the children start
     eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=700, max_model_len=512,
                             compile_ahead_processes=processes))
