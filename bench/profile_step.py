@@ -118,10 +118,11 @@ def profile_plan(engine: Engine, bs: int, context: int, replays: int) -> dict:
             "kernels": table, "middle_kernels": window}
 
 
-def profile_mixed(engine: Engine, bs: int, context: int, prompt: int, reps: int) -> dict:
-    """One eager step of a ``prompt``-token prefill chunk with ``bs`` decode rows riding along (the
-    replay's steps with prompt tokens): its wall time (host included), the kernels' sum and span, and
-    the kernels by name. Wall far above the span says the step is host-bound (launches, Python)."""
+def profile_mixed(engine: Engine, bs: int, context: int, prompt: int, reps: int, profile: bool = True) -> dict:
+    """One step of a ``prompt``-token prefill chunk with ``bs`` decode rows riding along (the
+    replay's steps with prompt tokens; eager, or a token graph's replay when the plan has one that
+    holds it): its wall time (host included) and, with ``profile``, the host functions, the kernels'
+    sum and span, and the kernels by name. Wall far above the span says the step is host-bound."""
     items = decode_items(engine, bs, context, seed=bs)
     V = engine.config.vocab_size
     g = torch.Generator().manual_seed(prompt)
@@ -139,20 +140,22 @@ def profile_mixed(engine: Engine, bs: int, context: int, prompt: int, reps: int)
         t0 = time.perf_counter()
         engine.runner.run(batch, decode_only=False)  # ends in the step's one host sync
         walls.append((time.perf_counter() - t0) * 1e6)
-    host = host_profile(lambda: engine.runner.run(batch, decode_only=False), reps)
-    ks = []
-    if cuda:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            engine.runner.run(batch, decode_only=False)
-            sync()
-        ks = kernel_events(prof)
-    table = kernel_table([ks]) if ks else []
+    out = {"prompt_tokens": prompt, "decode_rows": bs, "token_graph": engine.runner.token_bucket(batch),
+           "wall_us_median": statistics.median(walls)}
+    if profile:
+        host = host_profile(lambda: engine.runner.run(batch, decode_only=False), reps)
+        ks = []
+        if cuda:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                engine.runner.run(batch, decode_only=False)
+                sync()
+            ks = kernel_events(prof)
+        out.update(kernels_per_step=len(ks), span_us=ks[-1][1] + ks[-1][2] - ks[0][1] if ks else 0.0,
+                   kernel_sum_us=sum(k[2] for k in ks), kernels=kernel_table([ks]) if ks else [],
+                   host_functions=host)
     for s, _ in batch:
         engine.blocks.free(s)
-    return {"prompt_tokens": prompt, "decode_rows": bs, "kernels_per_step": len(ks),
-            "wall_us_median": statistics.median(walls),
-            "span_us": ks[-1][1] + ks[-1][2] - ks[0][1] if ks else 0.0,
-            "kernel_sum_us": sum(k[2] for k in ks), "kernels": table, "host_functions": host}
+    return out
 
 
 def host_profile(step, reps: int, top: int = 25) -> list[dict]:
@@ -189,6 +192,9 @@ def main() -> int:
     bs, ctx = args.batch_size, args.context
     wanted = args.plans.split(",")
     plans = bench_plans([bs], [w for w in wanted if w.endswith(".json")])
+    if args.mixed:  # the step's bs decode rows and its chunk: bs + 1 sequences
+        plans = {k: p.model_copy(update={"scheduler": p.scheduler.model_copy(update={"max_num_seqs": bs + 1})})
+                 for k, p in plans.items()}
     engine = Engine(EngineArgs(model=f"random:{args.shape}", device="cuda", dtype="bfloat16",
                                max_model_len=max(ctx, args.mixed) + 64,
                                num_kv_blocks=(bs + 1) * (-(-(max(ctx, args.mixed) + 64) // 16)) + 32,
@@ -197,14 +203,21 @@ def main() -> int:
     roof_us = engine.weights.nbytes() / (bw * 1e9) * 1e6
     result = {"env": environment(), "copy_gbps": bw, "shape": args.shape, "batch_size": bs, "context": ctx,
               "roofline_weights_us": roof_us, "plans": {}}
+    walls = {}
+    if args.mixed:  # every plan's wall before any profiler runs: the host ran ~2x slower after one (session 15)
+        for name in map(plan_key, wanted):
+            engine.apply_plan(plans[name])
+            walls[name] = profile_mixed(engine, bs, ctx, args.mixed, args.replays, profile=False)["wall_us_median"]
     for name in map(plan_key, wanted):
         try:
             engine.apply_plan(plans[name])
             if args.mixed:
                 r = profile_mixed(engine, bs, ctx, args.mixed, args.replays)
+                r["wall_us_median_after_profiling"], r["wall_us_median"] = r["wall_us_median"], walls[name]
                 result["plans"][name] = r
-                print(f"== {args.shape} {name} prefill {args.mixed} + {bs} decode rows (ctx {ctx}): "
-                      f"{r['kernels_per_step']} kernels, wall {r['wall_us_median']:.0f} µs, span {r['span_us']:.0f} µs, "
+                print(f"== {args.shape} {name} prefill {args.mixed} + {bs} decode rows (ctx {ctx}, token graph "
+                      f"{r['token_graph']}): {r['kernels_per_step']} kernels, wall {r['wall_us_median']:.0f} µs "
+                      f"({r['wall_us_median_after_profiling']:.0f} after profiling), span {r['span_us']:.0f} µs, "
                       f"kernels {r['kernel_sum_us']:.0f} µs", flush=True)
                 print_kernels(r["kernels"])
                 print("  host: functions by their own time (µs per step, calls per step, cumulative µs)")
