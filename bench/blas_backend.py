@@ -80,7 +80,9 @@ def kernels_launched(x, w, setting: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__, reps=40)
     ap.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
-    ap.add_argument("--rows", default="1,4,6,8,10,12,14,16,24,32,64,128")
+    ap.add_argument("--rows", default="1,4,6,8,10,12,14,16,24,32,64,128",
+                    help="row counts M, comma-separated, or START:STOP:STEP (a prompt step's token buckets)")
+    ap.add_argument("--ops", default=None, help="projections to time (default: all)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda":  # every setting must still compute F.linear (the settings only pick kernels)
@@ -91,10 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         print("every setting computes F.linear", file=sys.stderr)
         return 0
     bw = copy_bandwidth_gbps()
-    rows_m = [int(m) for m in args.rows.split(",")]
+    rows_m = (list(range(*map(int, args.rows.split(":")))) if ":" in args.rows
+              else [int(m) for m in args.rows.split(",")])
     rows, kernels = [], {}
     for model in args.models.split(","):
         for op, (n, k) in PROJECTIONS[model].items():
+            if args.ops and op not in args.ops.split(","):
+                continue
             w_bytes = n * k * 2
             copies = max(2, -(-120 * 2**20 // w_bytes))  # more than twice the H200's 50 MB of L2
             gen = torch.Generator(device=device).manual_seed(n * 7 + k)
