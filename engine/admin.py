@@ -162,7 +162,9 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
                                if report.prompt_warmup_s is not None else {}),
                             **({"parallel_jit_s": report.parallel_jit_s,
                                 "parallel_jit_kernels": report.parallel_jit_kernels}
-                               if report.parallel_jit_s is not None else {})}}
+                               if report.parallel_jit_s is not None else {})},
+                **({"token_graphs": {"kept": report.token_graph_sizes, "dropped": report.token_graph_sizes_dropped}}
+                   if report.token_graph_sizes is not None else {})}
 
     @app.post("/admin/kernels", dependencies=[Depends(auth)])
     async def kernels(request: Request) -> Any:

@@ -80,6 +80,8 @@ class ApplyReport:
     parallel_jit_s: float | None = None  # of warmup_s, with EngineArgs.parallel_jit
     parallel_jit_kernels: int | None = None
     prompt_warmup_s: float | None = None  # of warmup_s, with EngineArgs.warm_prompt_steps
+    token_graph_sizes: list[int] | None = None  # the plan's token graphs kept (no slower than a larger one)
+    token_graph_sizes_dropped: list[int] | None = None
     ahead_wait_s: float = 0.0  # of build_s: waiting for this plan's compile-ahead to finish
 
 
@@ -345,6 +347,8 @@ class Engine:
             parallel_jit_s=timings.get("parallel_jit_s"),
             parallel_jit_kernels=timings.get("parallel_jit_kernels"),
             prompt_warmup_s=timings.get("prompt_warmup_s"),
+            token_graph_sizes=timings.get("token_graph_sizes"),
+            token_graph_sizes_dropped=timings.get("token_graph_sizes_dropped"),
             ahead_wait_s=ahead_wait_s,
         )
 

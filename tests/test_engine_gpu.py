@@ -68,7 +68,8 @@ def test_token_graphs_give_the_eager_steps_tokens(cuda, model):
                                     "scheduler": {"max_num_batched_tokens": 256, "max_num_seqs": 8}})
         eng = Engine(EngineArgs(model=model, device="cuda", dtype="float32", num_kv_blocks=512,
                                 max_model_len=512, plan=plan))
-        assert sorted(eng.runner.token_graphs) == token_sizes
+        kept = sorted(eng.runner.token_graphs)  # those no faster than a larger one are dropped
+        assert set(kept) <= set(token_sizes) and kept[-1:] == token_sizes[-1:], kept
         eager_prompt_steps = []
         extend = eng.runner.extend
         eng.runner.extend = lambda items, decode_only=False, ids=None: (

@@ -98,6 +98,16 @@ def test_a_step_replays_the_smallest_token_graph_that_holds_it(engine):
         runner._token_max_seqs = saved[1]
 
 
+def test_a_token_graph_no_faster_than_a_larger_one_is_dropped():
+    """Session 15, the 8B on the H200: cuBLAS ran gate_up 2x slower at 448 rows than at 480, so a
+    step in the 448 graph ran slower than it would padded to 480."""
+    from anneal.engine.runner import no_faster_than_a_larger
+
+    assert no_faster_than_a_larger({64: 1.0, 128: 1.2, 448: 3.0, 480: 2.0, 512: 2.1}) == [448]
+    assert no_faster_than_a_larger({32: 1.0, 64: 1.0, 128: 0.9}) == [32, 64]  # launch-bound: the largest holds all
+    assert no_faster_than_a_larger({256: 5.0}) == []
+
+
 def test_token_buckets_above_the_step_budget_are_not_captured():
     plan = Plan(cuda_graph_token_sizes=[1024, 128, 256, 512, 4096],
                 scheduler={"max_num_batched_tokens": 300, "max_num_seqs": 20})
