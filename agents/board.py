@@ -87,6 +87,7 @@ class Board:
     scheduler: SchedulerKnobs | None = None
     scheduler_runners_up: list[SchedulerKnobs] = field(default_factory=list)
     graph_batch_sizes: list[int] | None = None
+    token_graph_sizes: list[int] | None = None
     plans: list[tuple[float, Plan, str]] = field(default_factory=list)  # (ms, plan, agent) decode-spec
     notes: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -119,7 +120,8 @@ class Board:
             return list(self.plans[:k])
 
     def composite(self, base: Plan) -> Plan:
-        """The base plan with every tuned op, the fitted graph buckets and the chosen scheduler."""
+        """The base plan with every tuned op, the fitted graph buckets, the token graphs when they
+        won and the chosen scheduler."""
         with self._lock:
             plan = base.with_ops(**{op: ch for op, (ch, _) in self.best_ops.items()})
             needed = [self.kernels[f"{op}/{ch.impl}"] for op, (ch, _) in sorted(self.best_ops.items())
@@ -129,6 +131,8 @@ class Board:
                 upd["scheduler"] = self.scheduler
             if self.graph_batch_sizes is not None:
                 upd["cuda_graph_batch_sizes"] = list(self.graph_batch_sizes)
+            if self.token_graph_sizes is not None:
+                upd["cuda_graph_token_sizes"] = list(self.token_graph_sizes)
         return normalized(plan.model_copy(update=upd))
 
     @property

@@ -43,6 +43,9 @@ def plan_diff(base: Plan, plan: Plan) -> list[str]:
         lines.append(f"fusions: {base.fusions} -> {plan.fusions}")
     if base.cuda_graph_batch_sizes != plan.cuda_graph_batch_sizes:
         lines.append(f"CUDA-graph batch sizes: {base.cuda_graph_batch_sizes} -> {plan.cuda_graph_batch_sizes}")
+    if base.cuda_graph_token_sizes != plan.cuda_graph_token_sizes:
+        lines.append(f"CUDA-graph token sizes (prompt steps): {base.cuda_graph_token_sizes} -> "
+                     f"{plan.cuda_graph_token_sizes}")
     if base.scheduler != plan.scheduler:
         lines.append(f"scheduler: {base.scheduler.model_dump()} -> {plan.scheduler.model_dump()}")
     if base.parallelism != plan.parallelism:

@@ -235,17 +235,21 @@ def test_swarm_runs_agents_concurrently_and_stops_at_the_deadline(env):
     assert {r.agent for r in lab.ledger.experiments()} == set(res)
 
 
+PREFILL = {"attention_prefill": {"reference": {}, "triton": {}}}  # a token graph needs one that is not the reference
+
+
 def test_graph_bucket_agent_fits_the_replayed_batches_and_keeps_the_fit_only_when_it_times_better(tmp_path):
     """The fake replays a closed loop of 16 (steady at 16, a drain through 1-15) and prices a
     step by its padded rows. The base's powers of two are already optimal there: kept. A base
     of session 9's kind ([12, 15, ...]) pads the drain's small batches to 12: replaced."""
     from anneal.agents.graph_buckets import GraphBucketAgent
 
-    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda"))  # FAKE graph padding costs
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", extra_variants=PREFILL))  # FAKE graph padding costs
     try:
         with EngineClient(url, "tok") as client:
             setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256,
                                       num_requests=4)
+            setting = dataclasses.replace(setting, base=setting.base.with_ops(attention_prefill=OpChoice(impl="triton")))
             assert setting.space.uses_graphs
             led = Ledger(tmp_path / "l.sqlite")
             lab = Lab(ledger=led, engines={"fast": client})
@@ -254,8 +258,9 @@ def test_graph_bucket_agent_fits_the_replayed_batches_and_keeps_the_fit_only_whe
             notes = [r.note for r in led.experiments()]
             assert "baseline replay: its batch sizes" in notes
             assert {n for n in notes if n.startswith("graph b=")} == {f"graph b={g}" for g in (1, 2, 4, 8, 16)}
-            assert board.graph_batch_sizes is None and "kept the base" in board.notes[-1]
-            assert "from the baseline's replay" in board.notes[-1]
+            fit_note = next(n for n in board.notes if n.startswith("graph buckets"))
+            assert board.graph_batch_sizes is None and "kept the base" in fit_note
+            assert "from the baseline's replay" in fit_note
 
             s9 = dataclasses.replace(setting, base=setting.base.model_copy(
                 update={"cuda_graph_batch_sizes": [12, 15, 17, 20, 23, 29]}))
@@ -263,6 +268,36 @@ def test_graph_bucket_agent_fits_the_replayed_batches_and_keeps_the_fit_only_whe
             assert board.graph_batch_sizes is not None and board.graph_batch_sizes[0] == 1
             assert board.graph_batch_sizes[-1] == 16 and set(board.graph_batch_sizes) <= {1, 2, 4, 8, 16}
             assert board.composite(s9.base).cuda_graph_batch_sizes == board.graph_batch_sizes
+            # this fake replays no faster with token graphs: none
+            assert "token graphs" in notes and board.token_graph_sizes is None
+            assert board.composite(s9.base).cuda_graph_token_sizes == []
+            led.close()
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("gain", [0.1, -0.1])
+def test_graph_bucket_agent_keeps_token_graphs_only_when_the_replay_runs_faster_with_them(tmp_path, gain):
+    from anneal.agents.graph_buckets import GraphBucketAgent
+    from anneal.agents.space import TOKEN_GRAPH_SETS
+
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", token_graph_gain=gain, extra_variants=PREFILL))
+    try:
+        with EngineClient(url, "tok") as client:
+            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+            setting = dataclasses.replace(setting, base=setting.base.with_ops(attention_prefill=OpChoice(impl="triton")))
+            led = Ledger(tmp_path / "l.sqlite")
+            board = Board()
+            GraphBucketAgent().run(Lab(ledger=led, engines={"fast": client}), setting, board)
+            trial = [r for r in led.experiments() if r.note == "token graphs"]
+            assert len(trial) == 1 and trial[0].plan.cuda_graph_token_sizes == list(TOKEN_GRAPH_SETS[1])
+            want = list(TOKEN_GRAPH_SETS[1]) if gain > 0 else None
+            assert board.token_graph_sizes == want
+            assert board.composite(setting.base).cuda_graph_token_sizes == (want or [])
+            # a base whose prefill attention cannot be captured is not tried
+            ref = dataclasses.replace(setting, base=setting.base.with_ops(attention_prefill=OpChoice()))
+            GraphBucketAgent().run(Lab(ledger=led, engines={"fast": client}), ref, Board())
+            assert len([r for r in led.experiments() if r.note == "token graphs"]) == 1
             led.close()
     finally:
         srv.shutdown()

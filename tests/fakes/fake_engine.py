@@ -48,10 +48,13 @@ def fake_per_op(plan: Plan, batch: int) -> dict[str, float]:
 class FakeEngine:
     def __init__(self, token: str = "tok", layers: int = 1, noise: float = 0.02, model: str = "random:tiny",
                  bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu",
-                 per_op: bool = True, sample_spread: float = 0.0):
+                 per_op: bool = True, sample_spread: float = 0.0, token_graph_gain: float = 0.0,
+                 extra_variants: dict | None = None):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
+        self.token_graph_gain = token_graph_gain  # how much faster a workload replays with token graphs
+        self.extra_variants = extra_variants or {}  # op -> {impl: params}, beside VARIANTS
         self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
         self.per_op = per_op  # False: an engine that cannot time ops even when asked
         self.plan = Plan()
@@ -60,7 +63,7 @@ class FakeEngine:
         self.lock = threading.Lock()
 
     def state(self) -> dict:
-        variants = {op: {i: dict(p) for i, p in v.items()} for op, v in VARIANTS.items()}
+        variants = {op: {i: dict(p) for i, p in v.items()} for op, v in {**VARIANTS, **self.extra_variants}.items()}
         for key, k in self.kernels.items():
             variants.setdefault(k["op"], {"reference": {}})[k["impl"]] = k["params"]
         return {
@@ -99,6 +102,8 @@ class FakeEngine:
             eff = min(1.0, s.max_num_seqs / 16) * (1.05 if s.chunked_prefill else 1.0)
             step = step / max(eff, 0.2)
             step *= 1 + self.sample_spread * (int(body.get("seed") or 0) % 3 - 1)
+            if self.device == "cuda" and plan.cuda_graph_token_sizes:  # prompt steps without host launches
+                step *= 1 - self.token_graph_gain
         samples = [step * (1 + self.noise * rng.uniform(-1, 1)) for _ in range(int(body.get("repeats", 5)))]
         samples.sort()
         med = samples[len(samples) // 2]
