@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 ParamValue = int | float | str | bool
 
@@ -157,18 +157,13 @@ class Plan(_Strict):
             raise ValueError(f"unknown fusions {unknown}; known: {sorted(FUSIONS)}")
         return {k: v for k, v in fusions.items() if v}
 
-    @field_validator("cuda_graph_batch_sizes")
+    @field_validator("cuda_graph_batch_sizes", "cuda_graph_token_sizes")
     @classmethod
-    def _buckets(cls, sizes: list[int]) -> list[int]:
-        if any(s < 1 or s > 4096 for s in sizes):
-            raise ValueError("CUDA-graph batch sizes must be in 1..4096")
-        return sorted(set(sizes))
-
-    @field_validator("cuda_graph_token_sizes")
-    @classmethod
-    def _token_buckets(cls, sizes: list[int]) -> list[int]:
-        if any(s < 1 or s > 16384 for s in sizes):
-            raise ValueError("CUDA-graph token sizes must be in 1..16384")
+    def _buckets(cls, sizes: list[int], info: ValidationInfo) -> list[int]:
+        kind, top = {"cuda_graph_batch_sizes": ("batch", 4096), "cuda_graph_token_sizes": ("token", 16384)}[
+            info.field_name]
+        if any(s < 1 or s > top for s in sizes):
+            raise ValueError(f"CUDA-graph {kind} sizes must be in 1..{top}")
         return sorted(set(sizes))
 
     def choice(self, op: str) -> OpChoice:
