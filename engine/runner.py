@@ -470,12 +470,13 @@ class ModelRunner:
         tbufs = self._token_buffers(token_sizes[-1], token_graph_seqs(token_sizes[-1], max_seqs)) if token_sizes else {}
         view, kv, stream = self._view(ops)  # its stream waits for the buffers' zeros too
 
-        def run(body, *args) -> None:
+        def run(body, buffers: dict, *args) -> None:
             with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-                body(*args, model=view, bufs=bufs if body == self._decode_body else tbufs, kv=kv)
+                body(*args, model=view, bufs=buffers, kv=kv)
 
-        passes = [functools.partial(run, self._token_body, t, token_graph_seqs(t, max_seqs)) for t in reversed(token_sizes)]
-        passes += [functools.partial(run, self._decode_body, bs) for bs in sorted(batch_sizes, reverse=True)]
+        passes = [functools.partial(run, self._token_body, tbufs, t, token_graph_seqs(t, max_seqs))
+                  for t in reversed(token_sizes)]
+        passes += [functools.partial(run, self._decode_body, bufs, bs) for bs in sorted(batch_sizes, reverse=True)]
         if not (self.warm_prompt_steps and max_seqs):
             return passes
         return passes + self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0))

@@ -175,3 +175,22 @@ def test_the_search_moves_token_buckets_and_never_pairs_them_with_the_reference_
     assert seen == set(TOKEN_GRAPH_SETS)
     ref = Plan(cuda_graph_token_sizes=[64])
     assert normalized(ref).cuda_graph_token_sizes == []
+
+
+def test_compile_ahead_runs_each_token_graph_step_on_its_view(engine):
+    """``ahead_passes`` launches what ``capture`` would, token graphs included, on the two-layer
+    view with buffers and a cache of its own: the engine's cache stays as it was."""
+    runner = engine.runner
+    before = runner.kv.clone()
+    ran = []
+    body = runner._token_body
+    runner._token_body = lambda tokens, seqs, **kw: ran.append((tokens, seqs, kw["model"] is not runner.model)) \
+        or body(tokens, seqs, **kw)
+    try:
+        passes = runner.ahead_passes(runner.ops, [1, 2], max_seqs=4, token_sizes=[32, 16])
+        for p in passes:
+            p()
+    finally:
+        del runner._token_body
+    assert sorted(ran) == [(16, 4, True), (32, 4, True)]  # (and the decode and prompt-step passes)
+    assert torch.equal(runner.kv, before)
