@@ -13,7 +13,7 @@ import math
 
 from anneal.agents.board import Board, SearchSetting
 from anneal.agents.lab import BudgetExhausted, Lab
-from anneal.agents.space import TOKEN_GRAPH_SETS, normalized
+from anneal.agents.space import normalized
 from anneal.agents.types import Candidate
 
 
@@ -211,8 +211,8 @@ class GraphBucketAgent:
         base = setting.base
         if base.cuda_graph_token_sizes or base_replay.measurement is None:
             return
-        plan = normalized(base.model_copy(update={"cuda_graph_token_sizes": list(TOKEN_GRAPH_SETS[1]),
-                                                  "name": None}))
+        sizes = next((list(s) for s in setting.space.token_graph_sets if s), [])  # the finest: every 64 to 512
+        plan = normalized(base.model_copy(update={"cuda_graph_token_sizes": sizes, "name": None}))
         if not plan.cuda_graph_token_sizes:  # its attention_prefill cannot be captured
             return
         try:
