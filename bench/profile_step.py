@@ -203,16 +203,23 @@ def main() -> int:
     roof_us = engine.weights.nbytes() / (bw * 1e9) * 1e6
     result = {"env": environment(), "copy_gbps": bw, "shape": args.shape, "batch_size": bs, "context": ctx,
               "roofline_weights_us": roof_us, "plans": {}}
-    walls = {}
-    if args.mixed:  # every plan's wall before any profiler runs: the host ran ~2x slower after one (session 15)
+    walls: dict[str, float | str] = {}  # plan -> wall µs, or why its wall pass failed
+    # Every plan's wall before any profiler runs: session 14 and session 15's call 1 read the same eager
+    # step 2x slower after another plan's profile (calls 2 and 4, walls first: within 0-11% after it).
+    if args.mixed:
         for name in map(plan_key, wanted):
-            engine.apply_plan(plans[name])
-            walls[name] = profile_mixed(engine, bs, ctx, args.mixed, args.replays, profile=False)["wall_us_median"]
+            try:
+                engine.apply_plan(plans[name])
+                walls[name] = profile_mixed(engine, bs, ctx, args.mixed, args.replays, profile=False)["wall_us_median"]
+            except Exception as e:  # noqa: BLE001 - the plan's entry below reports it
+                walls[name] = f"{type(e).__name__}: {e}"
     for name in map(plan_key, wanted):
         try:
             engine.apply_plan(plans[name])
             if args.mixed:
                 r = profile_mixed(engine, bs, ctx, args.mixed, args.replays)
+                if isinstance(walls[name], str):
+                    raise RuntimeError(f"the wall pass failed: {walls[name]}")
                 r["wall_us_median_after_profiling"], r["wall_us_median"] = r["wall_us_median"], walls[name]
                 result["plans"][name] = r
                 print(f"== {args.shape} {name} prefill {args.mixed} + {bs} decode rows (ctx {ctx}, token graph "
