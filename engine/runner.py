@@ -87,7 +87,9 @@ def capturable(what: str):
     """Inside, an op that makes the host wait on the device raises ``NotCapturable`` naming the
     code that did, before a capture would fail on it (a failed capture can leave the device's RNG
     marked as capturing: see ``collection_paused``). The reference ``attention_prefill`` reads its
-    sequence lengths on the host, so a plan with it cannot graph its prompt steps."""
+    sequence lengths on the host, so a plan with it cannot graph its prompt steps. The mode is
+    process-wide: it is on only while ``capture`` holds ``device_lock``, which compile-ahead's
+    passes wait for."""
     mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
