@@ -43,10 +43,16 @@ def exit_on_sigterm():
         signal.signal(signal.SIGTERM, previous)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """A port nothing listens on now and not in ``taken``. The OS may hand a port it just gave out
+    (and that is not bound yet) to the next caller: the README's demo once started both tier engines
+    on the same public port, and the second died on "address already in use"."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 @dataclass
@@ -78,6 +84,7 @@ class LocalEngines:
     engines: dict[str, LocalEngine] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     plan: str | None = None  # a plan file both tiers start with (their first capture uses it)
+    ports: set[int] = field(default_factory=set)  # handed to the engines started here: never twice
 
     def start(self, timeout_s: float = 600.0) -> dict[str, EngineClient]:
         """Start both tiers and wait until their admin APIs answer.
@@ -106,7 +113,7 @@ class LocalEngines:
 
     def _launch(self, tier: str, layers: int | None, memory_share: float | None) -> None:
         env = {**os.environ, "ANNEAL_ADMIN_TOKEN": self.token}
-        port, admin = free_port(), free_port()
+        port, admin = self._new_port(), self._new_port()
         cmd = [sys.executable, "-c", _LAUNCH, "serve", "--model", self.model, "--host", "127.0.0.1",
                "--port", str(port), "--admin-port", str(admin), "--device", self.device,
                *self.extra_args]
@@ -124,6 +131,11 @@ class LocalEngines:
         (self.out / "engines.json").write_text(json.dumps(
             {t: {"pid": e.proc.pid, "admin_url": e.admin_url, "log": str(e.log)} for t, e in self.engines.items()},
             indent=2))
+
+    def _new_port(self) -> int:
+        port = free_port(self.ports)
+        self.ports.add(port)
+        return port
 
     def _wait(self, tier: str, timeout_s: float) -> EngineClient:
         eng = self.engines[tier]

@@ -389,3 +389,30 @@ def test_a_compile_replays_as_many_requests_as_bench_plans_and_the_cross_shape_r
     own = {r.spec.num_requests for r in replays if r.agent != "cross"}
     cross = {r.spec.num_requests for r in replays if r.agent == "cross"}
     assert own == {agentic} and cross == {gpu_requests(load_traffic("chat").scaled(8192))}
+
+
+def test_the_tier_engines_never_get_the_same_port(monkeypatch, tmp_path):
+    """The OS can hand out a port again before the engine given it has bound it: the README's demo
+    once started both tiers on one public port and the slow tier died on "address already in use".
+    Every port the launcher hands out is new, whatever the OS offers."""
+    from anneal.agents import local_engines
+
+    offered = iter([41000, 41000, 41001, 41000, 41001, 41002, 41001, 41003])
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def bind(self, addr):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(local_engines.socket, "socket", FakeSocket)
+    local = local_engines.LocalEngines("random:tiny", tmp_path)
+    ports = [local._new_port() for _ in range(4)]  # two tiers: a public and an admin port each
+    assert ports == [41000, 41001, 41002, 41003]
