@@ -126,7 +126,7 @@ def test_the_token_graph_knob_leaves_older_plans_hashes_alone():
     assert Plan(cuda_graph_token_sizes=[256]).canonical()["cuda_graph_token_sizes"] == [256]
 
 
-def test_the_cpu_engine_runs_a_token_graph_plan_eagerly(engine):
+def test_the_cpu_engine_runs_a_token_graph_plan_eagerly():
     """No GPU, no graphs: the plan applies and serves, every step eager."""
     eng = Engine(EngineArgs(model="random:tiny", device="cpu", num_kv_blocks=64, max_model_len=128, seed=3))
     ref = eng.generate([[5, 6, 7, 8], [9, 10]], GREEDY)
