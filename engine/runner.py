@@ -578,12 +578,14 @@ class ModelRunner:
         return dropped
 
     def _graph_bodies(self, batch_sizes: list[int], token_sizes: list[int]) -> list:
-        """``(graph dict, key, body)`` per graph to capture: token graphs, then decode graphs, each
-        largest first (the first capture sizes the shared pool)."""
-        tokens = [(self.token_graphs, t, functools.partial(self._token_body, t, self._token_seqs(t)))
-                  for t in sorted(token_sizes, reverse=True)]
-        return tokens + [(self.graphs, bs, functools.partial(self._decode_body, bs))
-                         for bs in sorted(batch_sizes, reverse=True)]
+        """``(graph dict, key, body)`` per graph to capture: decode graphs, then token graphs, each
+        largest first (a larger capture's freed blocks serve the smaller ones in the shared pool).
+        Decode first so that a plan's decode graphs get the pool as they would without token graphs
+        (session 16 measures whether the order moves the decode wall; bench/NOTES.md)."""
+        decode = [(self.graphs, bs, functools.partial(self._decode_body, bs))
+                  for bs in sorted(batch_sizes, reverse=True)]
+        return decode + [(self.token_graphs, t, functools.partial(self._token_body, t, self._token_seqs(t)))
+                         for t in sorted(token_sizes, reverse=True)]
 
     def _capture_graphs(self, bodies: list) -> None:
         """One graph per body, in order, sharing one memory pool."""
