@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-warm-replays", dest="warm_replays", action="store_false",
                     help="skip the untimed replay of each plan (to see what a plan's first replay after its "
                          "apply costs)")
+    ap.add_argument("--freeze-gc", action=argparse.BooleanOptionalAction, default=True,
+                    help="freeze the start-up objects out of the garbage collector, as `anneal serve` does")
     ap.add_argument("--name", default=None, help="result file stem (default plans-<model>)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from anneal.agents.types import HardwareSpec
     from anneal.engine.hardware import measure
     from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
+    from anneal.engine.gc_control import freeze_startup_heap
     from anneal.engine.llm import Engine, EngineArgs
     from anneal.engine.traffic import load_traffic
 
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     eng = Engine(EngineArgs(model=args.model, device=device))
     start_s = time.perf_counter() - t0
+    frozen = freeze_startup_heap() if args.freeze_gc else 0
     hw = measure(eng.device)  # the roofline each replay's decode steps are placed against
     roofline = CostModel(
         shape=shape_from_config(eng.config.model_dump(), eng.dtype.itemsize),
@@ -121,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{res.extra['itl_p90_ms']:7.2f} ms  ttft p90 {res.extra['ttft_p90_ms']:8.1f} ms  "
               + "wall split: decode {decode_ms:.0f} ({decode_steps} steps, batch {decode_mean_batch:.1f}), "
                 "prefill {prefill_ms:.0f} ({prefill_steps} steps), between {between_steps_ms:.0f}, "
-                "drain {drain_ms:.0f} ms, pipelined {pipelined_steps}/{engine_steps} steps".format(
+                "drain {drain_ms:.0f} ms, pipelined {pipelined_steps}/{engine_steps} steps, "
+                "gc {gc_ms:.0f} ms ({gc_collections} collections, {gc_full_collections} full)".format(
                     **{"pipelined_steps": 0, "engine_steps": 0, **res.extra["time_split"]})
               + (f"; decode steps at {head['of_roofline']:.1%} of the roofline, bound x{head['bound']:.3f}"
                  if head else ""),
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(args.name or f"plans-{args.model.removeprefix('random:')}", {
         "benchmark": "plans side by side (workload replay, closed loop at the shape's concurrency)",
         "environment": environment(), "model": args.model, "device": device, "engine_start_s": start_s,
+        "gc_frozen_objects": frozen,
         "hardware": hw,
         "plans": {label: plan.model_dump(mode="json") for label, plan in plans},
         "shapes": {s: {"traffic": t.model_dump(mode="json"), "num_requests": n} for s, t, n in shapes},

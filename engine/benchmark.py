@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from anneal.engine.plan import Plan
-from anneal.engine.runner import collection_paused
+from anneal.engine.gc_control import GcClock, collection_paused
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.sequence import Sequence
 
@@ -270,6 +270,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         t0 = time.perf_counter()
         n_out = 0
         split = _TimeSplit(engine.stats())
+        gc_clock = GcClock().start()
         admit(0.0)
         # Until the last admission the engine serves the traffic's concurrency; after it, a drain
         # with a shrinking batch that steady serving never sees (session 10: a third of the chat
@@ -302,7 +303,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
             admit(now - t0)
         _sync(engine)  # whatever the last steps left on the device counts
         total = time.perf_counter() - t0
-        summary = split.summary(total, engine.stats())
+        summary = split.summary(total, engine.stats()) | gc_clock.stop()
         steady_s = (steady_end or t0) - t0  # ~0 when all requests were admitted at once: no steady part
         summary.update(steady_ms=steady_s * 1e3, steady_output_tokens=steady_out,
                        steady_tokens_per_s=steady_out / steady_s if steady_s > 0 else 0.0)

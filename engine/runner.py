@@ -15,7 +15,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import gc
 import threading
 import time
 import traceback
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from anneal.engine.config import ModelConfig
+from anneal.engine.gc_control import collection_paused
 from anneal.engine.context import AttnContext
 from anneal.engine.models.transformer import Transformer
 from anneal.engine.op_table import OpTable
@@ -49,23 +49,6 @@ class _LazyLogits:
 class StepResult:
     token_ids: list[int | None]  # per item: the sampled token, or None for a partial prefill chunk
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-
-
-@contextlib.contextmanager
-def collection_paused():
-    """No cyclic garbage collection inside. In a graph capture, a collection can free an old
-    engine's CUDA graphs, a call CUDA forbids while capturing: it invalidates the capture and leaves
-    the device's RNG marked as capturing (seen on the H200: every later engine in the process
-    failed). In timed steps, as timeit does: a collection lands in one step's host time at random.
-    No full collection first: in a serving process (~280k objects) that alone took 120 ms, more than
-    a candidate's 30-step benchmark (session 4)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def no_faster_than_a_larger(ms: dict[int, float]) -> list[int]:

@@ -219,3 +219,31 @@ def test_a_benchmark_the_cache_cannot_hold_changes_nothing(eng, mode):
         run_benchmark(eng, BenchmarkRequest(mode=mode, batch_size=per_set, context_len=120, prompt_len=8,
                                             rotate=2, steps=1, warmup=0))
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_replay_counts_the_garbage_collector_time_its_steps_took(eng):
+    """A collection runs inside whichever step crossed the threshold, so the replay reports how
+    long the collector took during it: here one step forces a full collection."""
+    import gc
+
+    shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": 2.0})
+    step, forced = eng.step, []
+
+    def collecting_step():
+        if not forced:
+            forced.append(gc.collect())
+        return step()
+
+    eng.step = collecting_step
+    try:
+        res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                                  num_requests=4, steps=1, warmup=0))
+    finally:
+        del eng.step
+    split = res.extra["time_split"]
+    assert split["gc_full_collections"] >= 1 and split["gc_collections"] >= split["gc_full_collections"]
+    assert 0 < split["gc_ms"] < split["total_ms"]
+    # the clock stops with the replay: a collection after it is not counted, and none stays hooked
+    from anneal.engine.gc_control import GcClock
+
+    assert not any(getattr(cb, "__self__", None).__class__ is GcClock for cb in gc.callbacks)
