@@ -9,6 +9,7 @@ later collection; ``anneal serve`` does the same.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
@@ -38,9 +39,12 @@ def freeze_startup_heap() -> int:
     """Collect once, then move every object alive into the permanent generation, which later
     collections skip: for a process that holds one engine for its life (``anneal serve``). Not for
     a process that makes and drops engines (tests): a frozen engine's reference cycles are never
-    collected. Returns how many objects were frozen."""
+    collected. Thawed at exit, so that the interpreter's last collection still frees them (else
+    nanobind reports Triton's objects as leaked). Returns how many objects were frozen."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often this runs
+    atexit.register(gc.unfreeze)
     n = gc.get_freeze_count()
     log.info("froze %d start-up objects out of the garbage collector", n)
     return n
