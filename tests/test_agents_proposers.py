@@ -276,12 +276,15 @@ def test_graph_bucket_agent_fits_the_replayed_batches_and_keeps_the_fit_only_whe
         srv.shutdown()
 
 
-@pytest.mark.parametrize("gain", [0.1, -0.1])
-def test_graph_bucket_agent_keeps_token_graphs_only_when_the_replay_runs_faster_with_them(tmp_path, gain):
+@pytest.mark.parametrize("gain,drift", [(0.1, 0.0), (-0.1, 0.0), (0.05, 0.03), (-0.05, -0.03)])
+def test_graph_bucket_agent_keeps_token_graphs_only_when_the_replay_runs_faster_with_them(tmp_path, gain, drift):
+    """Kept when the traffic's replay is faster with them, also on a fast tier whose replays drift
+    over the search (slower, or faster, by 3% a replay): the trial pairs them with the base."""
     from anneal.agents.graph_buckets import GraphBucketAgent
     from anneal.agents.space import TOKEN_GRAPH_SETS
 
-    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", token_graph_gain=gain, extra_variants=PREFILL))
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", token_graph_gain=gain, extra_variants=PREFILL,
+                                          drift=drift))
     try:
         with EngineClient(url, "tok") as client:
             setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
@@ -290,14 +293,17 @@ def test_graph_bucket_agent_keeps_token_graphs_only_when_the_replay_runs_faster_
             board = Board()
             GraphBucketAgent().run(Lab(ledger=led, engines={"fast": client}), setting, board)
             trial = [r for r in led.experiments() if r.note == "token graphs"]
-            assert len(trial) == 1 and trial[0].plan.cuda_graph_token_sizes == list(TOKEN_GRAPH_SETS[1])
+            beside = [r for r in led.experiments() if r.note == "token graphs: the base beside them"]
+            assert len(trial) == 2 and all(r.plan.cuda_graph_token_sizes == list(TOKEN_GRAPH_SETS[1]) for r in trial)
+            assert len(beside) == 2 and {r.spec.seed for r in beside} == {r.spec.seed for r in trial}
+            assert all(r.plan.hash == setting.base.hash for r in beside)
             want = list(TOKEN_GRAPH_SETS[1]) if gain > 0 else None
             assert board.token_graph_sizes == want
             assert board.composite(setting.base).cuda_graph_token_sizes == (want or [])
             # a base whose prefill attention cannot be captured is not tried
             ref = dataclasses.replace(setting, base=setting.base.with_ops(attention_prefill=OpChoice()))
             GraphBucketAgent().run(Lab(ledger=led, engines={"fast": client}), ref, Board())
-            assert len([r for r in led.experiments() if r.note == "token graphs"]) == 1
+            assert len([r for r in led.experiments() if r.note == "token graphs"]) == 2
             led.close()
     finally:
         srv.shutdown()

@@ -49,12 +49,15 @@ class FakeEngine:
     def __init__(self, token: str = "tok", layers: int = 1, noise: float = 0.02, model: str = "random:tiny",
                  bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu",
                  per_op: bool = True, sample_spread: float = 0.0, token_graph_gain: float = 0.0,
-                 extra_variants: dict | None = None):
+                 extra_variants: dict | None = None, drift: float = 0.0):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
         self.token_graph_gain = token_graph_gain  # how much faster a workload replays with token graphs
         self.extra_variants = extra_variants or {}  # op -> {impl: params}, beside VARIANTS
+        # a host whose speed moves as a search goes on (compile-ahead's builds): a workload replay
+        # this much slower for every benchmark before it, whatever its plan
+        self.drift, self.benchmarks = drift, 0
         self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
         self.per_op = per_op  # False: an engine that cannot time ops even when asked
         self.plan = Plan()
@@ -86,6 +89,7 @@ class FakeEngine:
                f"|s{body.get('seed')}")
         with self.lock:
             self.calls[key] = self.calls.get(key, 0) + 1
+            before, self.benchmarks = self.benchmarks, self.benchmarks + 1
         if self.delay_s:
             time.sleep(self.delay_s)
         seed = int(hashlib.sha256(f"{plan.hash}{body.get('seed')}{body.get('mode')}".encode()).hexdigest()[:8], 16)
@@ -104,6 +108,7 @@ class FakeEngine:
             step *= 1 + self.sample_spread * (int(body.get("seed") or 0) % 3 - 1)
             if self.device == "cuda" and plan.cuda_graph_token_sizes:  # prompt steps without host launches
                 step *= 1 - self.token_graph_gain
+            step *= 1 + self.drift * before
         samples = [step * (1 + self.noise * rng.uniform(-1, 1)) for _ in range(int(body.get("repeats", 5)))]
         samples.sort()
         med = samples[len(samples) // 2]
