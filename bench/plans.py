@@ -56,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-warm-replays", dest="warm_replays", action="store_false",
                     help="skip the untimed replay of each plan (to see what a plan's first replay after its "
                          "apply costs)")
-    ap.add_argument("--freeze-gc", action=argparse.BooleanOptionalAction, default=True,
-                    help="freeze the start-up objects out of the garbage collector, as `anneal serve` does")
     ap.add_argument("--name", default=None, help="result file stem (default plans-<model>)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
@@ -70,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     from anneal.agents.types import HardwareSpec
     from anneal.engine.hardware import measure
     from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
-    from anneal.engine.gc_control import freeze_startup_heap
     from anneal.engine.llm import Engine, EngineArgs
     from anneal.engine.traffic import load_traffic
 
@@ -79,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     eng = Engine(EngineArgs(model=args.model, device=device))
     start_s = time.perf_counter() - t0
-    frozen = freeze_startup_heap() if args.freeze_gc else 0
     hw = measure(eng.device)  # the roofline each replay's decode steps are placed against
     roofline = CostModel(
         shape=shape_from_config(eng.config.model_dump(), eng.dtype.itemsize),
@@ -168,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(args.name or f"plans-{args.model.removeprefix('random:')}", {
         "benchmark": "plans side by side (workload replay, closed loop at the shape's concurrency)",
         "environment": environment(), "model": args.model, "device": device, "engine_start_s": start_s,
-        "gc_frozen_objects": frozen,
         "hardware": hw,
         "plans": {label: plan.model_dump(mode="json") for label, plan in plans},
         "shapes": {s: {"traffic": t.model_dump(mode="json"), "num_requests": n} for s, t, n in shapes},

@@ -1,21 +1,17 @@
-"""The cyclic garbage collector around serving: paused where a collection would break or skew
-something, frozen after start-up, and clocked in replays.
+"""The cyclic garbage collector around the engine: paused where a collection would break or skew
+something, and clocked in workload replays.
 
 A collection runs inside whichever step crossed the allocation threshold; a full one walks every
-tracked object (a serving process holds ~280k: 120 ms on the H200 host in session 4). Start-up
-objects (modules, weights, graphs) live as long as the process, so vLLM freezes them out of every
-later collection; ``anneal serve`` does the same.
+tracked object (a serving process holds ~280k: 120 ms on the H200 host in session 4). Not frozen
+after start-up as vLLM does: session 16 measured 1-2 young collections (2-4 ms) per 8B chat replay
+of ~10 s, none full, with the start-up heap frozen or not (bench/NOTES.md).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
-import logging
 import time
-
-log = logging.getLogger("anneal.gc")
 
 
 @contextlib.contextmanager
@@ -33,21 +29,6 @@ def collection_paused():
     finally:
         if was_enabled:
             gc.enable()
-
-
-def freeze_startup_heap() -> int:
-    """Collect once, then move every object alive into the permanent generation, which later
-    collections skip: for a process that holds one engine for its life (``anneal serve``). Not for
-    a process that makes and drops engines (tests): a frozen engine's reference cycles are never
-    collected. Thawed at exit, so that the interpreter's last collection still frees them (else
-    nanobind reports Triton's objects as leaked). Returns how many objects were frozen."""
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # once, however often this runs
-    atexit.register(gc.unfreeze)
-    n = gc.get_freeze_count()
-    log.info("froze %d start-up objects out of the garbage collector", n)
-    return n
 
 
 class GcClock:

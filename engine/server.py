@@ -266,11 +266,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "requests after it (default: on for the whole model, off with --layers)",
     )
     parser.add_argument(
-        "--freeze-gc", action=argparse.BooleanOptionalAction, default=True,
-        help="after start-up, freeze the objects alive out of Python's garbage collector, so that "
-             "collections while serving walk only what serving made (default: on)",
-    )
-    parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
         help="seconds in-flight requests may finish after SIGTERM before they are aborted (default 30)",
     )
@@ -388,7 +383,6 @@ async def serve(args: argparse.Namespace, engine: Any, tokenizer: Any) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``anneal serve``: load the model, serve until SIGTERM, return the exit code."""
-    from anneal.engine.gc_control import freeze_startup_heap
     from anneal.engine.tokenizer import TokenizerError, load_tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -398,8 +392,6 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError, TokenizerError) as e:
         log.error("cannot start: %s", e)
         return 2
-    if args.freeze_gc:  # this process holds this engine for its life (engine/gc_control.py)
-        freeze_startup_heap()
     asyncio.run(serve(args, engine, tokenizer))
     return 0
 

@@ -282,23 +282,3 @@ def test_collection_paused_holds_off_gc_and_restores_it():
         gc.enable()
         gc.callbacks.remove(record)
 
-
-def test_freeze_startup_heap_takes_live_objects_out_of_later_collections():
-    """`anneal serve` freezes what start-up made: a later full collection walks only new objects."""
-    import gc
-
-    from anneal.engine.gc_control import freeze_startup_heap
-    from anneal.engine.server import add_serve_args
-
-    import argparse
-
-    assert add_serve_args(argparse.ArgumentParser()).parse_args(["--model", "random:tiny"]).freeze_gc is True
-    assert add_serve_args(argparse.ArgumentParser()).parse_args(["--model", "random:tiny", "--no-freeze-gc"]).freeze_gc is False
-    kept = [[i] for i in range(1000)]  # tracked containers alive at the freeze
-    try:
-        n = freeze_startup_heap()
-        assert n == gc.get_freeze_count() >= len(kept)
-        assert gc.get_count()[0] < 100  # the young generation starts empty
-    finally:
-        gc.unfreeze()  # a test process makes and drops engines: nothing stays frozen
-    assert gc.get_freeze_count() == 0
