@@ -14,22 +14,26 @@ def eng() -> Engine:
     return Engine(EngineArgs(model="random:tiny", device="cpu", max_model_len=128, num_kv_blocks=256))
 
 
+def _replay_stepping(eng: Engine, shape, n: int, wrap):
+    """A replay of ``n`` requests whose every engine step runs as ``wrap(step)``."""
+    step = eng.step
+    eng.step = lambda: wrap(step)
+    try:
+        return run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                                   num_requests=n, steps=1, warmup=0))
+    finally:
+        del eng.step
+
+
 def _replay(eng: Engine, shape, n: int) -> tuple[list[int], dict]:
     """Running-batch sizes seen at every step of a replay of ``n`` requests, and the result."""
     seen: list[int] = []
-    step = eng.step
 
-    def counting_step():
+    def counting(step):
         seen.append(len(eng.scheduler.running) + len(eng.scheduler.waiting))
         return step()
 
-    eng.step = counting_step
-    try:
-        res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
-                                                  num_requests=n, steps=1, warmup=0))
-    finally:
-        del eng.step
-    return seen, res.extra
+    return seen, _replay_stepping(eng, shape, n, counting).extra
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
@@ -55,19 +59,13 @@ def test_time_split_accounts_for_every_step(eng):
     carrying prompt tokens, decode batches never wider than the concurrency, parts within the total."""
     shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": 3.0})
     kinds: list[bool] = []
-    step = eng.step
 
-    def recording_step():
+    def recording(step):
         outs = step()
         kinds.append(eng.stats().last_decode_only)
         return outs
 
-    eng.step = recording_step
-    try:
-        res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
-                                                  num_requests=6, steps=1, warmup=0))
-    finally:
-        del eng.step
+    res = _replay_stepping(eng, shape, 6, recording)
     split = res.extra["time_split"]
     assert split["decode_steps"] == sum(kinds) and split["decode_steps"] > 0
     assert split["prefill_steps"] == len(kinds) - sum(kinds) and split["prefill_steps"] >= 1
@@ -227,23 +225,17 @@ def test_replay_counts_the_garbage_collector_time_its_steps_took(eng):
     import gc
 
     shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": 2.0})
-    step, forced = eng.step, []
+    forced: list[int] = []
 
-    def collecting_step():
+    def collecting(step):
         if not forced:
             forced.append(gc.collect())
         return step()
 
-    eng.step = collecting_step
-    try:
-        res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
-                                                  num_requests=4, steps=1, warmup=0))
-    finally:
-        del eng.step
-    split = res.extra["time_split"]
+    split = _replay_stepping(eng, shape, 4, collecting).extra["time_split"]
     assert split["gc_full_collections"] >= 1 and split["gc_collections"] >= split["gc_full_collections"]
     assert 0 < split["gc_ms"] < split["total_ms"]
-    # the clock stops with the replay: a collection after it is not counted, and none stays hooked
+    # the clock stops with the replay: none stays hooked into the collector
     from anneal.engine.gc_control import GcClock
 
-    assert not any(getattr(cb, "__self__", None).__class__ is GcClock for cb in gc.callbacks)
+    assert not any(isinstance(getattr(cb, "__self__", None), GcClock) for cb in gc.callbacks)
