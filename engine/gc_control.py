@@ -32,8 +32,8 @@ def collection_paused():
 
 
 class GcClock:
-    """Time the cyclic garbage collector took while started, and its collections by generation.
-    In a replay it is part of some steps' walls."""
+    """Time the cyclic garbage collector took while started, and how many collections ran (full
+    ones apart). In a replay that time is part of some steps' walls."""
 
     def __init__(self) -> None:
         self.ms = 0.0

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from anneal.engine.config import ModelConfig
-from anneal.engine.gc_control import collection_paused
 from anneal.engine.context import AttnContext
+from anneal.engine.gc_control import collection_paused
 from anneal.engine.models.transformer import Transformer
 from anneal.engine.op_table import OpTable
 from anneal.engine.parallel_jit import precompile
@@ -563,8 +563,9 @@ class ModelRunner:
     def _graph_bodies(self, batch_sizes: list[int], token_sizes: list[int]) -> list:
         """``(graph dict, key, body)`` per graph to capture: decode graphs, then token graphs, each
         largest first (a larger capture's freed blocks serve the smaller ones in the shared pool).
-        Decode first so that a plan's decode graphs get the pool as they would without token graphs
-        (session 16 measures whether the order moves the decode wall; bench/NOTES.md)."""
+        Decode first so that a plan's decode graphs get the pool as they would without token graphs;
+        session 16 found no effect of the order on the decode wall beyond the replays' ±4% round
+        noise (bench/NOTES.md)."""
         decode = [(self.graphs, bs, functools.partial(self._decode_body, bs))
                   for bs in sorted(batch_sizes, reverse=True)]
         return decode + [(self.token_graphs, t, functools.partial(self._token_body, t, self._token_seqs(t)))
