@@ -270,40 +270,40 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         t0 = time.perf_counter()
         n_out = 0
         split = _TimeSplit(engine.stats())
-        gc_clock = GcClock().start()
-        admit(0.0)
-        # Until the last admission the engine serves the traffic's concurrency; after it, a drain
-        # with a shrinking batch that steady serving never sees (session 10: a third of the chat
-        # replay). Its own tokens/s says which of the two a plan sped up.
-        steady_end, steady_out = None, 0
-        while pending or engine.has_unfinished_requests():
-            if steady_end is None and not pending:
-                steady_end = time.perf_counter()
-            if not engine.has_unfinished_requests():  # idle until the next Poisson arrival
-                time.sleep(max(0.0, pending[0][1].arrival_s - (time.perf_counter() - t0)))
-                admit(time.perf_counter() - t0)
-                continue
-            t_step = time.perf_counter()
-            outs = engine.step()
-            if not overlap:  # overlap scheduling is the next step running past this point
-                _sync(engine)
-            now = time.perf_counter()
-            split.add(engine.stats(), now - t_step, draining=not pending)
-            for o in outs:
-                n_out += len(o.new_token_ids)
-                if steady_end is None:
-                    steady_out += len(o.new_token_ids)
-                if o.request_id not in first:
-                    first[o.request_id] = now - starts[o.request_id]  # TTFT from its own admission
-                else:
-                    itl.append(now - last[o.request_id])
-                last[o.request_id] = now
-                if o.finished:
-                    in_flight.discard(o.request_id)
-            admit(now - t0)
-        _sync(engine)  # whatever the last steps left on the device counts
+        with GcClock() as gc_clock:  # unhooked from the collector however the replay ends
+            admit(0.0)
+            # Until the last admission the engine serves the traffic's concurrency; after it, a drain
+            # with a shrinking batch that steady serving never sees (session 10: a third of the chat
+            # replay). Its own tokens/s says which of the two a plan sped up.
+            steady_end, steady_out = None, 0
+            while pending or engine.has_unfinished_requests():
+                if steady_end is None and not pending:
+                    steady_end = time.perf_counter()
+                if not engine.has_unfinished_requests():  # idle until the next Poisson arrival
+                    time.sleep(max(0.0, pending[0][1].arrival_s - (time.perf_counter() - t0)))
+                    admit(time.perf_counter() - t0)
+                    continue
+                t_step = time.perf_counter()
+                outs = engine.step()
+                if not overlap:  # overlap scheduling is the next step running past this point
+                    _sync(engine)
+                now = time.perf_counter()
+                split.add(engine.stats(), now - t_step, draining=not pending)
+                for o in outs:
+                    n_out += len(o.new_token_ids)
+                    if steady_end is None:
+                        steady_out += len(o.new_token_ids)
+                    if o.request_id not in first:
+                        first[o.request_id] = now - starts[o.request_id]  # TTFT from its own admission
+                    else:
+                        itl.append(now - last[o.request_id])
+                    last[o.request_id] = now
+                    if o.finished:
+                        in_flight.discard(o.request_id)
+                admit(now - t0)
+            _sync(engine)  # whatever the last steps left on the device counts
         total = time.perf_counter() - t0
-        summary = split.summary(total, engine.stats()) | gc_clock.stop()
+        summary = split.summary(total, engine.stats()) | gc_clock.totals()
         steady_s = (steady_end or t0) - t0  # ~0 when all requests were admitted at once: no steady part
         summary.update(steady_ms=steady_s * 1e3, steady_output_tokens=steady_out,
                        steady_tokens_per_s=steady_out / steady_s if steady_s > 0 else 0.0)

@@ -32,8 +32,8 @@ def collection_paused():
 
 
 class GcClock:
-    """Time the cyclic garbage collector took while started, and how many collections ran (full
-    ones apart). In a replay that time is part of some steps' walls."""
+    """Time the cyclic garbage collector took inside, and how many collections ran (full ones
+    apart). In a replay that time is part of some steps' walls."""
 
     def __init__(self) -> None:
         self.ms = 0.0
@@ -47,12 +47,13 @@ class GcClock:
             self.ms += (time.perf_counter() - self._t) * 1e3
             self.collections[info["generation"]] += 1
 
-    def start(self) -> "GcClock":
+    def __enter__(self) -> "GcClock":
         gc.callbacks.append(self._observe)
         return self
 
-    def stop(self) -> dict[str, float | int]:
-        if self._observe in gc.callbacks:
-            gc.callbacks.remove(self._observe)
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._observe)
+
+    def totals(self) -> dict[str, float | int]:
         return {"gc_ms": self.ms, "gc_full_collections": self.collections[2],
                 "gc_collections": sum(self.collections)}

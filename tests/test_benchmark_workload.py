@@ -239,3 +239,6 @@ def test_replay_counts_the_garbage_collector_time_its_steps_took(eng):
     from anneal.engine.gc_control import GcClock
 
     assert not any(isinstance(getattr(cb, "__self__", None), GcClock) for cb in gc.callbacks)
+    with pytest.raises(RuntimeError), GcClock():  # nor after a replay that fails
+        raise RuntimeError("an engine step failed")
+    assert not any(isinstance(getattr(cb, "__self__", None), GcClock) for cb in gc.callbacks)

@@ -281,4 +281,3 @@ def test_collection_paused_holds_off_gc_and_restores_it():
     finally:
         gc.enable()
         gc.callbacks.remove(record)
-
