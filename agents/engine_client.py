@@ -92,13 +92,18 @@ class EngineClient:
             body["plan"] = plan.model_dump(mode="json")
         if traffic is not None:
             body["traffic"] = traffic
-        data = self._call("POST", "/admin/benchmark", body)
+        data = self.benchmark_answer(body)
         # Workload latency tails may come nested under "extra"; lift the ones the compiler reads.
         extra = data.get("extra") or {}
         for k in ("itl_p90_ms", "ttft_p90_ms", "per_op_ms", "time_split", "decode_batches"):
             if data.get(k) is None and extra.get(k) is not None:
                 data[k] = extra[k]
         return Measurement.model_validate(data)
+
+    def benchmark_answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /admin/benchmark`` with a whole request body; the engine's whole answer (what
+        bench/plans.py reads, beyond the fields a Measurement lifts)."""
+        return self._call("POST", "/admin/benchmark", body)
 
     def verify(
         self, plan: Plan, checks: list[str] | None = None, *, num_prompts: int = 6,

@@ -78,7 +78,7 @@ class LocalEngines:
 
     model: str
     out: Path
-    fast_layers: int = 1
+    fast_layers: int | None = 1  # None: the slow tier alone (bench/plans.py --served)
     device: str = "cpu"
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     engines: dict[str, LocalEngine] = field(default_factory=dict)
@@ -87,7 +87,8 @@ class LocalEngines:
     ports: set[int] = field(default_factory=set)  # handed to the engines started here: never twice
 
     def start(self, timeout_s: float = 600.0) -> dict[str, EngineClient]:
-        """Start both tiers and wait until their admin APIs answer.
+        """Start both tiers (the slow one alone without ``fast_layers``) and wait until their admin
+        APIs answer.
 
         On a GPU the tiers start one after the other: each sizes its KV cache from the memory that
         is free when it starts, so the fast tier (a few layers) takes a small share first and the
@@ -97,7 +98,8 @@ class LocalEngines:
         gpu = self.device.startswith("cuda")
         clients: dict[str, EngineClient] = {}
         try:
-            for tier, layers in (("fast", self.fast_layers), ("slow", None)):
+            tiers = ((("fast", self.fast_layers),) if self.fast_layers else ()) + (("slow", None),)
+            for tier, layers in tiers:
                 self._launch(tier, layers, FAST_TIER_GPU_SHARE if gpu and layers else None)
                 if gpu:
                     clients[tier] = self._wait(tier, timeout_s)

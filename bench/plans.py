@@ -44,6 +44,66 @@ def load_plans(specs: list[str]):
 WARM_SEED = 10_000  # not a round's seed (rounds use 0, 1, ...)
 
 
+class InProcessEngine:
+    """The engine in this process: plans hot-swapped and replays run by direct calls."""
+
+    def __init__(self, model: str, device: str) -> None:
+        from anneal.engine.hardware import measure
+        from anneal.engine.llm import Engine, EngineArgs
+
+        self.eng = Engine(EngineArgs(model=model, device=device))
+        self.config = self.eng.config.model_dump()
+        self.dtype_bytes = self.eng.dtype.itemsize
+        self.max_model_len = self.eng.max_model_len
+        self.hw = measure(self.eng.device)  # the roofline each replay's decode steps are placed against
+
+    def apply(self, plan) -> float:
+        return self.eng.apply_plan(plan).total_s
+
+    def benchmark(self, req):
+        from anneal.engine.benchmark import run_benchmark
+
+        return run_benchmark(self.eng, req)
+
+    def close(self) -> None:
+        pass
+
+
+class ServedEngine:
+    """An `anneal serve` process measured over its admin API, as `anneal compile` measures its slow
+    tier (with ``fast_layers``, beside an idle fast-tier engine on the same GPU, as the compile
+    starts them). Why: the compile's own gains for overlap plans read above this script's in-process
+    ones (session 16: x1.160 against x1.072); the two differ in the process the replay runs in."""
+
+    def __init__(self, model: str, device: str, out: Path, fast_layers: int | None) -> None:
+        from anneal.agents.local_engines import LocalEngines
+
+        self.local = LocalEngines(model, out, fast_layers=fast_layers, device=device)
+        clients = self.local.start()
+        for tier, c in clients.items():
+            if tier != "slow":
+                c.close()
+        self.client = clients["slow"]
+        state = self.client.state()
+        self.config = state.config or {}
+        self.dtype_bytes = 2 if state.dtype in ("bfloat16", "float16") else 4
+        self.max_model_len = int((state.model_extra or {})["max_model_len"])
+        self.hw = state.hardware.model_dump()
+
+    def apply(self, plan) -> float:
+        return self.client.put_plan(plan)["timings"]["total_s"]
+
+    def benchmark(self, req):
+        from anneal.engine.benchmark import BenchmarkResult
+
+        return BenchmarkResult.model_validate(
+            self.client.benchmark_answer(req.model_dump(mode="json")))
+
+    def close(self) -> None:
+        self.client.close()
+        self.local.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:llama-3.1-8b")
@@ -56,30 +116,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-warm-replays", dest="warm_replays", action="store_false",
                     help="skip the untimed replay of each plan (to see what a plan's first replay after its "
                          "apply costs)")
+    ap.add_argument("--engine", choices=("in-process", "served", "served-beside-fast-tier"), default="in-process",
+                    help="where the replays run: this process, an `anneal serve` process over its admin API, or "
+                         "that beside an idle 2-layer fast-tier engine on the same GPU (as `anneal compile` runs)")
     ap.add_argument("--name", default=None, help="result file stem (default plans-<model>)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
 
     import torch
+
+    plans = load_plans(args.plans.split(","))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    if args.engine == "in-process":
+        eng = InProcessEngine(args.model, device)
+    else:
+        logs = Path(args.out or "bench/results") / f"{args.name or 'plans'}-engines"
+        eng = ServedEngine(args.model, device, logs, 2 if args.engine == "served-beside-fast-tier" else None)
+    try:
+        return _measure(args, plans, device, eng, time.perf_counter() - t0)
+    finally:
+        eng.close()
+
+
+def _measure(args, plans, device: str, eng, start_s: float) -> int:
     from tqdm import tqdm
 
     from anneal.agents.cost_model import CostModel, replay_headroom, shape_from_config
     from anneal.agents.setting import workload_requests
     from anneal.agents.types import HardwareSpec
-    from anneal.engine.hardware import measure
-    from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
-    from anneal.engine.llm import Engine, EngineArgs
+    from anneal.engine.benchmark import BenchmarkRequest
     from anneal.engine.traffic import load_traffic
 
-    plans = load_plans(args.plans.split(","))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    t0 = time.perf_counter()
-    eng = Engine(EngineArgs(model=args.model, device=device))
-    start_s = time.perf_counter() - t0
-    hw = measure(eng.device)  # the roofline each replay's decode steps are placed against
+    hw = eng.hw
     roofline = CostModel(
-        shape=shape_from_config(eng.config.model_dump(), eng.dtype.itemsize),
-        hw=HardwareSpec(name=str(eng.device), mem_gbps=hw["copy_gbps"], matmul_tflops=hw["matmul_tflops"],
+        shape=shape_from_config(eng.config, eng.dtype_bytes),
+        hw=HardwareSpec(name=device, mem_gbps=hw["copy_gbps"], matmul_tflops=hw["matmul_tflops"],
                         memory_gb=hw.get("memory_gb") or 1))
     shapes = []
     for name in args.traffic.split(","):
@@ -97,20 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     warm = ([(label, plan) for label, plan in plans if label != "reference"] or plans) if args.warm_replays else []
     for (label, plan), (sname, shape, n) in tqdm([(p, s) for p in warm for s in shapes], desc="warm-up replays",
                                                  file=sys.stderr):
-        eng.apply_plan(plan)
-        run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
-                                            num_requests=n, steps=1, warmup=0, seed=WARM_SEED))
+        eng.apply(plan)
+        eng.benchmark(BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                       num_requests=n, steps=1, warmup=0, seed=WARM_SEED))
     runs: dict[tuple[str, str], list[dict]] = {}
     # Each round starts one plan later (a rotation): whatever the first slot of a round costs (session
     # 4: an identical plan read 3% lower there in both rounds) lands on every plan in turn.
     jobs = [(r, label, plan, s) for r in range(args.rounds)
             for label, plan in plans[r % len(plans):] + plans[:r % len(plans)] for s in shapes]
     for r, label, plan, (sname, shape, n) in tqdm(jobs, desc="plan x shape x round", file=sys.stderr):
-        rep = eng.apply_plan(plan)
-        res = run_benchmark(eng, BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
-                                                  num_requests=n, steps=1, warmup=1, seed=args.seed + r))
+        apply_s = eng.apply(plan)
+        res = eng.benchmark(BenchmarkRequest(mode="workload", traffic=shape.model_dump(mode="json"),
+                                             num_requests=n, steps=1, warmup=1, seed=args.seed + r))
         row = {"round": r, "seed": args.seed + r, "tokens_per_s": res.tokens_per_s, "wall_ms": res.median_ms,
-               "apply_s": rep.total_s, **res.extra}
+               "apply_s": apply_s, **res.extra}
         head = replay_headroom(res.extra["time_split"], roofline)
         if head:
             row["headroom"] = head
@@ -163,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['ttft_p90_ms']:12.1f}  {ratios}", file=sys.stderr)
     path = write_result(args.name or f"plans-{args.model.removeprefix('random:')}", {
         "benchmark": "plans side by side (workload replay, closed loop at the shape's concurrency)",
-        "environment": environment(), "model": args.model, "device": device, "engine_start_s": start_s,
+        "environment": environment(), "model": args.model, "device": device, "engine": args.engine,
+        "engine_start_s": start_s,
         "hardware": hw,
         "plans": {label: plan.model_dump(mode="json") for label, plan in plans},
         "shapes": {s: {"traffic": t.model_dump(mode="json"), "num_requests": n} for s, t, n in shapes},

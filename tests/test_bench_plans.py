@@ -39,3 +39,20 @@ def test_one_change_variants_of_the_best_plans_resolve(tmp_path):
             plan = Plan.model_validate(json.loads(path.read_text()))
             OpTable.resolve(plan, "cuda")
         assert any(Plan.model_validate(json.loads(p.read_text())).fusions.get("silu_mul_down") for p in variants)
+
+
+@pytest.mark.parametrize("engine", ["in-process", "served"])
+def test_bench_plans_replays_side_by_side_in_process_and_over_the_admin_api(tmp_path, engine):
+    """Both places a replay can run (the served one is where `anneal compile` measures) give a
+    result for every plan, paired against the first."""
+    overlap = tmp_path / "overlap.json"
+    overlap.write_text(json.dumps({"name": "overlap", "scheduler": {"overlap": True}}))
+    script = Path(__file__).parent.parent / "bench" / "plans.py"
+    subprocess.run([sys.executable, str(script), "--model", "random:tiny", "--plans", f"reference,{overlap}",
+                    "--traffic", "chat", "--rounds", "1", "--engine", engine, "--name", "t", "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=300)
+    result = json.loads(next(tmp_path.glob("t-*.json")).read_text())
+    assert result["engine"] == engine
+    chat = result["results"]["chat"]
+    assert set(chat) == {"reference", "overlap"}
+    assert chat["overlap"]["x_vs_reference"] > 0 and chat["overlap"]["rounds"][0]["time_split"]["decode_steps"] > 0

@@ -90,3 +90,21 @@ def test_bad_flags_fail_fast_with_a_message_and_exit_2(args, message):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "cannot start" in r.stderr and message in r.stderr
+
+
+def test_the_engine_is_built_off_the_main_thread_and_its_errors_reach_the_caller(monkeypatch):
+    """The event loop's thread must never run torch's CPU thread pool (server.py: the engine's own
+    thread then stepped ~2.3x slower on the CPU); a failed load is still the caller's error."""
+    from anneal.engine import server
+
+    built_on = []
+    monkeypatch.setattr(server, "build_engine", lambda args: built_on.append(threading.current_thread()) or "engine")
+    assert server.build_engine_off_the_main_thread(None) == "engine"
+    assert built_on and built_on[0] is not threading.main_thread()
+
+    def broken(args):
+        raise OSError("no such model folder")
+
+    monkeypatch.setattr(server, "build_engine", broken)
+    with pytest.raises(OSError, match="no such model folder"):
+        server.build_engine_off_the_main_thread(None)
