@@ -15,6 +15,7 @@ import os
 import inspect
 import sys
 import time
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -79,6 +80,12 @@ def specs():
                                           HEAD_D=64 if rope else 1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False,
                                           AHEAD=ahead), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import persistent_chain  # bench/: the persistent GEMV chain experiment (session 18)
+
+    for first, last, rows, block_k, warps in ((0, 4, 8, 1024, 8), (0, 1, 16, 512, 4), (2, 4, 32, 512, 16)):
+        yield persistent_chain._gemv_chain_kernel, {"bar_ptr": "*i32"}, dict(
+            FIRST=first, LAST=last, ROWS=rows, BLOCK_K=block_k, BARRIER=True), warps
     from anneal.engine.kernels import argmax as am
 
     yield am.argmax_merge_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i32", "tok_ptr": "*i64"}, dict(BLOCK_T=1024), 4

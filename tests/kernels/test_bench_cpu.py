@@ -38,6 +38,7 @@ def test_bench_kernels_tiny_cpu(tmp_path):
     ("attention_layout.py", "NHD vs HND, same values: max |diff| 0"),
     ("blas_backend.py", "every setting computes F.linear"),
     ("prefill_attention.py", "kernel, SDPA and reference on one shape: max |diff|"),
+    ("persistent_chain.py", "every variant computes the reference chain"),
 ])
 def test_gpu_probes_check_their_premise_on_the_cpu(script, says):
     """The device probes' CPU mode: the two cache layouts give the same attention, every BLAS
