@@ -229,6 +229,29 @@ class CompiledPlan(_Strict):
         return self.plan.hash
 
 
+# What is served when no plan is named (`anneal serve`, `anneal generate`, the tiers `anneal
+# compile` starts, an InferenceDeployment without `spec.plan`): on CUDA the hand-set Triton plan
+# with overlap scheduling, bench/plans/triton-overlap.json (a test keeps the two equal). On the H200's
+# 8B chat replay it ran x1.06-1.12 the tokens/s of triton.json (session 18), and triton.json 16x the
+# reference plan's (session 4): the reference plan is for verification, not serving. Elsewhere the
+# reference plan: the Triton variants need CUDA.
+_CUDA_DEFAULT = {
+    "name": "default on CUDA: Triton norms, RoPE+store, attention, SiLU, argmax; cuBLAS projections; overlap",
+    "ops": {op: {"impl": impl} for op, impl in (
+        ("rmsnorm", "triton"), ("add_rmsnorm", "triton"), ("qk_rope_store", "triton"),
+        ("attention_decode", "triton_splitk"), ("attention_prefill", "triton"), ("silu_and_mul", "triton"),
+        ("argmax", "triton"))},
+    "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 8192, "overlap": True},
+}
+
+
+def default_plan(device: str) -> Plan:
+    """The plan served on ``device`` (``cuda``, ``cuda:N``, ``cpu``) when none is named."""
+    if device.split(":")[0] == "cuda":
+        return Plan.model_validate(_CUDA_DEFAULT)
+    return Plan(name="default off CUDA: the reference plan")
+
+
 def load_plan(text: str) -> Plan:
     """A Plan from JSON or YAML text; a CompiledPlan document yields its plan."""
     try:

@@ -223,7 +223,8 @@ def create_app(ctx: ServingContext, metrics: EngineMetrics) -> FastAPI:
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of ``anneal serve``."""
     parser.add_argument("--model", required=True, help="a Hugging Face model folder or random:<preset>")
-    parser.add_argument("--plan", help="a Plan or CompiledPlan file (JSON/YAML); default: the reference plan")
+    parser.add_argument("--plan", help="a Plan or CompiledPlan file (JSON/YAML); default: the device's default "
+                        "plan (on CUDA the hand-set Triton plan with overlap scheduling, on the CPU the reference)")
     parser.add_argument("--host", default="0.0.0.0", help="address of both ports (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8000, help="public OpenAI API + /metrics (default 8000)")
     parser.add_argument(
@@ -274,10 +275,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _plan_from_args(args: argparse.Namespace) -> Any:
-    from anneal.engine.plan import Plan, load_plan
+def _plan_from_args(args: argparse.Namespace, device: str) -> Any:
+    """``--plan`` with the knob flags applied; without ``--plan`` the device's default plan."""
+    from anneal.engine.plan import Plan, default_plan, load_plan
 
-    plan = load_plan(Path(args.plan).read_text()) if args.plan else Plan()
+    plan = load_plan(Path(args.plan).read_text()) if args.plan else default_plan(device)
     knobs = {
         k: v
         for k, v in {
@@ -302,11 +304,14 @@ def build_engine(args: argparse.Namespace) -> Any:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    plan = _plan_from_args(args, device)
+    if not args.plan:
+        log.info("no --plan: serving %s (%s)", plan.hash, plan.name)
     return Engine(
         EngineArgs(
             model=args.model,
             device=device,
-            plan=_plan_from_args(args),
+            plan=plan,
             layers=args.layers,
             max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks,

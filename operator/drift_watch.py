@@ -23,7 +23,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from anneal.engine.plan import CompiledPlan, Plan
+from anneal.engine.plan import CompiledPlan, Plan, default_plan
 from anneal.engine.traffic import TrafficShape, parse_traffic, preset
 from anneal.operator import drift, naming, plan_source
 from anneal.operator.api import GROUP, VERSION
@@ -31,6 +31,7 @@ from anneal.operator.api import compilation_job as cj_api
 from anneal.operator.api import inference_deployment as api
 from anneal.operator.api.base import duration_seconds
 from anneal.operator.context import Context
+from anneal.operator.engine_pod import engine_device
 from anneal.operator.kube import ApiException, api_message
 from anneal.operator.rollout import ACTIVE, iso, parse_iso
 from anneal.operator.traffic_reader import Prometheus, PrometheusQueryError, TrafficObservation
@@ -87,7 +88,8 @@ def compilation_job(name: str, namespace: str, spec: api.InferenceDeploymentSpec
                     job: str, serving: Plan | None = None) -> dict[str, Any]:
     """The CompilationJob drift asks for: this deployment, the observed shape (or the policy's
     preset), the policy's search and verification, seeded with the plan it serves (unless that is
-    the default plan, which the search starts from anyway); never autoApply (the rollout decides)."""
+    the device's default plan, which the job's engines start from anyway); never autoApply (the
+    rollout decides)."""
     policy = spec.compilation
     traffic: dict[str, Any] = {"preset": policy.traffic} if policy.traffic else {"shape": shape.model_dump(mode="json")}
     body: dict[str, Any] = {
@@ -101,7 +103,8 @@ def compilation_job(name: str, namespace: str, spec: api.InferenceDeploymentSpec
     }
     if policy.search.llm_credentials is not None:
         body["llm"] = {"credentials": policy.search.llm_credentials.wire()}
-    if serving is not None and serving.hash != Plan().hash:
+    default = default_plan(engine_device(spec.serving, spec.gpus))  # what the job's tier engines start on
+    if serving is not None and serving.hash != default.hash:
         body["seedPlans"] = [{"inline": serving.model_dump(mode="json")}]
     cj_api.CompilationJobSpec.model_validate(body)  # the job we create must pass our own models
     return {

@@ -35,6 +35,11 @@ class EngineConfig:
     bind_pod_ip: bool = False  # listen on the pod IP only (pods reached by IP, never port-forwarded)
 
 
+def engine_device(serving: Serving, gpus: int) -> str:
+    """The ``--device`` an engine pod runs on: the serving setting, else CUDA when it has GPUs."""
+    return serving.device or ("cuda" if gpus > 0 else "cpu")
+
+
 def serve_args(cfg: EngineConfig) -> list[str]:
     """Arguments of `anneal serve` (the engine CLI contract)."""
     args = ["serve", "--model", cfg.model]
@@ -44,8 +49,7 @@ def serve_args(cfg: EngineConfig) -> list[str]:
     layers = cfg.layers if cfg.layers is not None else cfg.serving.layers
     if layers is not None:
         args += ["--layers", str(layers)]
-    device = cfg.serving.device or ("cuda" if cfg.placement.gpus > 0 else "cpu")
-    args += ["--device", device, *cfg.serving.extra_args]
+    args += ["--device", engine_device(cfg.serving, cfg.placement.gpus), *cfg.serving.extra_args]
     return args
 
 

@@ -2,7 +2,8 @@
 
 Order: `compilation.pinnedPlan` > the compiled plan the deployment accepted (ConfigMap
 `<name>-compiled`, only while `spec.plan` is still the plan it was compiled from) > `spec.plan` >
-the default Plan. Reading ConfigMaps is passed in, so the decision is a pure function.
+the default plan of the pods' device (`default_plan`: the hand-set Triton plan on CUDA, the reference
+plan on the CPU). Reading ConfigMaps is passed in, so the decision is a pure function.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from anneal.engine.plan import CompiledPlan, Plan, load_plan
+from anneal.engine.plan import CompiledPlan, Plan, default_plan, load_plan
 from anneal.operator import naming
+from anneal.operator.engine_pod import engine_device
 from anneal.operator.api.base import PlanSource
 from anneal.operator.api.inference_deployment import InferenceDeploymentSpec
 
@@ -66,9 +68,9 @@ def speedup(compiled: CompiledPlan) -> float | None:
 
 
 def base_plan(spec: InferenceDeploymentSpec, read: ReadConfigMap) -> ResolvedPlan:
-    """`spec.plan`, or the default plan."""
+    """`spec.plan`, or the default plan of the device the pods run on."""
     if spec.plan is None:
-        return ResolvedPlan(Plan(), "default")
+        return ResolvedPlan(default_plan(engine_device(spec.serving, spec.gpus)), "default")
     return ResolvedPlan(from_source(spec.plan, read, "spec.plan"), "spec.plan")
 
 

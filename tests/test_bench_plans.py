@@ -26,6 +26,33 @@ def test_hand_set_plan_resolves_for_the_gpu(path):
     assert set(plan.ops) <= set(choices)
 
 
+def test_the_cuda_default_plan_is_the_measured_hand_set_plan():
+    """What `anneal serve` and the operator serve on CUDA when no plan is named is
+    bench/plans/triton-overlap.json, so its measured figures (bench/plans/README.md) apply to it; off
+    CUDA the default is the reference plan (the Triton variants need CUDA)."""
+    from anneal.engine.plan import default_plan, load_plan
+
+    measured = load_plan((Path(__file__).parent.parent / "bench" / "plans" / "triton-overlap.json").read_text())
+    for device in ("cuda", "cuda:1"):
+        assert default_plan(device).hash == measured.hash
+    OpTable.resolve(default_plan("cuda"), "cuda")
+    assert default_plan("cpu").hash == Plan().hash
+
+
+def test_serve_and_generate_without_a_plan_take_the_devices_default():
+    import argparse
+
+    from anneal.engine.plan import default_plan
+    from anneal.engine.server import _plan_from_args
+
+    args = argparse.Namespace(plan=None, max_num_seqs=None, max_num_batched_tokens=None)
+    assert _plan_from_args(args, "cuda").hash == default_plan("cuda").hash
+    assert _plan_from_args(args, "cpu").hash == Plan().hash
+    args.max_num_seqs = 12  # the knob flags apply to the default too
+    assert _plan_from_args(args, "cuda").scheduler.max_num_seqs == 12
+    assert _plan_from_args(args, "cuda").scheduler.overlap
+
+
 def test_one_change_variants_of_the_best_plans_resolve(tmp_path):
     """``bench/h200.sh variants`` sweeps these on the GPU: a bad change would cost its whole stage."""
     script = Path(__file__).parent.parent / "bench" / "plan_variants.py"

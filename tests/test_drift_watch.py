@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from anneal.engine.plan import Plan
+from anneal.engine.plan import Plan, default_plan
 from anneal.engine.traffic import preset
 from anneal.operator import drift
 from anneal.operator.api.compilation_job import CompilationJobSpec
@@ -77,9 +77,13 @@ def test_the_compilation_job_is_seeded_with_the_serving_plan():
     body = CompilationJobSpec.model_validate(compilation_job("llama", "ml", s, preset("chat"), "j", serving)["spec"])
     (seed,) = body.seed_plans
     assert Plan.model_validate(seed.inline).hash == serving.hash
-    # the default plan is where the search starts anyway: no seed
+    # the device's default plan is where the job's engines start anyway: no seed
     for plan in (Plan(), None):
         assert "seedPlans" not in compilation_job("llama", "ml", s, preset("chat"), "j", plan)["spec"]
+    on_gpus = InferenceDeploymentSpec.model_validate({"model": "random:tiny", "gpus": 1, "compilation": {}})
+    assert "seedPlans" not in compilation_job("llama", "ml", on_gpus, preset("chat"), "j", default_plan("cuda"))["spec"]
+    # ... but a GPU deployment pinned to the reference plan is seeded with it (its engines start elsewhere)
+    assert "seedPlans" in compilation_job("llama", "ml", on_gpus, preset("chat"), "j", Plan())["spec"]
 
 
 def test_never_two_compilations_and_manual_overrides_block_a_trigger():

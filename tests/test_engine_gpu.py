@@ -58,6 +58,30 @@ def test_triton_plan_equals_reference(cuda, model):
 
 
 @pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3"])
+def test_the_cuda_default_plan_gives_the_reference_plans_tokens(cuda, model):
+    """What `anneal serve` runs on a GPU when no plan is named (Triton ops, overlap scheduling):
+    fp32, so the plans differ only by summation order."""
+    from anneal.engine.plan import default_plan
+
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    eng = Engine(EngineArgs(model=model, device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512))
+    prompts = _prompts(eng.config.vocab_size)
+    ref = eng.generate(prompts, params)
+    eng.apply_plan(default_plan("cuda"))
+    got = eng.generate(prompts, params)
+    agree = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g)) / sum(len(r) for r in ref)
+    assert agree > 0.98, agree
+
+
+def test_generate_without_a_plan_serves_the_cuda_default(cuda, capsys):
+    from anneal.cli import main
+    from anneal.engine.plan import default_plan
+
+    assert main(["generate", "--model", "random:tiny", "--device", "cuda", "--prompt", "Hi", "--max-tokens", "8"]) == 0
+    assert f"plan {default_plan('cuda').hash}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3"])
 def test_token_graphs_give_the_eager_steps_tokens(cuda, model):
     """Prompt and mixed steps replaying token graphs (padded to the bucket's tokens and sequences)
     against the same plan with every such step eager: greedy and seeded-sampled tokens, with

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from anneal.engine.plan import CompiledPlan, Gain, Plan
+from anneal.engine.plan import CompiledPlan, Gain, Plan, default_plan
 from anneal.operator import conditions as cond
 from anneal.operator import naming, pod_health
 from anneal.operator.api import InferenceDeploymentSpec
@@ -153,7 +153,11 @@ def test_resolution_order():
     # the pinned plan wins over everything
     s3 = spec(plan={"configMapRef": {"name": "base"}}, compilation={"pinnedPlan": {"inline": {}}})
     assert resolve("llama", s3, store) == ResolvedPlan(Plan(), "pinnedPlan")
-    assert base_plan(spec(), store) == ResolvedPlan(Plan(), "default")
+    # no spec.plan: the default plan of the pods' device (GPUs: CUDA, unless serving.device says otherwise)
+    assert base_plan(spec(), store) == ResolvedPlan(default_plan("cuda"), "default")
+    assert base_plan(spec(gpus=0), store).hash == Plan().hash
+    assert base_plan(spec(serving={"device": "cpu"}), store).hash == Plan().hash
+    assert default_plan("cuda").hash != Plan().hash
 
 
 @pytest.mark.parametrize("store,reason", [

@@ -231,7 +231,10 @@ class InferenceDeploymentSpec(Placement):
     )
     replicas: int = Field(1, ge=0, le=256, description="engine pods")
     serving: Serving = Field(default_factory=Serving)
-    plan: PlanSource | None = Field(None, description="the plan to serve; default: the reference plan")
+    plan: PlanSource | None = Field(
+        None, description="the plan to serve; default: the default plan of the pods' device (on CUDA the hand-set "
+        "Triton plan with overlap scheduling, on the CPU the reference plan)"
+    )
     compilation: CompilationPolicy = Field(default_factory=CompilationPolicy)
 
     @model_validator(mode="after")

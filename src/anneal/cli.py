@@ -10,17 +10,18 @@ import sys
 def _generate(args: argparse.Namespace) -> int:
     import time
 
-    from anneal.engine.llm import Engine, EngineArgs
-    from anneal.engine.plan import load_plan
+    from anneal.engine.llm import Engine, EngineArgs, resolve_device
+    from anneal.engine.plan import default_plan, load_plan
     from anneal.engine.sampling_params import SamplingParams
     from anneal.engine.tokenizer import TokenizerError, load_tokenizer
 
     try:  # bad input (a missing or invalid plan or model, a plan for another device): one line, as serve does
-        plan_kw = {}
         if args.plan:
             with open(args.plan) as f:
-                plan_kw["plan"] = load_plan(f.read())
-        engine = Engine(EngineArgs(model=args.model, device=args.device, layers=args.layers, **plan_kw))
+                plan = load_plan(f.read())
+        else:
+            plan = default_plan(str(resolve_device(args.device)))
+        engine = Engine(EngineArgs(model=args.model, device=args.device, layers=args.layers, plan=plan))
         tok = load_tokenizer(args.model, engine.config.vocab_size, engine.config.eos_token_ids)
     except (OSError, ValueError, RuntimeError, TokenizerError) as e:
         print(f"anneal generate: {e}", file=sys.stderr)
@@ -41,7 +42,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="random:tiny", help="HF model folder or random:<preset>")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--layers", type=int, default=None, help="load only the first k layers")
-    p.add_argument("--plan", default=None, help="a Plan or CompiledPlan JSON/YAML file")
+    p.add_argument("--plan", default=None, help="a Plan or CompiledPlan JSON/YAML file (default: the device's "
+                   "default plan, see anneal serve --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
