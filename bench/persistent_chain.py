@@ -21,13 +21,15 @@ profile's GEMV advance, 639 µs for 463 µs of weights); a barrier with its next
 ~1-1.5 µs: persistent ~530-560 µs against the chain's ~600-640 µs per 16 layers. If it is not
 clearly under the chain, a per-layer persistent kernel in Triton is not worth building.
 
-Measured (H200, session 18, calls 2-3, 16 layers of the 1B shape, 1946 MB, roofline 463 µs): the
-chain 613-615 µs (75%), cuBLAS 682-685; every persistent config slower, the best 707 µs (x0.87),
-after x was fetched a step ahead with W (call 2's version stalled on it: 766 µs at best). A barrier
-costs 2.6-2.7 µs ((146.5-23.0) / 48 and (156.6-25.7) / 48), as much as a kernel boundary of the
-chain; one flag per program instead of one counter (polled together) measured slower where it
-compiled (756 against 724 µs) and crashed Triton 3.6's layout pass at 4 and 8 warps, so it went.
-Not built further: with grid-wide barriers at that price the persistent layer cannot win here.
+Measured (H200, session 18, calls 2-4, 16 layers of the 1B shape, 1946 MB, roofline 463 µs): the
+chain 613-615 µs (75%), cuBLAS 682-689; every persistent config slower: 676 µs at best (16 rows x
+1024 columns, 16 warps: x0.91, call 4), once x was fetched a step ahead with W (call 2's version
+stalled on it: 766 µs at best). A barrier costs 2.6-2.8 µs ((146.5-23.0) / 48, (156.6-25.7) / 48,
+(157.3-24.2) / 48), as much as a kernel boundary of the chain; without the 48 barriers' ~130 µs
+(as measured alone) the best config would stream at ~545 µs, under the chain's 614. One flag per
+program (all polled) instead of one counter read 756 against 724 µs at 32 x 512, 16 warps, and
+crashed Triton 3.6's layout pass at 4 and 8 warps: removed. Not built further: a persistent layer in Triton wins
+only with dependencies far cheaper than a grid-wide barrier (per-tile flags, as megakernels use).
 
 The kernel (``gemv_chain``, its barrier and reference) lives here, beside the experiment that
 measured it: nothing in the engine runs it. How it works:
