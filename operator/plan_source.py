@@ -13,9 +13,9 @@ from typing import Callable
 
 from anneal.engine.plan import CompiledPlan, Plan, default_plan, load_plan
 from anneal.operator import naming
-from anneal.operator.engine_pod import engine_device
 from anneal.operator.api.base import PlanSource
 from anneal.operator.api.inference_deployment import InferenceDeploymentSpec
+from anneal.operator.engine_pod import engine_device
 
 # name -> (data, annotations), or None when the ConfigMap does not exist.
 ReadConfigMap = Callable[[str], "tuple[dict[str, str], dict[str, str]] | None"]
