@@ -28,8 +28,9 @@ stalled on it: 766 µs at best). A barrier costs 2.6-2.8 µs ((146.5-23.0) / 48,
 (157.3-24.2) / 48), as much as a kernel boundary of the chain; without the 48 barriers' ~130 µs
 (as measured alone) the best config would stream at ~545 µs, under the chain's 614. One flag per
 program (all polled) instead of one counter read 756 against 724 µs at 32 x 512, 16 warps, and
-crashed Triton 3.6's layout pass at 4 and 8 warps: removed. Not built further: a persistent layer in Triton wins
-only with dependencies far cheaper than a grid-wide barrier (per-tile flags, as megakernels use).
+crashed Triton 3.6's layout pass at 4 and 8 warps: removed. Not built further: a persistent layer
+in Triton wins only with dependencies far cheaper than a grid-wide barrier (per-tile flags, as
+megakernels use).
 
 The kernel (``gemv_chain``, its barrier and reference) lives here, beside the experiment that
 measured it: nothing in the engine runs it. How it works:
@@ -80,14 +81,14 @@ def barrier_counter(device: torch.device) -> torch.Tensor:
     barrier leaves its low 31 bits zero). Never freed: captured graphs keep its address."""
     buf = _BARRIERS.get(device)
     if buf is None:
-        buf = _BARRIERS[device] = torch.zeros(32, dtype=torch.int32, device=device)
+        buf = _BARRIERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return buf
 
 
 @triton.jit
 def grid_barrier(bar_ptr, ENABLED: tl.constexpr):
     """Wait until every program of the grid has arrived here (see the module doc). One address for
-    the whole grid: the arrivals serialise at its L2 slice (2.6-2.7 µs a barrier on the H200 with
+    the whole grid: the arrivals serialise at its L2 slice (2.6-2.8 µs a barrier on the H200 with
     132 programs, session 18)."""
     if ENABLED:
         n = tl.num_programs(0)
@@ -246,12 +247,19 @@ def gemv_chain(
     return outs
 
 
-BEST_1B = {  # gemv-pdl-rope-gu-prefetch-down2-s1.json's projections (bench/plans/)
-    "qkv": dict(m1="fma", reduce="ticket", pdl=True, block_n=128, block_k=64),
-    "o": dict(m1="fma", reduce="ticket", pdl=True, block_n=128, block_k=64, ahead=2),
-    "gate_up": dict(reduce="ticket", pdl=True, split_k=1, block_n=32, block_k=256),
-    "down": dict(m1="fma", reduce="ticket", pdl=True, block_n=128, block_k=64, ahead=2),
-}
+BEST_1B_PLAN = Path(__file__).resolve().parent / "plans" / "gemv-pdl-rope-gu-prefetch-down2-s1.json"
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the order of layer_dims
+
+
+def chain_params(plan_file: Path = BEST_1B_PLAN) -> dict[str, dict]:
+    """The plan's GEMV params per projection, as ``small_m_gemm`` takes them (``max_m`` is the
+    op's switch to torch's GEMM above that many rows, not a kernel param)."""
+    import json
+
+    ops = json.loads(plan_file.read_text())["ops"]
+    return {op: {k: v for k, v in ops[op]["params"].items() if k != "max_m"} for op in PROJECTIONS}
+
+
 CONFIGS = {  # persistent: rows, block_k, num_warps, programs_per_sm
     "r8-k1024-w8": dict(rows=8, block_k=1024, num_warps=8),
     "r16-k512-w8": dict(rows=16, block_k=512, num_warps=8),
@@ -277,6 +285,7 @@ def main() -> int:
     args = ap.parse_args()
     from anneal.engine.kernels.gemv import small_m_gemm
 
+    best = chain_params()
     dev = torch.device(args.device)
     on_gpu = dev.type == "cuda"
     dims, L = layer_dims(args.shape)
@@ -301,7 +310,7 @@ def main() -> int:
     def chain():
         v = x
         for ws in layers:
-            for w, params in zip(ws, BEST_1B.values()):
+            for w, params in zip(ws, best.values()):
                 v = small_m_gemm(v[: w.shape[1]][None], w, **(params if on_gpu else {"m1": params.get("m1", "dot"),
                                                                                         "split_k": 2}))[0]
         return v
@@ -310,7 +319,7 @@ def main() -> int:
         outs = [[torch.empty(w.shape[0], dtype=dtype, device=dev) for w in ws] for ws in layers_]
 
         def run():
-            v = x if layers_ is layers else x[:1]
+            v = x[: layers_[0][0].shape[1]]
             for ws, o in zip(layers_, outs):
                 v = gemv_chain(v, ws, outs=o, pdl=True, **cfg)[-1]
             return v
@@ -368,7 +377,7 @@ def main() -> int:
                   f"{r.get('of_copy_roofline', float('nan')):6.1%}  x{r.get('x_vs_chain', float('nan')):.3f} vs chain"
                   + (f"  ERROR {r['error']}" if "error" in r else ""))
         write_probe(f"persistent-chain-{args.shape}", args.out, dev, reps=args.reps, rows=rows, copy_gbps=bw,
-                    layers=L, dims=dims, weight_bytes=weight_bytes, roofline_us=roof_us, chain_params=BEST_1B,
+                    layers=L, dims=dims, weight_bytes=weight_bytes, roofline_us=roof_us, chain_params=best,
                     configs=CONFIGS)
     return 1 if any("error" in r for r in rows) else 0
 

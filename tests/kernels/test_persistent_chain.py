@@ -4,11 +4,11 @@ barrier itself, in and out of a CUDA graph with PDL."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from anneal.engine.kernels._common import KernelInputError
 from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn
