@@ -13,6 +13,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from anneal.engine.ops.registry import OpError
+
 
 def _gemv_params(choice: tuple[str, dict]) -> tuple[dict, int]:
     """The GEMV kernel params of a projection's choice (when it is the Triton GEMV), for the fused
@@ -44,12 +46,46 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
         elif name == "norm_linear":
             for proj in ("qkv_proj", "gate_up_proj"):
                 out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *_gemv_params(choices[proj]))
+        elif name == "folded_norm":
+            out.update(_folded_norm(fns, choices))
         elif name == "norm_stats":
             for proj in ("o_proj", "down_proj"):
                 out[f"{proj}_add_stats"] = _add_stats(gemv, fns, proj, *_gemv_params(choices[proj]))
             out["norm_stats_qkv"] = _norm_stats_qkv(gemv, fns, out, *_gemv_params(choices["qkv_proj"]))
             out["norm_stats_gate_up"] = _norm_stats_gate_up(gemv, fns, out, *_gemv_params(choices["gate_up_proj"]))
     return out
+
+
+def _folded_norm(fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]) -> dict[str, Callable]:
+    """``folded_norm``: a layer's RMSNorms spread over the kernels around them (the model's
+    ``_forward_folded``). The residual stream ``s`` is never normalised in memory: qkv and gate_up
+    project ``s`` itself through weights with the norm weight folded in (``weights.fold_norms``),
+    RoPE + store and SiLU-mul scale each row by ``s``'s 1/rms as they load it, and o / down add
+    their output to ``s`` in the GEMM (``s.addmm_``: cuBLAS's beta = 1, no add kernel, no copy).
+    The Triton RoPE and SiLU kernels take the plan's params for those ops when it chose them."""
+    from anneal.engine.kernels import activation, rope
+
+    for proj in ("o_proj", "down_proj"):
+        if choices[proj][0] != "reference":
+            raise OpError(f"folded_norm adds the residual in {proj}'s GEMM (addmm, beta = 1): {proj} must be the "
+                          f"reference GEMM, not {choices[proj][0]}")
+    rope_params = dict(choices["qk_rope_store"][1]) if choices["qk_rope_store"][0] == "triton" else {}
+    silu_params = dict(choices["silu_and_mul"][1]) if choices["silu_and_mul"][0] == "triton" else {}
+
+    def folded_rope_store(qkv_raw, stream, eps, positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm,
+                          k_norm, rope_eps):
+        return rope.qk_rope_store(qkv_raw, positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm, k_norm,
+                                  rope_eps, rms_of=stream, rms_eps=eps, **rope_params)
+
+    def folded_silu_and_mul(gu_raw, stream, eps):
+        return activation.silu_and_mul(gu_raw, rms_of=stream, rms_eps=eps, **silu_params)
+
+    def linear_residual_(x, w, stream):
+        """``stream += x @ w.T``, in place, in the GEMM."""
+        return stream.addmm_(x, w.t())
+
+    return {"folded_rope_store": folded_rope_store, "folded_silu_and_mul": folded_silu_and_mul,
+            "linear_residual_": linear_residual_}
 
 
 def _silu_mul_down(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Callable:

@@ -24,7 +24,7 @@ from anneal.engine.runner import ModelRunner
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.scheduler import Scheduler
 from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
-from anneal.engine.weights import DTYPES, load_weights, resolve_config
+from anneal.engine.weights import DTYPES, fold_norms, load_weights, resolve_config
 
 
 class EngineArgs(BaseModel):
@@ -151,6 +151,8 @@ class Engine:
         self.load_s = time.perf_counter() - t0
         self.num_layers = len(self.weights.layers)
         t0 = time.perf_counter()
+        if "folded_norm" in args.plan.fusions:  # its second copy of weights, before the KV cache takes the memory
+            fold_norms(self.weights)
         num_blocks = args.num_kv_blocks or self._auto_num_blocks()
         need = -(-self.max_model_len // args.block_size)
         if num_blocks < need:
@@ -329,12 +331,16 @@ class Engine:
         t1 = time.perf_counter()
         try:
             self.runner.model.ops = ops
+            if "folded_norm" in plan.fusions:  # before the capture (a graph must not replay the folding)
+                fold_norms(self.weights)
             timings = self.runner.capture(*graph_shapes(plan))
         except Exception:
             self.runner.model.ops = old_ops
             self.runner.capture(*graph_shapes(old_plan))
             raise
         self.plan = plan
+        if "folded_norm" not in plan.fusions:
+            self.weights.folded = None  # its folded weights back to the allocator (compile-ahead views may hold theirs)
         self.blocks.reset_prefix_cache()
         self.scheduler.knobs = plan.scheduler
         self.blocks.enable_prefix_caching = plan.scheduler.enable_prefix_caching

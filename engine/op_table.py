@@ -10,13 +10,14 @@ from typing import Callable
 
 from anneal.engine.fusions import build_fusions
 from anneal.engine.ops.registry import OpError, all_ops, build_op, get_variant, interpreting
-from anneal.engine.plan import Plan
+from anneal.engine.plan import Plan, fusion_conflicts
 
 
 class OpTable:
     FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj", "qkv_rope_store",
              "o_proj_add_rmsnorm", "down_proj_add_rmsnorm", "gate_up_silu", "o_proj_add_stats",
-             "down_proj_add_stats", "norm_stats_qkv", "norm_stats_gate_up")
+             "down_proj_add_stats", "norm_stats_qkv", "norm_stats_gate_up", "folded_rope_store",
+             "folded_silu_and_mul", "linear_residual_")
     # Fused entry points, None unless the plan enables them.
     lm_head_argmax: Callable | None = None
     silu_mul_down: Callable | None = None
@@ -31,6 +32,10 @@ class OpTable:
     down_proj_add_stats: Callable | None = None
     norm_stats_qkv: Callable | None = None  # (NormInput, norm_w, eps, w, *qk_rope_store args) -> (q, summed)
     norm_stats_gate_up: Callable | None = None  # (NormInput, norm_w, eps, w) -> (act | None, gate_up | None, summed)
+    # folded_norm: (qkv of the residual stream through folded weights, stream, eps, *qk_rope_store args) -> q
+    folded_rope_store: Callable | None = None
+    folded_silu_and_mul: Callable | None = None  # (gate_up of the stream through folded weights, stream, eps) -> act
+    linear_residual_: Callable | None = None  # (x, w, stream) -> stream += x @ w.T, in place
 
     def __init__(self, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
                  fusions: dict[str, Callable] | None = None):
@@ -58,6 +63,15 @@ class OpTable:
             choices[name] = (c.impl, v.resolve_params(c.params))
         if plan.fusions and device != "cuda" and not interpreting():
             raise OpError(f"fusions {sorted(plan.fusions)} need a CUDA GPU")
+        clash = fusion_conflicts(plan.fusions)
+        if clash:
+            raise OpError("fusions that rewrite the same ops cannot be combined: "
+                          + ", ".join(f"{a} with {b}" for a, b in clash))
+        if "folded_norm" in plan.fusions:
+            bad = [p for p in ("o_proj", "down_proj") if p in choices and choices[p][0] != "reference"]
+            if bad:
+                raise OpError(f"folded_norm adds the residual in the GEMM of o_proj and down_proj (addmm, beta = 1): "
+                              f"{', '.join(bad)} must be the reference GEMM")
         return choices
 
     @classmethod

@@ -44,7 +44,22 @@ FUSIONS = {
     "norm_stats": "o_proj / down_proj + the add_rmsnorm after them: each tile adds the residual and leaves its "
                   "share of the row's sum of squares, and the next GEMV (qkv, gate_up) normalises as it loads "
                   "(no norm kernel, no row pass; before linear_norm and norm_linear)",
+    "folded_norm": "both RMSNorms of a layer without a kernel: their weights folded into qkv_proj / gate_up_proj "
+                   "(a second copy of those weights), the residual adds done by o_proj / down_proj in their "
+                   "GEMM (cuBLAS, beta = 1, in place; both must be the reference GEMM) and 1/rms applied by "
+                   "qk_rope_store / silu_and_mul as they load: the GEMV norm fusions' gain for cuBLAS GEMMs",
 }
+
+# Fusions that rewrite the same ops as another one: a plan may enable one of each pair.
+FUSION_CONFLICTS = {
+    "folded_norm": ("norm_linear", "linear_norm", "norm_stats", "qkv_rope", "gate_up_silu", "silu_mul_down"),
+}
+
+
+def fusion_conflicts(fusions) -> list[tuple[str, str]]:
+    """The pairs of ``fusions`` (enabled names) that ``FUSION_CONFLICTS`` forbids together."""
+    on = set(fusions)
+    return [(a, b) for a, others in FUSION_CONFLICTS.items() if a in on for b in others if b in on]
 
 DEFAULT_GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 

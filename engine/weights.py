@@ -8,6 +8,7 @@ layers (the fast tier); embedding, final norm and lm_head are always kept.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +33,21 @@ class LayerWeights:
 
 
 @dataclass
+class FoldedLayer:
+    """A layer's qkv and gate_up weights with the RMSNorm before each folded in (``W * norm_w``,
+    per input column): the ``folded_norm`` fusion projects the un-normalised residual stream."""
+
+    qkv: torch.Tensor
+    gate_up: torch.Tensor
+
+
+@dataclass
 class Weights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    folded: list[FoldedLayer] | None = None  # made by fold_norms while a plan fuses folded_norm
 
     def nbytes(self) -> int:
         seen: set[int] = set()
@@ -53,6 +64,28 @@ class Weights:
             out += [L.input_norm, L.qkv, L.o, L.post_norm, L.gate_up, L.down]
             out += [t for t in (L.q_norm, L.k_norm) if t is not None]
         return out
+
+
+_FOLD_LOCK = threading.Lock()  # the engine thread and compile-ahead passes may ask at once
+
+
+def fold_norms(w: Weights) -> list[FoldedLayer]:
+    """``w``'s folded qkv and gate_up weights, made on first use and kept on ``w`` (another ~50% of
+    a Llama layer's bytes: the engine makes them before sizing the KV cache when it starts on such a
+    plan, and drops them when it applies a plan without the fusion). Each product is rounded once to
+    the weights' dtype. Never inside a CUDA-graph capture: the graph would replay the folding."""
+    with _FOLD_LOCK:
+        if w.folded is None:
+            dev = w.embed.device
+            if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("folded_norm: the folded weights must be made before a CUDA-graph capture")
+            w.folded = [FoldedLayer(qkv=L.qkv * L.input_norm, gate_up=L.gate_up * L.post_norm) for L in w.layers]
+        return w.folded
+
+
+def folded_bytes(w: Weights) -> int:
+    """Bytes ``fold_norms`` holds (or would hold) for ``w``."""
+    return sum((L.qkv.numel() + L.gate_up.numel()) * L.qkv.element_size() for L in w.layers)
 
 
 def resolve_config(model: str) -> ModelConfig:

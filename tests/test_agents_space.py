@@ -79,6 +79,29 @@ def test_gpu_space_has_fusions_and_graphs_and_equal_plans_hash_equal():
         assert all(p.fusions.values())
 
 
+def test_the_search_never_proposes_fusions_the_engine_refuses_together():
+    """folded_norm and the GEMV norm fusions rewrite the same ops, and folded_norm needs o_proj and
+    down_proj on the reference GEMM: no sampled, mutated or crossed plan breaks either rule, and
+    folded_norm is still proposed."""
+    from anneal.engine.plan import fusion_conflicts
+
+    state = STATE.model_copy(update={"device": "cuda", "ops": {**STATE.ops, "o_proj": ["reference", "gemv"],
+                                                                 "down_proj": ["reference", "gemv"]},
+                                     "variants": {**STATE.variants, "o_proj": {"reference": {}, "gemv": {"b": [1, 2]}},
+                                                  "down_proj": {"reference": {}, "gemv": {"b": [1, 2]}}}})
+    gpu = CandidateSpace.from_state(state)
+    rng = random.Random(2)
+    folded = 0
+    for _ in range(300):
+        a, b = gpu.random_plan(rng), gpu.random_plan(rng)
+        for p in (a, gpu.mutate(a, rng, n=3), gpu.crossover(a, b, rng)):
+            assert not fusion_conflicts(p.fusions), p.fusions
+            if "folded_norm" in p.fusions:
+                folded += 1
+                assert p.choice("o_proj").impl == p.choice("down_proj").impl == "reference"
+    assert folded > 20
+
+
 def test_without_chunked_prefill_a_step_holds_a_whole_prompt():
     space = CandidateSpace.from_state(STATE.model_copy(update={"max_model_len": 4096}))
     grid = space.scheduler_grid()

@@ -75,6 +75,15 @@ def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def row_rstd(src_ptr, n, eps, BLOCK: tl.constexpr):
+    """``rsqrt(mean(x**2) + eps)`` of the ``n`` values at ``src_ptr``, in fp32 (one row per program).
+    The other half of an RMSNorm whose weight was folded into a projection (``folded_norm``)."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(src_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+
+
+@triton.jit
 def pdl_launch_dependents(PDL: tl.constexpr):
     """Programmatic dependent launch (sm_90+): let the next kernel in the stream start launching.
     Safe first thing in a kernel: the next kernel still waits (``pdl_wait``) for this one to finish

@@ -1,7 +1,10 @@
 """SiLU-and-mul (Triton): ``silu(x[:, :I]) * x[:, I:]``, elementwise over column tiles.
 
 For the fused form that feeds the down projection directly from the gate/up output (no ``[T, I]``
-intermediate), see ``anneal.engine.kernels.gemv.silu_mul_down_proj``.
+intermediate), see ``anneal.engine.kernels.gemv.silu_mul_down_proj``. With ``rms_of`` (the
+``folded_norm`` fusion) each row of gate/up is first scaled by ``rsqrt(mean(rms_of[row]**2) + eps)``:
+the gate/up projection ran on the un-normalised residual stream through weights with the post-
+attention norm's weight folded in (reference: ``reference.rms_scaled``, then the activation).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, cdiv, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue,
+    KernelInputError, cdiv, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2,
+    row_rstd,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -25,14 +29,40 @@ def silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, rms_ptr, I, stride_x, stride_o, stride_rms, hidden, rms_eps,
+                         BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0)
+    if RMS:  # folded_norm: the post-attention norm's 1/rms, from the residual row the projection read
+        scale = row_rstd(rms_ptr + row * stride_rms, hidden, rms_eps, BLOCK_HID)
+        g = (g.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+        u = (u.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, silu_mul(g, u, out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4, pdl: bool = False,
+                 rms_of: torch.Tensor | None = None, rms_eps: float = 0.0) -> torch.Tensor:
+    """The op; ``rms_of`` ``[T, hidden]``: each row scaled by that row's 1/rms first (see the module doc)."""
+    check_device("silu_and_mul", x, rms_of)
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise KernelInputError(f"silu_and_mul: need x[T, 2*I], got {tuple(x.shape)}")
+    if rms_of is not None and (rms_of.dim() != 2 or rms_of.shape[0] != x.shape[0]):
+        raise KernelInputError(f"silu_and_mul: rms_of must be [T={x.shape[0]}, hidden], got {tuple(rms_of.shape)}")
+    check_contiguous_last("silu_and_mul", x=x, **({"rms_of": rms_of} if rms_of is not None else {}))
+    T, I = x.shape[0], x.shape[1] // 2
+    out = torch.empty((T, I), dtype=x.dtype, device=x.device)
+    if T > 0 and I > 0:
+        rms = rms_of if rms_of is not None else x
+        grid = (T, cdiv(I, block))
+        _silu_and_mul_kernel[grid](x, out, rms, I, x.stride(0), out.stride(0), rms.stride(0), rms.shape[1],
+                                   float(rms_eps), BLOCK=block, RMS=rms_of is not None,
+                                   BLOCK_HID=pow2(rms.shape[1]) if rms_of is not None else 16,
+                                   PDL=pdl_enabled(pdl), num_warps=num_warps, **launch_opts(pdl))
+    return out
 
 
 @variant(
@@ -43,17 +73,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.conste
     description="elementwise over [row, column tile]; reference rounding",
 )
 def build_silu_and_mul(block: int = 1024, num_warps: int = 4, pdl: bool = False):
-    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        check_device("silu_and_mul", x)
-        if x.dim() != 2 or x.shape[1] % 2:
-            raise KernelInputError(f"silu_and_mul: need x[T, 2*I], got {tuple(x.shape)}")
-        check_contiguous_last("silu_and_mul", x=x)
-        T, I = x.shape[0], x.shape[1] // 2
-        out = torch.empty((T, I), dtype=x.dtype, device=x.device)
-        if T > 0 and I > 0:
-            grid = (T, cdiv(I, block))
-            _silu_and_mul_kernel[grid](x, out, I, x.stride(0), out.stride(0), BLOCK=block, PDL=pdl_enabled(pdl),
-                                             num_warps=num_warps, **launch_opts(pdl))
-        return out
+    def silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x, block=block, num_warps=num_warps, pdl=pdl)
 
-    return silu_and_mul
+    return silu_and_mul_op

@@ -2,7 +2,10 @@
 
 One program per token does all of it: q is written to a fresh ``[T, H, D]`` tensor, k (rotated) and
 v go straight into the cache slot ``slot_mapping[t]`` (skipped when ``-1``), so the rotated k never
-round-trips through memory. Rounding follows the reference: the normalised head is rounded to the
+round-trips through memory. With ``rms_of`` (the ``folded_norm`` fusion) the program first scales its
+qkv row by ``rsqrt(mean(rms_of[t]**2) + eps)``: the qkv projection then ran on the un-normalised
+residual stream through weights with the input norm's weight folded in, and this is the norm's
+other half (reference: ``reference.rms_scaled``). Rounding follows the reference: the normalised head is rounded to the
 activation dtype before its weight multiplies it, cos/sin are rounded to the activation dtype, and
 each product and sum of the rotation is rounded as the reference's elementwise ops round them.
 """
@@ -14,7 +17,7 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2,
+    KernelInputError, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2, row_rstd,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -26,17 +29,21 @@ def _rnd(x, DT: tl.constexpr):
 
 @triton.jit
 def _norm_rope(
-    src, n_heads, w_ptr, cos, sin, eps,
+    src, n_heads, w_ptr, cos, sin, eps, row_scale,
     HAS_NORM: tl.constexpr, D: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, SCALED: tl.constexpr,
 ):
-    """Load ``n_heads`` heads at ``src`` (head h at ``src + h*D``), norm + rotate them; fp32 halves."""
+    """Load ``n_heads`` heads at ``src`` (head h at ``src + h*D``), scale (``SCALED``: by
+    ``row_scale``, rounded as ``reference.rms_scaled`` rounds), norm + rotate them; fp32 halves."""
     HALF: tl.constexpr = D // 2
     h = tl.arange(0, BLOCK_HEADS)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < n_heads) & (d < HALF)
     x1 = tl.load(src + h * D + d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + h * D + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        x1 = _rnd(x1 * row_scale, DT)
+        x2 = _rnd(x2 * row_scale, DT)
     if HAS_NORM:
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
         dm = d < HALF
@@ -59,36 +66,100 @@ def rotate_half(x1, x2, cos, sin, DT: tl.constexpr):
 
 @triton.jit
 def _qk_rope_store_kernel(
-    qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q_ptr, qn_ptr, kn_ptr,
-    stride_qkv, stride_cs, H, HKV, eps,
+    qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q_ptr, qn_ptr, kn_ptr, rms_ptr,
+    stride_qkv, stride_cs, stride_rms, H, HKV, eps, hidden, rms_eps,
     HAS_NORM: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     DT = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     row = qkv_ptr + t * stride_qkv
+    scale = 1.0
+    if RMS:  # folded_norm: the input norm's 1/rms, from the residual row the projection read
+        scale = row_rstd(rms_ptr + t * stride_rms, hidden, rms_eps, BLOCK_HID)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dd = tl.arange(0, BLOCK_HALF)[None, :]
     cos = _rnd(tl.load(cs_ptr + pos * stride_cs + dd, mask=dd < HALF, other=0.0), DT)
     sin = _rnd(tl.load(cs_ptr + pos * stride_cs + HALF + dd, mask=dd < HALF, other=0.0), DT)
 
-    q1, q2, h, d, mask = _norm_rope(row, H, qn_ptr, cos, sin, eps, HAS_NORM, D, BLOCK_H, BLOCK_HALF, DT)
+    q1, q2, h, d, mask = _norm_rope(row, H, qn_ptr, cos, sin, eps, scale, HAS_NORM, D, BLOCK_H, BLOCK_HALF, DT, RMS)
     qo = q_ptr + t * H * D + h * D + d
     tl.store(qo, q1.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(qo + HALF, q2.to(q_ptr.dtype.element_ty), mask=mask)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        k1, k2, hk, dk, mk = _norm_rope(row + H * D, HKV, kn_ptr, cos, sin, eps, HAS_NORM, D, BLOCK_HKV, BLOCK_HALF, DT)
+        k1, k2, hk, dk, mk = _norm_rope(row + H * D, HKV, kn_ptr, cos, sin, eps, scale, HAS_NORM, D, BLOCK_HKV,
+                                        BLOCK_HALF, DT, RMS)
         ko = kc_ptr + slot * HKV * D + hk * D + dk
         tl.store(ko, k1.to(kc_ptr.dtype.element_ty), mask=mk)
         tl.store(ko + HALF, k2.to(kc_ptr.dtype.element_ty), mask=mk)
         v = row + (H + HKV) * D + hk * D + dk
         vo = vc_ptr + slot * HKV * D + hk * D + dk
-        tl.store(vo, tl.load(v, mask=mk).to(vc_ptr.dtype.element_ty), mask=mk)
-        tl.store(vo + HALF, tl.load(v + HALF, mask=mk).to(vc_ptr.dtype.element_ty), mask=mk)
+        v1 = tl.load(v, mask=mk).to(tl.float32)
+        v2 = tl.load(v + HALF, mask=mk).to(tl.float32)
+        if RMS:
+            v1 = v1 * scale
+            v2 = v2 * scale
+        tl.store(vo, v1.to(vc_ptr.dtype.element_ty), mask=mk)
+        tl.store(vo + HALF, v2.to(vc_ptr.dtype.element_ty), mask=mk)
+
+
+def qk_rope_store(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    num_heads: int, num_kv_heads: int,
+    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+    *, num_warps: int = 4, pdl: bool = False, rms_of: torch.Tensor | None = None, rms_eps: float = 0.0,
+) -> torch.Tensor:
+    """The op (see the module doc); ``rms_of`` ``[T, hidden]``: scale each qkv row by that row's
+    ``rsqrt(mean(x**2) + rms_eps)`` first (the ``folded_norm`` fusion)."""
+    name = "qk_rope_store"
+    check_device(name, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, rms_of)
+    T = qkv.shape[0]
+    D = cos_sin.shape[-1]
+    if D % 2 or qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D:
+        raise KernelInputError(
+            f"{name}: qkv {tuple(qkv.shape)} is not [T, (H + 2*Hkv) * D] for H={num_heads}, "
+            f"Hkv={num_kv_heads}, D={D} (D from cos_sin, must be even)"
+        )
+    want = (num_kv_heads, D)
+    if tuple(k_cache.shape[2:]) != want or k_cache.shape != v_cache.shape:
+        raise KernelInputError(f"{name}: caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} are not [NB, BS, {num_kv_heads}, {D}]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelInputError(f"{name}: k_cache and v_cache must be contiguous")
+    if positions.shape != (T,) or slot_mapping.shape != (T,):
+        raise KernelInputError(f"{name}: positions and slot_mapping must be [T={T}]")
+    if (q_norm is None) != (k_norm is None):
+        raise KernelInputError(f"{name}: pass both q_norm and k_norm or neither")
+    if q_norm is not None:
+        if q_norm.shape != (D,) or k_norm.shape != (D,):
+            raise KernelInputError(f"{name}: q_norm/k_norm must be [D={D}]")
+        if q_norm.dtype != qkv.dtype or k_norm.dtype != qkv.dtype:
+            raise KernelInputError(f"{name}: q_norm/k_norm dtype must be the activation dtype {qkv.dtype}")
+    if rms_of is not None and (rms_of.dim() != 2 or rms_of.shape[0] != T):
+        raise KernelInputError(f"{name}: rms_of must be [T={T}, hidden], got {tuple(rms_of.shape)}")
+    check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin, **({"rms_of": rms_of} if rms_of is not None else {}))
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # flat arrays
+    q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    has_norm = q_norm is not None
+    if has_norm:
+        q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
+    rms = rms_of if rms_of is not None else qkv
+    _qk_rope_store_kernel[(T,)](
+        qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q,
+        q_norm if has_norm else qkv, k_norm if has_norm else qkv, rms,
+        qkv.stride(0), cos_sin.stride(0), rms.stride(0), num_heads, num_kv_heads, float(eps),
+        rms.shape[1], float(rms_eps),
+        HAS_NORM=has_norm, D=D, BLOCK_H=pow2(num_heads), BLOCK_HKV=pow2(num_kv_heads),
+        BLOCK_HALF=pow2(D // 2), RMS=rms_of is not None, BLOCK_HID=pow2(rms.shape[1]) if rms_of is not None else 16,
+        PDL=pdl_enabled(pdl), num_warps=num_warps, **launch_opts(pdl),
+    )
+    return q
 
 
 @variant(
@@ -98,50 +169,13 @@ def _qk_rope_store_kernel(
     description="one program per token: split, per-head q/k norm, rotate-half RoPE, cache store",
 )
 def build_qk_rope_store(num_warps: int = 4, pdl: bool = False):
-    def qk_rope_store(
+    def qk_rope_store_op(
         qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
         num_heads: int, num_kv_heads: int,
         q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
     ) -> torch.Tensor:
-        name = "qk_rope_store"
-        check_device(name, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm)
-        T = qkv.shape[0]
-        D = cos_sin.shape[-1]
-        if D % 2 or qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D:
-            raise KernelInputError(
-                f"{name}: qkv {tuple(qkv.shape)} is not [T, (H + 2*Hkv) * D] for H={num_heads}, "
-                f"Hkv={num_kv_heads}, D={D} (D from cos_sin, must be even)"
-            )
-        want = (num_kv_heads, D)
-        if tuple(k_cache.shape[2:]) != want or k_cache.shape != v_cache.shape:
-            raise KernelInputError(f"{name}: caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} are not [NB, BS, {num_kv_heads}, {D}]")
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise KernelInputError(f"{name}: k_cache and v_cache must be contiguous")
-        if positions.shape != (T,) or slot_mapping.shape != (T,):
-            raise KernelInputError(f"{name}: positions and slot_mapping must be [T={T}]")
-        if (q_norm is None) != (k_norm is None):
-            raise KernelInputError(f"{name}: pass both q_norm and k_norm or neither")
-        if q_norm is not None:
-            if q_norm.shape != (D,) or k_norm.shape != (D,):
-                raise KernelInputError(f"{name}: q_norm/k_norm must be [D={D}]")
-            if q_norm.dtype != qkv.dtype or k_norm.dtype != qkv.dtype:
-                raise KernelInputError(f"{name}: q_norm/k_norm dtype must be the activation dtype {qkv.dtype}")
-        check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin)
-        positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # flat arrays
-        q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
-        if T == 0:
-            return q
-        has_norm = q_norm is not None
-        if has_norm:
-            q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
-        _qk_rope_store_kernel[(T,)](
-            qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q,
-            q_norm if has_norm else qkv, k_norm if has_norm else qkv,
-            qkv.stride(0), cos_sin.stride(0), num_heads, num_kv_heads, float(eps),
-            HAS_NORM=has_norm, D=D, BLOCK_H=pow2(num_heads), BLOCK_HKV=pow2(num_kv_heads),
-            BLOCK_HALF=pow2(D // 2), PDL=pdl_enabled(pdl), num_warps=num_warps, **launch_opts(pdl),
-        )
-        return q
+        return qk_rope_store(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                             q_norm, k_norm, eps, num_warps=num_warps, pdl=pdl)
 
-    return qk_rope_store
+    return qk_rope_store_op

@@ -14,7 +14,7 @@ import torch
 from anneal.engine.config import ModelConfig
 from anneal.engine.context import AttnContext
 from anneal.engine.op_table import OpTable
-from anneal.engine.weights import Weights
+from anneal.engine.weights import Weights, fold_norms
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -59,6 +59,8 @@ class Transformer:
 
         ``kv``: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
         """
+        if self.ops.folded_rope_store is not None:
+            return self._forward_folded(ids, positions, ctx, kv)
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         T = ids.shape[0]
@@ -88,16 +90,7 @@ class Transformer:
                     q = ops.qkv_rope_store(h, L.qkv, *rope_args)
                 else:
                     q = ops.qk_rope_store(ops.qkv_proj(h, L.qkv), *rope_args)
-            if ctx.is_prefill:
-                a = ops.attention_prefill(
-                    q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.context_lens,
-                    ctx.max_seqlen_q, self.scale,
-                )
-            else:
-                a = ops.attention_decode(
-                    q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale
-                )
-            a = a.reshape(T, H * D)
+            a = self._attention(q, k_cache, v_cache, ctx).reshape(T, H * D)
             gu = act = None  # gate_up output / activation, when a fusion produced it instead of the normed h
             stats_down = ops.down_proj_add_stats is not None and i + 1 < len(layers)
             if ops.o_proj_add_stats is not None:  # fused: the sum and its statistics; the norm in gate_up's load
@@ -126,6 +119,33 @@ class Transformer:
         if h is None:
             h, _ = ops.add_rmsnorm(x, residual, self.w.final_norm, eps)
         return h
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttnContext):
+        if ctx.is_prefill:
+            return self.ops.attention_prefill(
+                q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.context_lens, ctx.max_seqlen_q,
+                self.scale,
+            )
+        return self.ops.attention_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+
+    def _forward_folded(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """``forward`` under the ``folded_norm`` fusion: the residual stream ``s`` is what every
+        projection reads and what o / down add into (in their GEMM); the norms' weights live in the
+        folded qkv / gate_up weights and their 1/rms in the RoPE and SiLU kernels (fusions.py)."""
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        T = ids.shape[0]
+        folded = fold_norms(self.w)
+        s = ops.embedding(ids, self.w.embed)
+        for i, (L, F) in enumerate(zip(self.w.layers, folded)):
+            k_cache, v_cache = kv[i, 0], kv[i, 1]
+            q = ops.folded_rope_store(ops.qkv_proj(s, F.qkv), s, eps, positions, self.cos_sin, k_cache, v_cache,
+                                      ctx.slot_mapping, H, Hkv, L.q_norm, L.k_norm, eps)
+            ops.linear_residual_(self._attention(q, k_cache, v_cache, ctx).reshape(T, H * D), L.o, s)
+            ops.linear_residual_(ops.folded_silu_and_mul(ops.gate_up_proj(s, F.gate_up), s, eps), L.down, s)
+        return ops.rmsnorm(s, self.w.final_norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.lm_head(hidden, self.w.lm_head)

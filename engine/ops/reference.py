@@ -51,6 +51,16 @@ def add_rmsnorm(
     return _rms(summed, weight, eps), summed
 
 
+def rms_scaled(x_raw: torch.Tensor, stream: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x_raw`` times each row's ``rsqrt(mean(stream**2) + eps)``, rounded to ``x_raw``'s dtype.
+
+    The ``folded_norm`` fusion projects the un-normalised residual ``stream`` through weights with
+    the RMSNorm's weight folded in (``W * norm_w``); this brings the projection back to what the
+    normalised input would have given. Not an op: the reference of the kernels that apply it."""
+    rstd = torch.rsqrt(stream.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (x_raw.float() * rstd).to(x_raw.dtype)
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 

@@ -105,3 +105,69 @@ def test_the_prompt_warmup_runs_a_fused_plan_at_every_row_tile(device):
     assert len(passes) == len(prompt_step_layouts(64, 16, 0))
     assert {1, 2, 16, 17, 32, 33, 48, 64} <= set(rows)
     assert torch.equal(eng.runner.kv, before)
+
+
+def folded_plan(device: str) -> Plan:
+    """Projections on the reference GEMM (cuBLAS on the GPU), the norms folded around them. On the
+    CPU attention stays the reference (the interpreter's Triton attention would cost minutes here and
+    is tested on its own)."""
+    pdl = device == "cuda"
+    ops = {op: OpChoice(impl="triton", params={"pdl": pdl}) for op in ("rmsnorm", "qk_rope_store", "silu_and_mul")}
+    if device == "cuda":
+        ops["attention_decode"] = OpChoice(impl="triton_splitk", params={"pdl": pdl})
+        ops["attention_prefill"] = OpChoice(impl="triton")
+    return Plan(ops=ops, fusions={"folded_norm": True}, cuda_graph_batch_sizes=[1, 2, 4] if device == "cuda" else [])
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", "float32"), pytest.param("cuda", "float32", marks=pytest.mark.gpu),
+                                          pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3"])
+def test_folded_norm_plan_passes_verification_without_a_norm_kernel(device, dtype, model):
+    """``folded_norm`` passes verification against the reference plan (on the GPU the whole suite:
+    quality, poisoned and recycled KV blocks, batch invariance, prefix hits, determinism; on the CPU,
+    where each check costs the interpreter ~20-60 s, output quality), and its layers run no
+    add_rmsnorm: the residual adds happen in the o / down GEMMs."""
+    from anneal.engine.verify import VerifyRequest, verify
+
+    eng = Engine(EngineArgs(model=model, device=device, dtype=dtype, num_kv_blocks=128, max_model_len=256))
+    plan = folded_plan(device)
+    cpu = device == "cpu"
+    rep = verify(eng, VerifyRequest(plan=plan, checks=["quality"] if cpu else None, num_prompts=2 if cpu else 4,
+                                    steps=6 if cpu else 24, max_prompt_len=40 if cpu else 120))
+    assert rep.passed, [c for c in rep.checks if not c.passed]
+    eng.apply_plan(plan)
+    assert eng.weights.folded is not None and len(eng.weights.folded) == eng.num_layers
+    ops = eng.runner.ops
+    adds = []
+
+    def no_norm(*a, **k):
+        raise AssertionError("add_rmsnorm ran under folded_norm")
+
+    ops.add_rmsnorm = no_norm
+    residual = ops.linear_residual_
+    ops.linear_residual_ = lambda *a: adds.append(1) or residual(*a)
+    eng.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    if device == "cpu":  # on the GPU the decode steps replay graphs captured before the wrap
+        assert len(adds) == 4 * 2 * eng.num_layers
+    eng.apply_plan(Plan(cuda_graph_batch_sizes=[]))
+    assert eng.weights.folded is None, "a plan without the fusion must give its weights back"
+
+
+def test_the_engine_refuses_folded_norm_beside_a_fusion_of_the_same_ops_or_a_gemv_residual():
+    """A plan that enables two fusions of the same ops, or folded_norm with o_proj on the Triton
+    GEMV (its residual add is cuBLAS's beta = 1), is refused before anything is swapped: the old
+    plan keeps serving."""
+    from anneal.engine.ops.registry import OpError
+
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=64))
+    before = eng.plan.hash
+    clash = folded_plan("cpu").model_copy(update={"fusions": {"folded_norm": True, "norm_stats": True}})
+    with pytest.raises(OpError, match="folded_norm with norm_stats"):
+        eng.apply_plan(clash)
+    gemv_o = folded_plan("cpu").with_ops(o_proj=OpChoice(impl="triton_gemv_splitk"))
+    with pytest.raises(OpError, match="o_proj must be the reference GEMM"):
+        eng.apply_plan(gemv_o)
+    with pytest.raises(OpError):
+        eng.check_plan(gemv_o)
+    assert eng.plan.hash == before and eng.weights.folded is None
+    assert eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))

@@ -79,3 +79,33 @@ def test_reference_rounding_bf16(device):
     assert (out != eout).float().mean().item() < 1e-3
     y = randn(64, 2 * 4096, dtype=torch.bfloat16, device=device, g=g)
     assert (build_op("silu_and_mul", "triton")(y) != ref.silu_and_mul(y)).float().mean().item() < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_scaled_by_the_stream_rms(device, dtype):
+    """``folded_norm``'s SiLU: the gate/up rows scaled by their residual row's 1/rms first, as
+    ``reference.rms_scaled`` then ``silu_and_mul`` do; rows of the stream other than the row's own
+    must not leak in (each row has its own scale)."""
+    from anneal.engine.kernels import activation
+
+    shapes = [(1, 2 * 300, 37), (6, 2 * 77, 200)] if device == "cpu" else [(1, 2 * 8192, 4096), (37, 2 * 14336, 4096)]
+    for i, (T, I2, hidden) in enumerate(shapes):
+        g = gen(250 + i, device)
+        gu = randn(T, I2, dtype=dtype, device=device, g=g, scale=3.0)
+        stream = randn(T, hidden, dtype=dtype, device=device, g=g, scale=5.0)
+        stream[0] *= 40.0  # one row far from the others: a shared scale would show
+        got = activation.silu_and_mul(gu, block=256, pdl=device == "cuda", rms_of=stream, rms_eps=1e-5)
+        want = ref.silu_and_mul(ref.rms_scaled(gu, stream, 1e-5))
+        assert_close(got, want, what=f"silu_and_mul(rms_of) {T}x{I2}, hidden {hidden}")
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_silu_and_mul_rejects_a_stream_of_other_rows(device):
+    from anneal.engine.kernels import activation
+    from anneal.engine.kernels._common import KernelInputError
+
+    g = gen(260, device)
+    with pytest.raises(KernelInputError, match="rms_of must be"):
+        activation.silu_and_mul(randn(3, 8, dtype=torch.float32, device=device, g=g),
+                                rms_of=randn(2, 16, dtype=torch.float32, device=device, g=g))

@@ -90,3 +90,52 @@ def test_reference_store_skips_padding_rows_even_beside_slot_0(device):
     assert torch.equal(flat_k[untouched], before_k.view(8, 2, 8)[untouched])
     ref.store_kv(k, v, kc, vc, torch.tensor([-1, -1, -1], device=device))  # nothing valid: nothing changes
     assert torch.equal(flat_k[0], k[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_rope_store_scaled_by_the_stream_rms(device, dtype):
+    """``folded_norm``'s RoPE + store: q, k and v of each token scaled by its residual row's 1/rms
+    first, as ``reference.rms_scaled`` then the reference op do (Qwen3's q/k norm included)."""
+    from anneal.engine.kernels import rope
+
+    cases = CASES_CPU if device == "cpu" else CASES_GPU
+    for i, (T, H, Hkv, D, NB, BS, qk_norm) in enumerate(cases):
+        g = gen(450 + i, device)
+        hidden = 3 * D + 5  # any width: the stream is not the qkv row
+        qkv = randn(T, (H + 2 * Hkv) * D, dtype=dtype, device=device, g=g, scale=2.0)
+        stream = randn(T, hidden, dtype=dtype, device=device, g=g, scale=6.0)
+        stream[-1] *= 30.0
+        positions = torch.randint(0, 500, (T,), generator=g).to(device)
+        cos_sin = _cos_sin(512, D, device)
+        slots = torch.randperm(NB * BS, generator=g)[:T]
+        slots[torch.rand(T, generator=g) < 0.25] = -1
+        slots = slots.to(device)
+        qn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
+        kn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
+        kc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
+        vc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
+        kc_ref, vc_ref, kc, vc = kc0.clone(), vc0.clone(), kc0.clone(), vc0.clone()
+        q_ref = ref.qk_rope_store(ref.rms_scaled(qkv, stream, 1e-5), positions, cos_sin, kc_ref, vc_ref, slots,
+                                  H, Hkv, qn, kn, 1e-6)
+        q = rope.qk_rope_store(qkv, positions, cos_sin, kc, vc, slots, H, Hkv, qn, kn, 1e-6, num_warps=2,
+                               pdl=device == "cuda", rms_of=stream, rms_eps=1e-5)
+        what = f"case {i} {dtype}"
+        assert_close(q, q_ref, what=what + " q")
+        assert_close(kc, kc_ref, what=what + " k_cache")
+        assert_close(vc, vc_ref, what=what + " v_cache")
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_qk_rope_store_rejects_a_stream_of_other_tokens(device):
+    from anneal.engine.kernels import rope
+    from anneal.engine.kernels._common import KernelInputError
+
+    g = gen(470, device)
+    T, H, Hkv, D = 3, 4, 2, 8
+    kc = randn(4, 4, Hkv, D, dtype=torch.float32, device=device, g=g)
+    with pytest.raises(KernelInputError, match="rms_of must be"):
+        rope.qk_rope_store(randn(T, (H + 2 * Hkv) * D, dtype=torch.float32, device=device, g=g),
+                           torch.zeros(T, dtype=torch.int64), _cos_sin(16, D, device), kc, kc.clone(),
+                           torch.arange(T), H, Hkv, None, None, 1e-6,
+                           rms_of=randn(T + 1, 32, dtype=torch.float32, device=device, g=g))
