@@ -15,7 +15,7 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, cdiv, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2,
-    row_rstd,
+    row_rstd, sm_count,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -28,20 +28,31 @@ def silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
     return (s * up.to(tl.float32)).to(OUT_DTYPE)
 
 
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, rms_ptr, I, stride_x, stride_o, stride_rms, hidden, rms_eps,
+@triton.jit(do_not_specialize=["tiles"])  # one compiled kernel for every tiles value (no JIT mid-serving)
+def _silu_and_mul_kernel(x_ptr, out_ptr, rms_ptr, I, stride_x, stride_o, stride_rms, hidden, rms_eps, tiles,
                          BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, j) does column tiles ``j * tiles ... j * tiles + tiles - 1`` of its row."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
-    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    u = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0)
+    scale = 1.0
     if RMS:  # folded_norm: the post-attention norm's 1/rms, from the residual row the projection read
         scale = row_rstd(rms_ptr + row * stride_rms, hidden, rms_eps, BLOCK_HID)
-        g = (g.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
-        u = (u.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + offs, silu_mul(g, u, out_ptr.dtype.element_ty), mask=mask)
+    for t in range(0, tiles):
+        offs = (tl.program_id(1) * tiles + t) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < I
+        g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        u = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0)
+        if RMS:
+            g = (g.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+            u = (u.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, silu_mul(g, u, out_ptr.dtype.element_ty), mask=mask)
+
+
+def tiles_per_program(rows: int, col_tiles: int, device: torch.device) -> int:
+    """Column tiles one program does: 1 while the grid is small (decode: every SM busy), more once
+    there are ~8 programs per SM anyway (prompt steps), so that ``rms_of``'s row is read once per
+    program, not once per tile (3072 rows x 14 tiles read 350 MB of it per layer)."""
+    return max(1, min(col_tiles, (rows * col_tiles) // (8 * sm_count(device))))
 
 
 def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4, pdl: bool = False,
@@ -57,9 +68,11 @@ def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4, pdl:
     out = torch.empty((T, I), dtype=x.dtype, device=x.device)
     if T > 0 and I > 0:
         rms = rms_of if rms_of is not None else x
-        grid = (T, cdiv(I, block))
+        col_tiles = cdiv(I, block)
+        tiles = tiles_per_program(T, col_tiles, x.device) if rms_of is not None else 1
+        grid = (T, cdiv(col_tiles, tiles))
         _silu_and_mul_kernel[grid](x, out, rms, I, x.stride(0), out.stride(0), rms.stride(0), rms.shape[1],
-                                   float(rms_eps), BLOCK=block, RMS=rms_of is not None,
+                                   float(rms_eps), tiles, BLOCK=block, RMS=rms_of is not None,
                                    BLOCK_HID=pow2(rms.shape[1]) if rms_of is not None else 16,
                                    PDL=pdl_enabled(pdl), num_warps=num_warps, **launch_opts(pdl))
     return out

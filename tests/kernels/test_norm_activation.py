@@ -89,8 +89,11 @@ def test_silu_and_mul_scaled_by_the_stream_rms(device, dtype):
     must not leak in (each row has its own scale)."""
     from anneal.engine.kernels import activation
 
-    shapes = [(1, 2 * 300, 37), (6, 2 * 77, 200)] if device == "cpu" else [(1, 2 * 8192, 4096), (37, 2 * 14336, 4096)]
+    # The last shapes are prompt steps: each program does several column tiles (tiles_per_program).
+    shapes = ([(1, 2 * 300, 37), (6, 2 * 77, 200), (70, 2 * 600, 37)] if device == "cpu"
+              else [(1, 2 * 8192, 4096), (37, 2 * 14336, 4096), (3072, 2 * 14336, 4096)])
     for i, (T, I2, hidden) in enumerate(shapes):
+        assert (activation.tiles_per_program(T, -(-I2 // 2 // 256), torch.device(device)) > 1) == (i == 2)
         g = gen(250 + i, device)
         gu = randn(T, I2, dtype=dtype, device=device, g=g, scale=3.0)
         stream = randn(T, hidden, dtype=dtype, device=device, g=g, scale=5.0)
