@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-FLOAT_ARGS = {"eps", "scale", "scale_log2"}
+FLOAT_ARGS = {"eps", "scale", "scale_log2", "rms_eps"}
 
 
 def specs():
@@ -31,9 +31,10 @@ def specs():
 
     bf = "*bf16"
     yield norm._rmsnorm_kernel, {}, dict(HAS_RESIDUAL=True, BLOCK_H=4096), 8
-    yield activation._silu_and_mul_kernel, {}, dict(BLOCK=1024), 4
-    yield rope._qk_rope_store_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": "*fp32"}, dict(
-        HAS_NORM=True, D=128, BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64), 4
+    for rms in (False, True):  # True: folded_norm's 1/rms of the residual row
+        yield activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, RMS=rms, BLOCK_HID=4096 if rms else 16), 4
+        yield rope._qk_rope_store_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": "*fp32"}, dict(
+            HAS_NORM=True, D=128, BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64, RMS=rms, BLOCK_HID=4096 if rms else 16), 4
     for split, pv32, ticket, prefetch in ((1, False, False, False), (8, False, False, False), (8, True, True, False),
                                           (1, True, False, False), (8, False, False, True), (1, False, True, True)):
         yield attention_decode._decode_split_kernel, {
