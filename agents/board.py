@@ -88,6 +88,7 @@ class Board:
     scheduler_runners_up: list[SchedulerKnobs] = field(default_factory=list)
     graph_batch_sizes: list[int] | None = None
     token_graph_sizes: list[int] | None = None
+    fusions: list[str] = field(default_factory=list)  # fusions whose paired trial against the base won
     plans: list[tuple[float, Plan, str]] = field(default_factory=list)  # (ms, plan, agent) decode-spec
     notes: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -119,9 +120,15 @@ class Board:
         with self._lock:
             return list(self.plans[:k])
 
+    def keep_fusion(self, name: str) -> None:
+        with self._lock:
+            if name not in self.fusions:
+                self.fusions.append(name)
+
     def composite(self, base: Plan) -> Plan:
-        """The base plan with every tuned op, the fitted graph buckets, the token graphs when they
-        won and the chosen scheduler."""
+        """The base plan with every tuned op, the fitted graph buckets, the token graphs and the
+        fusions when their trials won, and the chosen scheduler (fusions the tuned ops exclude, or
+        that exclude each other, are dropped by ``normalized``)."""
         with self._lock:
             plan = base.with_ops(**{op: ch for op, (ch, _) in self.best_ops.items()})
             needed = [self.kernels[f"{op}/{ch.impl}"] for op, (ch, _) in sorted(self.best_ops.items())
@@ -133,6 +140,8 @@ class Board:
                 upd["cuda_graph_batch_sizes"] = list(self.graph_batch_sizes)
             if self.token_graph_sizes is not None:
                 upd["cuda_graph_token_sizes"] = list(self.token_graph_sizes)
+            if self.fusions:
+                upd["fusions"] = {**base.fusions, **{f: True for f in self.fusions}}
         return normalized(plan.model_copy(update=upd))
 
     @property

@@ -8,6 +8,11 @@ drift should not rediscover what the last one found), the kernel tuner's finding
 random plans; the cost model prunes children
 predicted to lose before they cost engine time. Scheduler knobs are left to the scheduler tuner:
 they do not change a decode step, so timing them here would only select noise.
+
+Before evolving, each fusion is tried alone on the base (``fusion_trials``): a fusion saves a few
+kernels a layer, which random plans bury under their other moves (session 19's compile measured
+``folded_norm``, -2.1% on the 8B decode step, only inside random plans without decode graphs, at
+7.4 ms against the base's 0.6 ms), so the composite would never carry it.
 """
 
 from __future__ import annotations
@@ -17,20 +22,62 @@ import math
 from anneal.engine.plan import Plan
 from anneal.agents.board import Board, SearchSetting
 from anneal.agents.lab import BudgetExhausted, Lab
+from anneal.agents.space import normalized
 from anneal.agents.types import Candidate
 
 
 # What can change a decode step's time; scheduler knobs only show in a workload (scheduler tuner).
 STEP_MOVES = ("op", "fusion", "graphs")
+FUSION_TRIAL_SEED = 7100  # decode-step seeds of the fusion trials (7100, 7101, ...), none a search's own
+
+
+def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, min_gain: float) -> None:
+    """Each fusion the base does not have, alone on the base, its decode step timed between two
+    of the base's (B F1 B F2 B ..., a fresh seed each): the fast tier's host drifts over a search
+    (compile-ahead's builds share it), so a fusion is only compared with the base steps beside it.
+    Kept on the board (the composite carries it) when its step is ``min_gain`` faster than their
+    mean; its plan is offered as a candidate either way."""
+    base = setting.base
+    trials = []
+    for f in setting.space.fusions:
+        plan = normalized(base.model_copy(update={"fusions": {**base.fusions, f: True}, "name": None}))
+        if not base.fusions.get(f) and plan.fusions.get(f) and plan.hash != base.hash:
+            trials.append((f, plan))  # normalized drops a fusion the base's ops exclude
+    spec = setting.decode_spec.model_copy(update={"per_op": False})
+
+    def step_ms(plan: Plan, i: int, note: str) -> tuple[float | None, str]:
+        exp = lab.measure(Candidate(plan=plan, agent=agent, note=note),
+                          spec.model_copy(update={"seed": FUSION_TRIAL_SEED + i}), prune=False)
+        return (exp.measurement.median_ms if exp.measurement is not None else None), exp.verdict.reason
+
+    if not trials:
+        return
+    before, why = step_ms(base, 0, "fusion trials: the base")
+    for i, (f, plan) in enumerate(trials, 1):
+        fused, why_f = step_ms(plan, i, f"fusion trial: {f}")
+        after, why = step_ms(base, i, "fusion trials: the base")
+        if fused is None or before is None or after is None:
+            board.note(f"fusion {f}: no step time ({why_f if fused is None else why}); not kept")
+        else:
+            ratio = fused / ((before + after) / 2)
+            keep = ratio < 1 - min_gain
+            board.note(f"fusion {f}: decode step {fused:.3f} ms, x{ratio:.3f} the base's beside it "
+                       f"({before:.3f}, {after:.3f} ms)" + ("; kept" if keep else "; not kept"))
+            board.offer_plan(fused, plan, agent)
+            if keep:
+                board.keep_fusion(f)
+        before = after
 
 
 class PlanSearch:
     name = "plan-search"
 
-    def __init__(self, population: int = 6, max_children: int | None = None, stall_limit: int = 40):
+    def __init__(self, population: int = 6, max_children: int | None = None, stall_limit: int = 40,
+                 fusion_min_gain: float = 0.005):
         self.population = population
         self.max_children = max_children
         self.stall_limit = stall_limit  # stop after this many children in a row add nothing new
+        self.fusion_min_gain = fusion_min_gain
 
     def run(self, lab: Lab, setting: SearchSetting, board: Board) -> None:
         rng = setting.rng(self.name)
@@ -50,6 +97,7 @@ class PlanSearch:
 
         try:
             evaluate(setting.base, "baseline")
+            fusion_trials(lab, setting, board, self.name, self.fusion_min_gain)
             for plan in setting.seeds:
                 if plan.hash not in seen:
                     evaluate(plan, f"seed {plan.name or plan.hash[:12]}")

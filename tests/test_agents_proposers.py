@@ -307,3 +307,32 @@ def test_graph_bucket_agent_keeps_token_graphs_only_when_the_replay_runs_faster_
             led.close()
     finally:
         srv.shutdown()
+
+
+@pytest.mark.parametrize("drift", [0.0, 0.01, -0.01])
+def test_plan_search_tries_each_fusion_beside_the_base_and_the_composite_keeps_the_winner(tmp_path, drift):
+    """One fusion makes every step 3% faster, one 2% slower, the rest change nothing; the fast
+    tier's decode steps drift by 1% a benchmark. Each fusion is timed between two base steps, so
+    only the 3% one is kept, and the composite carries it."""
+    from anneal.engine.plan import FUSIONS
+
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", noise=0.0, decode_drift=drift,
+                                          fusion_gains={"folded_norm": 0.03, "norm_stats": -0.02}))
+    try:
+        with EngineClient(url, "tok") as client:
+            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+            led = Ledger(tmp_path / "l.sqlite")
+            board = Board()
+            PlanSearch(max_children=0).run(Lab(ledger=led, engines={"fast": client}), setting, board)
+            rows = led.experiments()
+            trials = {r.note.removeprefix("fusion trial: "): r for r in rows if r.note.startswith("fusion trial: ")}
+            bases = [r for r in rows if r.note == "fusion trials: the base"]
+            assert set(trials) == set(FUSIONS)
+            assert len(bases) == len(trials) + 1 and all(r.plan.hash == setting.base.hash for r in bases)
+            assert {r.spec.seed for r in trials.values()} <= {r.spec.seed for r in bases}
+            assert board.fusions == ["folded_norm"], board.notes
+            assert board.composite(setting.base).fusions == {"folded_norm": True}
+            assert any(n.startswith("fusion norm_stats:") and n.endswith("not kept") for n in board.notes)
+            led.close()
+    finally:
+        srv.shutdown()

@@ -49,7 +49,8 @@ class FakeEngine:
     def __init__(self, token: str = "tok", layers: int = 1, noise: float = 0.02, model: str = "random:tiny",
                  bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu",
                  per_op: bool = True, sample_spread: float = 0.0, token_graph_gain: float = 0.0,
-                 extra_variants: dict | None = None, drift: float = 0.0):
+                 extra_variants: dict | None = None, drift: float = 0.0, fusion_gains: dict[str, float] | None = None,
+                 decode_drift: float = 0.0):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
@@ -58,6 +59,8 @@ class FakeEngine:
         # a host whose speed moves as a search goes on (compile-ahead's builds): a workload replay
         # this much slower for every benchmark before it, whatever its plan
         self.drift, self.benchmarks = drift, 0
+        self.fusion_gains = fusion_gains or {}  # fusion -> how much faster every step runs with it
+        self.decode_drift = decode_drift  # the same drift for decode-step benchmarks
         self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
         self.per_op = per_op  # False: an engine that cannot time ops even when asked
         self.plan = Plan()
@@ -101,6 +104,10 @@ class FakeEngine:
             batch = min(padded) if padded else int(batch * 1.5) + 1
         per_op = fake_per_op(plan, batch)
         step = sum(per_op.values()) * self.layers + 0.1
+        for f in plan.fusions:
+            step *= 1 - self.fusion_gains.get(f, 0.0)
+        if body.get("mode") == "decode":
+            step *= 1 + self.decode_drift * before
         if body.get("mode") == "workload":
             s = plan.scheduler
             eff = min(1.0, s.max_num_seqs / 16) * (1.05 if s.chunked_prefill else 1.0)
