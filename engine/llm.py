@@ -331,16 +331,14 @@ class Engine:
         t1 = time.perf_counter()
         try:
             self.runner.model.ops = ops
-            if "folded_norm" in plan.fusions:  # before the capture (a graph must not replay the folding)
-                fold_norms(self.weights)
+            self._set_folded(plan)
             timings = self.runner.capture(*graph_shapes(plan))
         except Exception:
             self.runner.model.ops = old_ops
+            self._set_folded(old_plan)
             self.runner.capture(*graph_shapes(old_plan))
             raise
         self.plan = plan
-        if "folded_norm" not in plan.fusions:
-            self.weights.folded = None  # its folded weights back to the allocator (compile-ahead views may hold theirs)
         self.blocks.reset_prefix_cache()
         self.scheduler.knobs = plan.scheduler
         self.blocks.enable_prefix_caching = plan.scheduler.enable_prefix_caching
@@ -357,6 +355,18 @@ class Engine:
             token_graph_sizes_dropped=timings.get("token_graph_sizes_dropped"),
             ahead_wait_s=ahead_wait_s,
         )
+
+    def _set_folded(self, plan: Plan) -> None:
+        """The folded weights ``plan`` needs (``folded_norm``), made before its capture (a graph must
+        not replay the folding), or given back before it when it needs none: on an 8B they are 9 GB,
+        which the capture of the next plan may need. An H200 compile (session 19) lost its slow tier
+        to out-of-memory errors because a candidate's folded weights outlived it."""
+        if "folded_norm" in plan.fusions:
+            fold_norms(self.weights)
+        elif self.weights.folded is not None:
+            self.weights.folded = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     # ---- offline ----------------------------------------------------------------------------------
 

@@ -171,3 +171,29 @@ def test_the_engine_refuses_folded_norm_beside_a_fusion_of_the_same_ops_or_a_gem
         eng.check_plan(gemv_o)
     assert eng.plan.hash == before and eng.weights.folded is None
     assert eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+
+
+def test_folded_weights_are_given_back_before_the_next_plans_capture_and_restored_when_it_fails(monkeypatch):
+    """On the H200 (session 19) a compile's slow tier ran out of memory after a folded_norm
+    candidate: its 9 GB of folded weights outlived it while the next plan was captured. A plan
+    without the fusion now frees them before its capture; when that capture fails, the old plan
+    gets them back and keeps serving."""
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=64))
+    folded = folded_plan("cpu")
+    eng.apply_plan(folded)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    want = eng.generate([[5, 6, 7]], params)
+    held, real = [], eng.runner.capture
+
+    def capture(*a, **k):
+        held.append(eng.weights.folded is not None)
+        if len(held) == 1:
+            raise RuntimeError("capture failed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(eng.runner, "capture", capture)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        eng.apply_plan(Plan(cuda_graph_batch_sizes=[]))
+    assert held == [False, True]  # freed for the new plan's capture, back for the old plan's
+    assert eng.plan == folded and eng.weights.folded is not None
+    assert eng.generate([[5, 6, 7]], params) == want
