@@ -77,10 +77,34 @@ def fold_norms(w: Weights) -> list[FoldedLayer]:
     with _FOLD_LOCK:
         if w.folded is None:
             dev = w.embed.device
-            if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("folded_norm: the folded weights must be made before a CUDA-graph capture")
+            if dev.type == "cuda":
+                if torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("folded_norm: the folded weights must be made before a CUDA-graph capture")
+                free, _ = torch.cuda.mem_get_info(dev)
+                free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+                short = fold_shortfall(folded_bytes(w), free)
+                if short:
+                    raise FoldError(short)
             w.folded = [FoldedLayer(qkv=L.qkv * L.input_norm, gate_up=L.gate_up * L.post_norm) for L in w.layers]
         return w.folded
+
+
+class FoldError(ValueError):
+    """The device has no room for the folded weights: the plan is refused, nothing changes."""
+
+
+FOLD_HEADROOM = 2 * 2**30  # what the engine keeps for activations and graphs beside its KV cache
+
+
+def fold_shortfall(need: int, free: int) -> str | None:
+    """Why ``need`` bytes of folded weights do not fit in ``free`` (the engine's activation
+    headroom kept), or None when they do."""
+    if free - need >= FOLD_HEADROOM:
+        return None
+    gib = 2**30
+    return (f"folded_norm needs {need / gib:.1f} GiB for its folded weights and {FOLD_HEADROOM / gib:.0f} GiB "
+            f"beside them; {free / gib:.1f} GiB are free (the KV cache holds the rest): start the engine on a "
+            f"plan with folded_norm (its KV cache is then sized after them) or give it fewer KV blocks")
 
 
 def folded_bytes(w: Weights) -> int:

@@ -236,3 +236,15 @@ def test_config_errors_are_value_errors(tmp_path):
     """ModelError subclasses ValueError, so callers that catch bad input catch it too."""
     with pytest.raises(ValueError):
         config_from_hf(tmp_path / "nope")
+
+
+def test_folding_is_refused_with_the_numbers_when_the_device_has_no_room():
+    """folded_norm's second copy of qkv/gate_up (9 GB on the 8B) must leave the engine's activation
+    headroom; if it cannot, the plan is refused before anything is allocated, saying why."""
+    from anneal.engine.weights import FOLD_HEADROOM, FoldError, fold_shortfall
+
+    gib = 2**30
+    assert fold_shortfall(9 * gib, 9 * gib + FOLD_HEADROOM) is None
+    msg = fold_shortfall(9 * gib, 10 * gib)
+    assert msg is not None and "needs 9.0 GiB" in msg and "10.0 GiB are free" in msg
+    assert issubclass(FoldError, ValueError)  # the admin API answers 400, previous plan still serving
