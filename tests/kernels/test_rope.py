@@ -16,6 +16,19 @@ def _cos_sin(max_pos, D, device):
     return torch.cat([ang.cos(), ang.sin()], dim=-1).to(device)
 
 
+def _inputs(T, H, Hkv, D, NB, BS, qk_norm, dtype, device, g):
+    """qkv, positions, cos/sin, distinct random slots (some tokens padding, -1), q/k norms, caches."""
+    qkv = randn(T, (H + 2 * Hkv) * D, dtype=dtype, device=device, g=g, scale=2.0)
+    positions = torch.randint(0, 500, (T,), generator=g).to(device)
+    slots = torch.randperm(NB * BS, generator=g)[:T]
+    slots[torch.rand(T, generator=g) < 0.25] = -1
+    qn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
+    kn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
+    kc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
+    vc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
+    return qkv, positions, _cos_sin(512, D, device), slots.to(device), qn, kn, kc0, vc0
+
+
 CASES_CPU = [  # T, H, Hkv, D, num_blocks, block_size, qk_norm
     (5, 4, 2, 16, 6, 4, False),
     (3, 6, 2, 24, 4, 3, True),
@@ -35,17 +48,7 @@ def test_qk_rope_store(device, dtype):
     cases = CASES_CPU if device == "cpu" else CASES_GPU
     for i, (T, H, Hkv, D, NB, BS, qk_norm) in enumerate(cases):
         g = gen(400 + i, device)
-        qkv = randn(T, (H + 2 * Hkv) * D, dtype=dtype, device=device, g=g, scale=2.0)
-        positions = torch.randint(0, 500, (T,), generator=g).to(device)
-        cos_sin = _cos_sin(512, D, device)
-        # distinct random slots, some tokens padding (-1)
-        slots = torch.randperm(NB * BS, generator=g)[:T]
-        slots[torch.rand(T, generator=g) < 0.25] = -1
-        slots = slots.to(device)
-        qn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
-        kn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
-        kc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
-        vc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
+        qkv, positions, cos_sin, slots, qn, kn, kc0, vc0 = _inputs(T, H, Hkv, D, NB, BS, qk_norm, dtype, device, g)
         kc_ref, vc_ref = kc0.clone(), vc0.clone()
         kc, vc = kc0.clone(), vc0.clone()
         q_ref = ref.qk_rope_store(qkv, positions, cos_sin, kc_ref, vc_ref, slots, H, Hkv, qn, kn, 1e-6)
@@ -102,19 +105,9 @@ def test_qk_rope_store_scaled_by_the_stream_rms(device, dtype):
     cases = CASES_CPU if device == "cpu" else CASES_GPU
     for i, (T, H, Hkv, D, NB, BS, qk_norm) in enumerate(cases):
         g = gen(450 + i, device)
-        hidden = 3 * D + 5  # any width: the stream is not the qkv row
-        qkv = randn(T, (H + 2 * Hkv) * D, dtype=dtype, device=device, g=g, scale=2.0)
-        stream = randn(T, hidden, dtype=dtype, device=device, g=g, scale=6.0)
+        qkv, positions, cos_sin, slots, qn, kn, kc0, vc0 = _inputs(T, H, Hkv, D, NB, BS, qk_norm, dtype, device, g)
+        stream = randn(T, 3 * D + 5, dtype=dtype, device=device, g=g, scale=6.0)  # any width: not the qkv row
         stream[-1] *= 30.0
-        positions = torch.randint(0, 500, (T,), generator=g).to(device)
-        cos_sin = _cos_sin(512, D, device)
-        slots = torch.randperm(NB * BS, generator=g)[:T]
-        slots[torch.rand(T, generator=g) < 0.25] = -1
-        slots = slots.to(device)
-        qn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
-        kn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
-        kc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
-        vc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
         kc_ref, vc_ref, kc, vc = kc0.clone(), vc0.clone(), kc0.clone(), vc0.clone()
         q_ref = ref.qk_rope_store(ref.rms_scaled(qkv, stream, 1e-5), positions, cos_sin, kc_ref, vc_ref, slots,
                                   H, Hkv, qn, kn, 1e-6)
