@@ -63,6 +63,9 @@ def test_compile_writes_a_verified_plan_report_and_ledger(tmp_path, fakes, monke
                if r.tier == "fast" and r.measurement and r.spec.mode != "workload")
     baseline_rows = [r for r in rows if r.agent == "baseline" and r.tier == "slow"]
     assert len(baseline_rows) >= 2  # measured with the candidates, then re-measured interleaved
+    # the composite of every agent's findings is promoted first: a short budget still measures it
+    slow = [r for r in rows if r.tier == "slow" and r.kind == "benchmark" and r.agent not in ("baseline", "cross")]
+    assert slow and slow[0].agent == "composite", [r.agent for r in slow]
     led.close()
     report = (out / "report.md").read_text()
     cross = report.split("## Measured on another traffic shape")[1].split("##")[0]
