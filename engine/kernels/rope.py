@@ -12,8 +12,6 @@ each product and sum of the rotation is rounded as the reference's elementwise o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -171,4 +169,14 @@ def qk_rope_store(
     description="one program per token: split, per-head q/k norm, rotate-half RoPE, cache store",
 )
 def build_qk_rope_store(num_warps: int = 4, pdl: bool = False):
-    return functools.partial(qk_rope_store, num_warps=num_warps, pdl=pdl)
+    # A closure with the op's own signature (the registry's contract), not a partial.
+    def qk_rope_store_op(
+        qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        num_heads: int, num_kv_heads: int,
+        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+    ) -> torch.Tensor:
+        return qk_rope_store(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                             q_norm, k_norm, eps, num_warps=num_warps, pdl=pdl)
+
+    return qk_rope_store_op
