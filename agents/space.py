@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import OpChoice, Plan, SchedulerKnobs, fusion_conflicts
+from anneal.engine.plan import OpChoice, Plan, SchedulerKnobs, folded_norm_blockers, fusion_conflicts
 from anneal.agents.types import EngineState
 
 MAX_NUM_SEQS = (8, 16, 32, 64, 128, 256)
@@ -257,7 +257,7 @@ def normalized(plan: Plan) -> Plan:
     # Fusions the engine refuses together (plan.FUSION_CONFLICTS): the first of a pair wins. And
     # folded_norm adds the residual in o_proj's and down_proj's GEMM, so it needs both on the reference.
     fusions = data["fusions"]
-    if "folded_norm" in fusions and any(plan.choice(p).impl != "reference" for p in ("o_proj", "down_proj")):
+    if "folded_norm" in fusions and folded_norm_blockers(plan):
         del fusions["folded_norm"]
     for _, other in fusion_conflicts(fusions):
         fusions.pop(other, None)

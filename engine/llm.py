@@ -151,8 +151,7 @@ class Engine:
         self.load_s = time.perf_counter() - t0
         self.num_layers = len(self.weights.layers)
         t0 = time.perf_counter()
-        if "folded_norm" in args.plan.fusions:  # its second copy of weights, before the KV cache takes the memory
-            fold_norms(self.weights)
+        self._set_folded(args.plan)  # folded_norm's second copy of weights, before the KV cache takes the memory
         num_blocks = args.num_kv_blocks or self._auto_num_blocks()
         need = -(-self.max_model_len // args.block_size)
         if num_blocks < need:

@@ -10,7 +10,7 @@ from typing import Callable
 
 from anneal.engine.fusions import build_fusions
 from anneal.engine.ops.registry import OpError, all_ops, build_op, get_variant, interpreting
-from anneal.engine.plan import Plan, fusion_conflicts
+from anneal.engine.plan import Plan, folded_norm_blockers, fusion_conflicts
 
 
 class OpTable:
@@ -67,11 +67,10 @@ class OpTable:
         if clash:
             raise OpError("fusions that rewrite the same ops cannot be combined: "
                           + ", ".join(f"{a} with {b}" for a, b in clash))
-        if "folded_norm" in plan.fusions:
-            bad = [p for p in ("o_proj", "down_proj") if p in choices and choices[p][0] != "reference"]
-            if bad:
-                raise OpError(f"folded_norm adds the residual in the GEMM of o_proj and down_proj (addmm, beta = 1): "
-                              f"{', '.join(bad)} must be the reference GEMM")
+        bad = folded_norm_blockers(plan) if "folded_norm" in plan.fusions else []
+        if bad:
+            raise OpError(f"folded_norm adds the residual in the GEMM of o_proj and down_proj (addmm, beta = 1): "
+                          f"{', '.join(bad)} must be the reference GEMM")
         return choices
 
     @classmethod

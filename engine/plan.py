@@ -61,6 +61,12 @@ def fusion_conflicts(fusions) -> list[tuple[str, str]]:
     on = set(fusions)
     return [(a, b) for a, others in FUSION_CONFLICTS.items() if a in on for b in others if b in on]
 
+
+def folded_norm_blockers(plan: "Plan") -> list[str]:
+    """The projections whose choice rules out ``plan``'s folded_norm: it adds the residual in the GEMM
+    of o_proj and down_proj (addmm, beta = 1), so both must be the reference GEMM."""
+    return [p for p in ("o_proj", "down_proj") if plan.choice(p).impl != "reference"]
+
 DEFAULT_GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
