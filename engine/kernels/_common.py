@@ -40,6 +40,18 @@ def check_contiguous_last(name: str, **tensors: torch.Tensor) -> None:
             raise KernelInputError(f"{name}: {arg} must be contiguous in its last dim (got {t.stride()})")
 
 
+def rms_operand(name: str, rms_of: torch.Tensor | None, rows: int, fallback: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What a kernel with the ``rms_of`` option (``folded_norm``) is given for it: the checked
+    ``[rows, hidden]`` residual rows and their power-of-two width, or, without them, ``fallback``
+    (never read) and 16."""
+    if rms_of is None:
+        return fallback, 16
+    if rms_of.dim() != 2 or rms_of.shape[0] != rows:
+        raise KernelInputError(f"{name}: rms_of must be [T={rows}, hidden], got {tuple(rms_of.shape)}")
+    check_contiguous_last(name, rms_of=rms_of)
+    return rms_of, pow2(rms_of.shape[1])
+
+
 def pow2(n: int, minimum: int = 1) -> int:
     """The next power of two >= n, at least ``minimum``. Host code runs this per launch: plain
     Python, not ``triton.next_power_of_2`` (a constexpr-function wrapper, ~5-7 µs a call; an 8B

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, cdiv, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2,
-    row_rstd, sm_count,
+    KernelInputError, cdiv, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue,
+    rms_operand, row_rstd, sm_count,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -61,19 +61,17 @@ def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4, pdl:
     check_device("silu_and_mul", x, rms_of)
     if x.dim() != 2 or x.shape[1] % 2:
         raise KernelInputError(f"silu_and_mul: need x[T, 2*I], got {tuple(x.shape)}")
-    if rms_of is not None and (rms_of.dim() != 2 or rms_of.shape[0] != x.shape[0]):
-        raise KernelInputError(f"silu_and_mul: rms_of must be [T={x.shape[0]}, hidden], got {tuple(rms_of.shape)}")
-    check_contiguous_last("silu_and_mul", x=x, **({"rms_of": rms_of} if rms_of is not None else {}))
+    check_contiguous_last("silu_and_mul", x=x)
+    rms, block_hid = rms_operand("silu_and_mul", rms_of, x.shape[0], x)
     T, I = x.shape[0], x.shape[1] // 2
     out = torch.empty((T, I), dtype=x.dtype, device=x.device)
     if T > 0 and I > 0:
-        rms = rms_of if rms_of is not None else x
         col_tiles = cdiv(I, block)
         tiles = tiles_per_program(T, col_tiles, x.device) if rms_of is not None else 1
         grid = (T, cdiv(col_tiles, tiles))
         _silu_and_mul_kernel[grid](x, out, rms, I, x.stride(0), out.stride(0), rms.stride(0), rms.shape[1],
                                    float(rms_eps), tiles, BLOCK=block, RMS=rms_of is not None,
-                                   BLOCK_HID=pow2(rms.shape[1]) if rms_of is not None else 16,
+                                   BLOCK_HID=block_hid,
                                    PDL=pdl_enabled(pdl), num_warps=num_warps, **launch_opts(pdl))
     return out
 

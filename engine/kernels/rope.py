@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2, row_rstd,
+    KernelInputError, check_contiguous_last, check_device, launch_opts, pdl_enabled, pdl_prologue, pow2, rms_operand,
+    row_rstd,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -139,9 +140,8 @@ def qk_rope_store(
             raise KernelInputError(f"{name}: q_norm/k_norm must be [D={D}]")
         if q_norm.dtype != qkv.dtype or k_norm.dtype != qkv.dtype:
             raise KernelInputError(f"{name}: q_norm/k_norm dtype must be the activation dtype {qkv.dtype}")
-    if rms_of is not None and (rms_of.dim() != 2 or rms_of.shape[0] != T):
-        raise KernelInputError(f"{name}: rms_of must be [T={T}, hidden], got {tuple(rms_of.shape)}")
-    check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin, **({"rms_of": rms_of} if rms_of is not None else {}))
+    check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin)
+    rms, block_hid = rms_operand(name, rms_of, T, qkv)
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # flat arrays
     q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     if T == 0:
@@ -149,14 +149,13 @@ def qk_rope_store(
     has_norm = q_norm is not None
     if has_norm:
         q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
-    rms = rms_of if rms_of is not None else qkv
     _qk_rope_store_kernel[(T,)](
         qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q,
         q_norm if has_norm else qkv, k_norm if has_norm else qkv, rms,
         qkv.stride(0), cos_sin.stride(0), rms.stride(0), num_heads, num_kv_heads, float(eps),
         rms.shape[1], float(rms_eps),
         HAS_NORM=has_norm, D=D, BLOCK_H=pow2(num_heads), BLOCK_HKV=pow2(num_kv_heads),
-        BLOCK_HALF=pow2(D // 2), RMS=rms_of is not None, BLOCK_HID=pow2(rms.shape[1]) if rms_of is not None else 16,
+        BLOCK_HALF=pow2(D // 2), RMS=rms_of is not None, BLOCK_HID=block_hid,
         PDL=pdl_enabled(pdl), num_warps=num_warps, **launch_opts(pdl),
     )
     return q
