@@ -43,6 +43,8 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
         plan = normalized(base.model_copy(update={"fusions": {**base.fusions, f: True}, "name": None}))
         if not base.fusions.get(f) and plan.fusions.get(f) and plan.hash != base.hash:
             trials.append((f, plan))  # normalized drops a fusion the base's ops exclude
+    if not trials:
+        return
     spec = setting.decode_spec.model_copy(update={"per_op": False})
 
     def step_ms(plan: Plan, i: int, note: str) -> tuple[float | None, str]:
@@ -50,14 +52,13 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
                           spec.model_copy(update={"seed": FUSION_TRIAL_SEED + i}), prune=False)
         return (exp.measurement.median_ms if exp.measurement is not None else None), exp.verdict.reason
 
-    if not trials:
-        return
-    before, why = step_ms(base, 0, "fusion trials: the base")
+    prev = step_ms(base, 0, "fusion trials: the base")
     for i, (f, plan) in enumerate(trials, 1):
-        fused, why_f = step_ms(plan, i, f"fusion trial: {f}")
-        after, why = step_ms(base, i, "fusion trials: the base")
-        if fused is None or before is None or after is None:
-            board.note(f"fusion {f}: no step time ({why_f if fused is None else why}); not kept")
+        steps = (prev, step_ms(plan, i, f"fusion trial: {f}"), step_ms(base, i, "fusion trials: the base"))
+        (before, _), (fused, _), (after, _) = steps
+        failed = next((why for ms, why in steps if ms is None), None)
+        if failed is not None:
+            board.note(f"fusion {f}: no step time ({failed}); not kept")
         else:
             ratio = fused / ((before + after) / 2)
             keep = ratio < 1 - min_gain
@@ -66,7 +67,7 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
             board.offer_plan(fused, plan, agent)
             if keep:
                 board.keep_fusion(f)
-        before = after
+        prev = steps[2]
 
 
 class PlanSearch:
