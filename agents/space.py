@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import OpChoice, Plan, SchedulerKnobs, folded_norm_blockers, fusion_conflicts
+from anneal.engine.plan import OpChoice, Plan, SchedulerKnobs, fusion_blockers, fusion_conflicts
 from anneal.agents.types import EngineState
 
 MAX_NUM_SEQS = (8, 16, 32, 64, 128, 256)
@@ -255,10 +255,11 @@ def normalized(plan: Plan) -> Plan:
     if plan.choice("attention_prefill").impl == "reference":
         data["cuda_graph_token_sizes"] = []
     # Fusions the engine refuses together (plan.FUSION_CONFLICTS): the first of a pair wins. And
-    # folded_norm adds the residual in o_proj's and down_proj's GEMM, so it needs both on the reference.
+    # those the op choices rule out (plan.fusion_blockers: folded_norm needs o / down on the
+    # reference GEMM, rope_attention the split-K decode attention).
     fusions = data["fusions"]
-    if "folded_norm" in fusions and folded_norm_blockers(plan):
-        del fusions["folded_norm"]
+    for f in fusion_blockers(plan):
+        del fusions[f]
     for _, other in fusion_conflicts(fusions):
         fusions.pop(other, None)
     return Plan.model_validate(data)

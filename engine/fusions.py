@@ -46,6 +46,8 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
                 out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *_gemv_params(choices[proj]))
         elif name == "folded_norm":
             out.update(_folded_norm(fns, choices))
+        elif name == "rope_attention":
+            out["rope_attention"] = _rope_attention(choices)
         elif name == "norm_stats":
             for proj in ("o_proj", "down_proj"):
                 out[f"{proj}_add_stats"] = _add_stats(gemv, fns, proj, *_gemv_params(choices[proj]))
@@ -81,6 +83,23 @@ def _folded_norm(fns: dict[str, Callable], choices: dict[str, tuple[str, dict]])
 
     return {"folded_rope_store": folded_rope_store, "folded_silu_and_mul": folded_silu_and_mul,
             "linear_residual_": linear_residual_}
+
+
+def _rope_attention(choices: dict[str, tuple[str, dict]]) -> Callable:
+    """``attention_decode(qk_rope_store(qkv, ...))`` of a decode step in the split-K attention kernel,
+    with the plan's params for it (the op table refuses another attention_decode first); under
+    ``folded_norm`` the stream's 1/rms scales q, k and v there too. Prompt steps never call it."""
+    from anneal.engine.kernels import attention_decode
+
+    params = dict(choices["attention_decode"][1])
+
+    def rope_attention(qkv, positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm, k_norm, eps,
+                       block_tables, context_lens, scale, rms_of=None, rms_eps=0.0):
+        return attention_decode.rope_decode_attention(
+            qkv, positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm, k_norm, eps, block_tables,
+            context_lens, scale, rms_of=rms_of, rms_eps=rms_eps, **params)
+
+    return rope_attention
 
 
 def _silu_mul_down(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Callable:

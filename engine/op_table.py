@@ -10,14 +10,14 @@ from typing import Callable
 
 from anneal.engine.fusions import build_fusions
 from anneal.engine.ops.registry import OpError, all_ops, build_op, get_variant, interpreting
-from anneal.engine.plan import Plan, folded_norm_blockers, fusion_conflicts
+from anneal.engine.plan import Plan, fusion_blockers, fusion_conflicts
 
 
 class OpTable:
     FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj", "qkv_rope_store",
              "o_proj_add_rmsnorm", "down_proj_add_rmsnorm", "gate_up_silu", "o_proj_add_stats",
              "down_proj_add_stats", "norm_stats_qkv", "norm_stats_gate_up", "folded_rope_store",
-             "folded_silu_and_mul", "linear_residual_")
+             "folded_silu_and_mul", "linear_residual_", "rope_attention")
     # Fused entry points, None unless the plan enables them.
     lm_head_argmax: Callable | None = None
     silu_mul_down: Callable | None = None
@@ -36,6 +36,9 @@ class OpTable:
     folded_rope_store: Callable | None = None
     folded_silu_and_mul: Callable | None = None  # (gate_up of the stream through folded weights, stream, eps) -> act
     linear_residual_: Callable | None = None  # (x, w, stream) -> stream += x @ w.T, in place
+    # rope_attention: (qkv, *qk_rope_store args, block_tables, context_lens, scale, rms_of=, rms_eps=) -> a
+    # decode step's attention output; rms_of is the stream under folded_norm (its 1/rms scales q, k, v)
+    rope_attention: Callable | None = None
 
     def __init__(self, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
                  fusions: dict[str, Callable] | None = None):
@@ -67,10 +70,9 @@ class OpTable:
         if clash:
             raise OpError("fusions that rewrite the same ops cannot be combined: "
                           + ", ".join(f"{a} with {b}" for a, b in clash))
-        bad = folded_norm_blockers(plan) if "folded_norm" in plan.fusions else []
-        if bad:
-            raise OpError(f"folded_norm adds the residual in the GEMM of o_proj and down_proj (addmm, beta = 1): "
-                          f"{', '.join(bad)} must be the reference GEMM")
+        blocked = fusion_blockers(plan)
+        if blocked:
+            raise OpError("; ".join(blocked.values()))
         return choices
 
     @classmethod

@@ -48,11 +48,15 @@ FUSIONS = {
                    "(a second copy of those weights), the residual adds done by o_proj / down_proj in their "
                    "GEMM (cuBLAS, beta = 1, in place; both must be the reference GEMM) and 1/rms applied by "
                    "qk_rope_store / silu_and_mul as they load: the GEMV norm fusions' gain for cuBLAS GEMMs",
+    "rope_attention": "qk_rope_store + attention_decode in decode steps: q/k norm, RoPE and the KV-cache store "
+                      "done by the split-K attention kernel as it starts (attention_decode must be "
+                      "triton_splitk; with folded_norm too), one kernel less a layer; prompt steps unfused",
 }
 
 # Fusions that rewrite the same ops as another one: a plan may enable one of each pair.
 FUSION_CONFLICTS = {
     "folded_norm": ("norm_linear", "linear_norm", "norm_stats", "qkv_rope", "gate_up_silu", "silu_mul_down"),
+    "rope_attention": ("qkv_rope", "norm_stats"),  # those do the RoPE + store in the qkv GEMV's epilogue
 }
 
 
@@ -66,6 +70,21 @@ def folded_norm_blockers(plan: "Plan") -> list[str]:
     """The projections whose choice rules out ``plan``'s folded_norm: it adds the residual in the GEMM
     of o_proj and down_proj (addmm, beta = 1), so both must be the reference GEMM."""
     return [p for p in ("o_proj", "down_proj") if plan.choice(p).impl != "reference"]
+
+
+def fusion_blockers(plan: "Plan") -> dict[str, str]:
+    """The enabled fusions that ``plan``'s op choices rule out, each with the reason (the op table
+    refuses such a plan; the search's ``normalized`` drops the fusion)."""
+    out = {}
+    if "folded_norm" in plan.fusions and folded_norm_blockers(plan):
+        out["folded_norm"] = ("folded_norm adds the residual in the GEMM of o_proj and down_proj (addmm, beta = 1): "
+                              f"{', '.join(folded_norm_blockers(plan))} must be the reference GEMM")
+    impl = plan.choice("attention_decode").impl
+    if "rope_attention" in plan.fusions and impl != "triton_splitk":
+        out["rope_attention"] = ("rope_attention runs in the split-K decode attention kernel: attention_decode "
+                                 f"must be triton_splitk, not {impl}")
+    return out
+
 
 DEFAULT_GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 

@@ -21,6 +21,16 @@ DRAM latency off the critical path; at bs >= 8 the waiting programs cost more th
 does) or as fp32 through a tf32 MMA (``"tf32"``: closer to the fp32 reference, at no cost in a
 memory-bound kernel).
 
+``rope_decode_attention`` (the ``rope_attention`` fusion): the split kernel takes the raw qkv rows of
+the step and does ``qk_rope_store``'s work itself, so a decode layer has one kernel less. Each program
+rotates (and, for Qwen3, q/k-normalises; under ``folded_norm`` scales by the stream's 1/rms) its G
+query heads as it starts; the program whose split holds the step's own token (position ``ctx - 1``)
+rotates that token's k, stores k and v in the cache slot and uses them from registers. Every
+program loads only the older tokens from the cache, so nothing it reads is written in the step,
+and its first tile is requested before it waits for the previous kernel (with ``pdl``). The q and k
+values are rounded exactly as ``qk_rope_store`` rounds them (the rotation below is the same
+arithmetic over a head's two halves at once), so the fused op's output equals the unfused pair's.
+
 CUDA-graph safe: no host sync, grid and workspace depend only on shapes (``B``, ``H``,
 ``block_tables.shape[1]``), never on context-length values. Padding entries of ``block_tables``
 past a sequence's length are never read. A sequence with ``context_len == 0`` gives zeros, as the
@@ -29,13 +39,16 @@ reference does.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
-    pdl_launch_dependents, pdl_prologue, pdl_wait, pow2, pow2_split, sm_count, tile_counters,
+    KernelInputError, cdiv, check_contiguous_last, check_device, dot_precision, dot_upcast, fit_stages, launch_opts,
+    mma, pdl_enabled, pdl_launch_dependents, pdl_prologue, pdl_wait, pow2, pow2_split, rms_operand, row_rstd,
+    sm_count, tile_counters,
 )
 from anneal.engine.ops.registry import Param, variant
 
@@ -67,19 +80,53 @@ def _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC: tl.constexpr, UPC
 
 
 @triton.jit
+def _rope_heads(row, head0, n_heads, cos, sin, nw_ptr, eps, row_scale, d, D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                HAS_NORM: tl.constexpr, SCALED: tl.constexpr, DT: tl.constexpr):
+    """Heads ``head0 ..`` (``n_heads`` of ``BLOCK_ROWS`` rows) of a qkv row, scaled (``SCALED``),
+    normed (``HAS_NORM``) and rotated, ``[BLOCK_ROWS, BLOCK_D]`` fp32 holding activation-dtype values.
+    ``qk_rope_store``'s arithmetic on the whole head: each element's rotate-half partner
+    (``d +- D/2``) is loaded beside it, and ``cos``/``sin`` are already laid out per column."""
+    HALF: tl.constexpr = D // 2
+    h = (head0 + tl.arange(0, BLOCK_ROWS))[:, None]
+    hm = (tl.arange(0, BLOCK_ROWS) < n_heads)[:, None] & (d < D)[None, :]
+    dd = d[None, :]
+    partner = tl.where(dd < HALF, dd + HALF, dd - HALF)
+    x = tl.load(row + h * D + dd, mask=hm, other=0.0).to(tl.float32)
+    xp = tl.load(row + h * D + partner, mask=hm, other=0.0).to(tl.float32)
+    if SCALED:
+        x = x * row_scale
+        x = x.to(DT).to(tl.float32)
+        xp = xp * row_scale
+        xp = xp.to(DT).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        w = tl.load(nw_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+        wp = tl.load(nw_ptr + partner, mask=dd < D, other=0.0).to(tl.float32)
+        x = ((x * rstd).to(DT).to(tl.float32) * w).to(DT).to(tl.float32)
+        xp = ((xp * rstd).to(DT).to(tl.float32) * wp).to(DT).to(tl.float32)
+    # rotate_half: first half x*cos - x'*sin, second half x*cos + x'*sin, each product rounded
+    xs = (xp * sin).to(DT).to(tl.float32)
+    xc = (x * cos).to(DT).to(tl.float32)
+    return tl.where(dd < HALF, xc - xs, xc + xs).to(DT).to(tl.float32)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr,
+    pos_ptr, cs_ptr, slot_ptr, qn_ptr, kn_ptr, rms_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    H, max_tokens,
+    stride_cs, stride_rms, H, max_tokens, eps, hidden, rms_eps,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, PV_F32: tl.constexpr, TICKET: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, RMS: tl.constexpr,
+    BLOCK_HID: tl.constexpr,
 ):
+    # ROPE: q_ptr is the step's qkv [B, (H + 2 Hkv) D] (stride_qb its row stride), rotated here.
     pdl_launch_dependents(PDL)
-    if not PREFETCH:
+    if not (PREFETCH or ROPE):
         pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,10 +150,10 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     loop_start = start
-    if PREFETCH:
+    if PREFETCH or ROPE:
         # The split's first tile is requested while the previous kernel still runs: of the keys and
-        # values it reads, only the step's own token (position ctx - 1, stored by the kernel before
-        # this one) is written in this step, so it alone is loaded after the wait.
+        # values it reads, only the step's own token (position ctx - 1) is written in this step (by
+        # the kernel before this one, or under ROPE by this kernel), so it alone is taken after the wait.
         t = start + tl.arange(0, BLOCK_N)
         tm = t < end
         blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
@@ -117,12 +164,42 @@ def _decode_split_kernel(
         k = tl.load(k_ptrs, mask=old, other=0.0)
         v = tl.load(v_ptrs, mask=old, other=0.0)
         pdl_wait(PDL)
-        new = (tm & (t == ctx - 1))[:, None] & dm[None, :]
-        k = tl.load(k_ptrs, mask=new, other=k)
-        v = tl.load(v_ptrs, mask=new, other=v)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gm[:, None] & dm[None, :], other=0.0)
-    if PREFETCH:  # the prefetched tile first, then the loop from the next one
+        if not ROPE:
+            new = (tm & (t == ctx - 1))[:, None] & dm[None, :]
+            k = tl.load(k_ptrs, mask=new, other=k)
+            v = tl.load(v_ptrs, mask=new, other=v)
+    if ROPE:
+        # qk_rope_store's work for this (sequence, kv head): its G query heads, and the step's own
+        # k / v, which the split holding position ctx - 1 stores in the cache slot.
+        DT = kc_ptr.dtype.element_ty
+        HALF: tl.constexpr = D // 2
+        row = q_ptr + b.to(tl.int64) * stride_qb
+        row_scale = 1.0
+        if RMS:  # folded_norm: the input norm's 1/rms, from the residual row the projection read
+            row_scale = row_rstd(rms_ptr + b.to(tl.int64) * stride_rms, hidden, rms_eps, BLOCK_HID)
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        half_d = tl.where(d < HALF, d, d - HALF)[None, :]
+        cos = tl.load(cs_ptr + pos * stride_cs + half_d, mask=(d < D)[None, :], other=0.0).to(DT).to(tl.float32)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + half_d, mask=(d < D)[None, :], other=0.0).to(DT).to(tl.float32)
+        q = _rope_heads(row, kvh * G, G, cos, sin, qn_ptr, eps, row_scale, d, D, BLOCK_G, HAS_NORM, RMS, DT).to(DT)
+        k_new = _rope_heads(row, H + kvh, 1, cos, sin, kn_ptr, eps, row_scale, d, D, 1, HAS_NORM, RMS, DT).to(DT)
+        v_new = tl.load(row + (H + tl.num_programs(1) + kvh) * D + d[None, :], mask=dm[None, :], other=0.0)
+        if RMS:
+            v_new = v_new.to(tl.float32) * row_scale
+        v_new = v_new.to(DT)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (slot >= 0) & (s == tl.maximum(ctx - 1, 0) // split_len):
+            sk = (slot // BS) * stride_kb + (slot % BS) * stride_kt + kvh * stride_kh
+            sv = (slot // BS) * stride_vb + (slot % BS) * stride_vt + kvh * stride_vh
+            tl.store(kc_ptr + sk + d[None, :], k_new, mask=dm[None, :])
+            tl.store(vc_ptr + sv + d[None, :], v_new, mask=dm[None, :])
+        own = (t == ctx - 1)[:, None]
+        k = tl.where(own, k_new, k)
+        v = tl.where(own, v_new, v)
+    else:
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gm[:, None] & dm[None, :], other=0.0)
+    if PREFETCH or ROPE:  # the prefetched tile first, then the loop from the next one
         if start < end:  # else an empty sequence (context 0): no keys, zeros out
             m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
         loop_start = start + BLOCK_N
@@ -131,12 +208,19 @@ def _decode_split_kernel(
         tm = t < end
         blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
         tok = t % BS
-        kmask = tm[:, None] & dm[None, :]
+        if ROPE:  # the step's own token comes from registers, not from the slot being stored
+            kmask = (tm & (t < ctx - 1))[:, None] & dm[None, :]
+        else:
+            kmask = tm[:, None] & dm[None, :]
         k = tl.load(kc_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
         # V is requested together with K (not after the scores): both tiles in flight at once.
         v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
+        if ROPE:
+            own = (t == ctx - 1)[:, None]
+            k = tl.where(own, k_new, k)
+            v = tl.where(own, v_new, v)
         m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
 
     if SPLIT_K == 1:
@@ -206,6 +290,27 @@ def auto_split_k(batch: int, num_kv_heads: int, max_tokens: int, block_n: int, d
     return pow2_split(want, max(1, cdiv(max_tokens, block_n)), MAX_SPLIT_K)
 
 
+def _check_cache(name: str, B: int, H: int, D: int, dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """The paged cache and its tables, for ``B`` sequences of ``H`` query heads of size ``D``."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise KernelInputError(f"{name}: need caches [NB, BS, Hkv, D], got {tuple(k_cache.shape)}, "
+                               f"{tuple(v_cache.shape)}")
+    Hkv = k_cache.shape[2]
+    if k_cache.shape[3] != D or H % Hkv:
+        raise KernelInputError(f"{name}: head_dim {k_cache.shape[3]} vs {D}, or H={H} not a multiple of Hkv={Hkv}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
+        raise KernelInputError(f"{name}: block_tables must be [B={B}, NB] and context_lens [B]")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise KernelInputError(f"{name}: block_tables and context_lens must be int32")
+    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise KernelInputError(f"{name}: queries, k_cache and v_cache must share a dtype, got {dtype}, "
+                               f"{k_cache.dtype}, {v_cache.dtype}")
+    for t, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if t.stride(-1) != 1:
+            raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, *, split_k: int = 0, block_n: int = 64,
@@ -214,23 +319,82 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     name = "attention_decode"
     check_device(name, q, k_cache, v_cache, block_tables, context_lens)
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise KernelInputError(f"{name}: need q[B, H, D] and caches [NB, BS, Hkv, D], got {tuple(q.shape)}, "
-                               f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if q.dim() != 3:
+        raise KernelInputError(f"{name}: need q[B, H, D], got {tuple(q.shape)}")
     B, H, D = q.shape
+    _check_cache(name, B, H, D, q.dtype, k_cache, v_cache, block_tables, context_lens)
+    if q.stride(-1) != 1:
+        raise KernelInputError(f"{name}: q must be contiguous in head_dim")
+    return _launch(q, None, k_cache, v_cache, block_tables, context_lens, scale, B, H, D,
+                   split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                   pv_precision=pv_precision, merge=merge, pdl=pdl, prefetch=prefetch)
+
+
+class _Rope(NamedTuple):
+    """``qk_rope_store``'s operands for the fused launch (already checked)."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    rms: torch.Tensor
+    block_hid: int
+    rms_on: bool
+    rms_eps: float
+
+
+def rope_decode_attention(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+    rms_of: torch.Tensor | None = None, rms_eps: float = 0.0, **params,
+) -> torch.Tensor:
+    """``attention_decode(qk_rope_store(qkv, ...), ...)`` for a decode step in one launch (plus the
+    merge): the ``rope_attention`` fusion (module doc). Each row's own token is at position
+    ``context_lens[b] - 1`` with its cache slot ``slot_mapping[b]`` (``-1``: not stored), as in every
+    decode step; ``rms_of`` as for ``qk_rope_store`` (``folded_norm``); ``params`` the
+    ``triton_splitk`` variant's."""
+    name = "rope_attention"
+    check_device(name, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, block_tables,
+                 context_lens, rms_of)
+    B = qkv.shape[0] if qkv.dim() == 2 else -1
+    D = cos_sin.shape[-1]
+    H, Hkv = num_heads, num_kv_heads
+    if D % 2 or qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D:
+        raise KernelInputError(f"{name}: qkv {tuple(qkv.shape)} is not [B, (H + 2*Hkv) * D] for H={H}, "
+                               f"Hkv={Hkv}, D={D} (D from cos_sin, must be even)")
+    _check_cache(name, B, H, D, qkv.dtype, k_cache, v_cache, block_tables, context_lens)
+    if k_cache.shape[2] != Hkv:
+        raise KernelInputError(f"{name}: caches hold {k_cache.shape[2]} kv heads, not Hkv={Hkv}")
+    if positions.shape != (B,) or slot_mapping.shape != (B,):
+        raise KernelInputError(f"{name}: positions and slot_mapping must be [B={B}]")
+    if (q_norm is None) != (k_norm is None):
+        raise KernelInputError(f"{name}: pass both q_norm and k_norm or neither")
+    if q_norm is not None and (q_norm.shape != (D,) or k_norm.shape != (D,)):
+        raise KernelInputError(f"{name}: q_norm/k_norm must be [D={D}]")
+    if q_norm is not None and (q_norm.dtype != qkv.dtype or k_norm.dtype != qkv.dtype):
+        raise KernelInputError(f"{name}: q_norm/k_norm dtype must be the activation dtype {qkv.dtype}")
+    check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin)
+    rms, block_hid = rms_operand(name, rms_of, B, qkv)
+    rope = _Rope(positions.contiguous(), cos_sin, slot_mapping.contiguous(),
+                 None if q_norm is None else q_norm.contiguous(), None if k_norm is None else k_norm.contiguous(),
+                 float(eps), rms, block_hid, rms_of is not None, float(rms_eps))
+    return _launch(qkv, rope, k_cache, v_cache, block_tables, context_lens, scale, B, H, D, **params)
+
+
+def _launch(
+    q: torch.Tensor, rope: _Rope | None, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, B: int, H: int, D: int, *, split_k: int = 0, block_n: int = 64,
+    num_warps: int = 4, num_stages: int = 2, pv_precision: str = "bf16", merge: str = "kernel",
+    pdl: bool = False, prefetch: int = 0,
+) -> torch.Tensor:
+    """The split kernel (and the merge) on checked inputs: ``q`` is ``[B, H, D]``, or with ``rope``
+    the step's qkv rows."""
+    name = "attention_decode"
     BS, Hkv = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.shape[3] != D or H % Hkv:
-        raise KernelInputError(f"{name}: head_dim {k_cache.shape[3]} vs {D}, or H={H} not a multiple of Hkv={Hkv}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
-        raise KernelInputError(f"{name}: block_tables must be [B={B}, NB] and context_lens [B]")
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise KernelInputError(f"{name}: block_tables and context_lens must be int32")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise KernelInputError(f"{name}: q, k_cache and v_cache must share a dtype, got {q.dtype}, "
-                               f"{k_cache.dtype}, {v_cache.dtype}")
-    for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        if t.stride(-1) != 1:
-            raise KernelInputError(f"{name}: {n} must be contiguous in head_dim")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()  # read as a flat array (no copy when it already is)
@@ -253,16 +417,26 @@ def paged_decode_attention(
     counters = tile_counters(q.device, B * Hkv) if ticket else out
     LOG2E = 1.4426950408889634
     num_stages = fit_stages(num_stages, 2 * block_n * BLOCK_D * k_cache.element_size())
+    if rope is None:
+        rope_ptrs, rope_args = (q,) * 6, (0, 0, 0.0, 1, 0.0)
+        stride_qh = q.stride(1)
+    else:
+        rope_ptrs = (rope.positions, rope.cos_sin, rope.slot_mapping,
+                     q if rope.q_norm is None else rope.q_norm, q if rope.k_norm is None else rope.k_norm, rope.rms)
+        rope_args = (rope.cos_sin.stride(0), rope.rms.stride(0), rope.eps, rope.rms.shape[1], rope.rms_eps)
+        stride_qh = D
     _decode_split_kernel[(B, Hkv, split_k)](
-        q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl, counters,
+        q, k_cache, v_cache, block_tables, context_lens, out, po, pm, pl, counters, *rope_ptrs,
         float(scale) * LOG2E,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), stride_qh, block_tables.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H, block_tables.shape[1] * BS,
+        rope_args[0], rope_args[1], H, block_tables.shape[1] * BS, rope_args[2], rope_args[3], rope_args[4],
         G=G, BLOCK_G=pow2(G, 16), D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, BS=BS, SPLIT_K=split_k,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PV_F32=pv_precision == "tf32", TICKET=ticket,
-        PDL=pdl_enabled(pdl), PREFETCH=B <= prefetch, num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl_enabled(pdl), PREFETCH=rope is None and B <= prefetch, ROPE=rope is not None,
+        HAS_NORM=rope is not None and rope.q_norm is not None, RMS=rope is not None and rope.rms_on,
+        BLOCK_HID=16 if rope is None else rope.block_hid, num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl),
     )
     if split_k > 1 and not ticket:

@@ -74,12 +74,12 @@ class Transformer:
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             rope_args = (positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping, H, Hkv,
                          L.q_norm, L.k_norm, eps)
+            q = qkv = None  # the rotated queries, or the qkv rows still to rotate (with the attention)
             if pending is not None:
                 q, residual = ops.norm_stats_qkv(pending, L.input_norm, eps, L.qkv, *rope_args)
                 pending = None
             elif h is None and ops.norm_qkv_proj is not None:  # fused: the norm in the GEMV's prologue
                 qkv, residual = ops.norm_qkv_proj(x, residual, L.input_norm, eps, L.qkv)
-                q = ops.qk_rope_store(qkv, *rope_args)
             else:
                 if h is None:
                     if residual is None:
@@ -89,8 +89,9 @@ class Transformer:
                 if ops.qkv_rope_store is not None:  # fused: RoPE + cache store in the GEMV's epilogue
                     q = ops.qkv_rope_store(h, L.qkv, *rope_args)
                 else:
-                    q = ops.qk_rope_store(ops.qkv_proj(h, L.qkv), *rope_args)
-            a = self._attention(q, k_cache, v_cache, ctx).reshape(T, H * D)
+                    qkv = ops.qkv_proj(h, L.qkv)
+            a = self._attention(q, k_cache, v_cache, ctx) if q is not None else self._rope_attention(qkv, rope_args, ctx)
+            a = a.reshape(T, H * D)
             gu = act = None  # gate_up output / activation, when a fusion produced it instead of the normed h
             stats_down = ops.down_proj_add_stats is not None and i + 1 < len(layers)
             if ops.o_proj_add_stats is not None:  # fused: the sum and its statistics; the norm in gate_up's load
@@ -120,6 +121,18 @@ class Transformer:
             h, _ = ops.add_rmsnorm(x, residual, self.w.final_norm, eps)
         return h
 
+    def _rope_attention(self, qkv: torch.Tensor, rope_args: tuple, ctx: AttnContext,
+                        rms_of: torch.Tensor | None = None) -> torch.Tensor:
+        """RoPE + cache store (``rope_args``: ``qk_rope_store``'s after qkv), then attention: one kernel
+        in decode steps under the ``rope_attention`` fusion. ``rms_of``: the stream whose 1/rms
+        scales the rows (``folded_norm``)."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        if ops.rope_attention is not None and not ctx.is_prefill:
+            return ops.rope_attention(qkv, *rope_args, ctx.block_tables, ctx.context_lens, self.scale,
+                                      rms_of=rms_of, rms_eps=eps)
+        q = ops.qk_rope_store(qkv, *rope_args) if rms_of is None else ops.folded_rope_store(qkv, rms_of, eps, *rope_args)
+        return self._attention(q, rope_args[2], rope_args[3], ctx)
+
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttnContext):
         if ctx.is_prefill:
             return self.ops.attention_prefill(
@@ -141,9 +154,9 @@ class Transformer:
         s = ops.embedding(ids, self.w.embed)
         for i, (L, F) in enumerate(zip(self.w.layers, folded)):
             k_cache, v_cache = kv[i, 0], kv[i, 1]
-            q = ops.folded_rope_store(ops.qkv_proj(s, F.qkv), s, eps, positions, self.cos_sin, k_cache, v_cache,
-                                      ctx.slot_mapping, H, Hkv, L.q_norm, L.k_norm, eps)
-            ops.linear_residual_(self._attention(q, k_cache, v_cache, ctx).reshape(T, H * D), L.o, s)
+            rope_args = (positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping, H, Hkv, L.q_norm, L.k_norm, eps)
+            a = self._rope_attention(ops.qkv_proj(s, F.qkv), rope_args, ctx, rms_of=s)
+            ops.linear_residual_(a.reshape(T, H * D), L.o, s)
             ops.linear_residual_(ops.folded_silu_and_mul(ops.gate_up_proj(s, F.gate_up), s, eps), L.down, s)
         return ops.rmsnorm(s, self.w.final_norm, eps)
 

@@ -35,12 +35,17 @@ def specs():
         yield activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, RMS=rms, BLOCK_HID=4096 if rms else 16), 4
         yield rope._qk_rope_store_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": "*fp32"}, dict(
             HAS_NORM=True, D=128, BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64, RMS=rms, BLOCK_HID=4096 if rms else 16), 4
-    for split, pv32, ticket, prefetch in ((1, False, False, False), (8, False, False, False), (8, True, True, False),
-                                          (1, True, False, False), (8, False, False, True), (1, False, True, True)):
+    # rope: the rope_attention fusion (0 off, 1 Llama, 2 Qwen3's q/k norm, 3 folded_norm's 1/rms)
+    for split, pv32, ticket, prefetch, rope_ in (
+            (1, False, False, False, 0), (8, False, False, False, 0), (8, True, True, False, 0),
+            (1, True, False, False, 0), (8, False, False, True, 0), (1, False, True, True, 0),
+            (4, False, False, False, 1), (1, False, False, False, 2), (8, False, True, False, 3)):
         yield attention_decode._decode_split_kernel, {
             "bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
-            "cnt_ptr": "*i32"}, dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=split,
-                                     PREC="tf32", UPCAST=False, PV_F32=pv32, TICKET=ticket, PREFETCH=prefetch), 4
+            "cnt_ptr": "*i32", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"}, dict(
+            G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=split, PREC="tf32", UPCAST=False,
+            PV_F32=pv32, TICKET=ticket, PREFETCH=prefetch, ROPE=rope_ > 0, HAS_NORM=rope_ == 2, RMS=rope_ == 3,
+            BLOCK_HID=4096 if rope_ == 3 else 16), 4
     yield attention_decode._decode_merge_kernel, {
         "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32"}, dict(
         D=128, BLOCK_D=128, BLOCK_N=64, SPLIT_K=16), 4

@@ -197,3 +197,67 @@ def test_folded_weights_are_given_back_before_the_next_plans_capture_and_restore
     assert held == [False, True]  # freed for the new plan's capture, back for the old plan's
     assert eng.plan == folded and eng.weights.folded is not None
     assert eng.generate([[5, 6, 7]], params) == want
+
+
+def rope_attention_plan(device: str, folded: bool) -> Plan:
+    """The split-K decode attention doing RoPE + store (``rope_attention``), alone or beside
+    ``folded_norm`` (then its 1/rms too); the projections on the reference GEMM."""
+    pdl = device == "cuda"
+    ops = {op: OpChoice(impl="triton", params={"pdl": pdl}) for op in ("rmsnorm", "qk_rope_store", "silu_and_mul")}
+    ops["attention_decode"] = OpChoice(impl="triton_splitk", params={"pdl": pdl} if pdl else {"block_n": 16})
+    if device == "cuda":
+        ops["attention_prefill"] = OpChoice(impl="triton")
+    fusions = {"rope_attention": True, "folded_norm": folded}
+    return Plan(ops=ops, fusions=fusions, cuda_graph_batch_sizes=[1, 2, 4] if device == "cuda" else [])
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", "float32"), pytest.param("cuda", "float32", marks=pytest.mark.gpu),
+                                          pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3"])
+@pytest.mark.parametrize("folded", [False, True], ids=["alone", "folded"])
+def test_rope_attention_plan_passes_verification_without_a_rope_kernel_in_decode(device, dtype, model, folded):
+    """``rope_attention`` passes verification against the reference plan (GPU: the whole suite, with
+    its poisoned and recycled KV blocks; CPU: output quality), and its decode steps launch no
+    RoPE kernel: prompt steps still do (their queries go to the prefill attention)."""
+    from anneal.engine.kernels import attention_decode, rope
+    from anneal.engine.verify import VerifyRequest, verify
+
+    eng = Engine(EngineArgs(model=model, device=device, dtype=dtype, num_kv_blocks=128, max_model_len=256))
+    plan = rope_attention_plan(device, folded)
+    cpu = device == "cpu"
+    rep = verify(eng, VerifyRequest(plan=plan, checks=["quality"] if cpu else None, num_prompts=2 if cpu else 4,
+                                    steps=6 if cpu else 24, max_prompt_len=40 if cpu else 120))
+    assert rep.passed, [c for c in rep.checks if not c.passed]
+    if not cpu:
+        return  # decode steps replay graphs captured before any wrap below
+    eng.apply_plan(plan)
+    calls = {"rope": 0, "fused": 0}
+    plain_rope, fused = rope.qk_rope_store, attention_decode.rope_decode_attention
+
+    def count(key, fn):
+        def wrapped(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    rope.qk_rope_store = count("rope", plain_rope)
+    attention_decode.rope_decode_attention = count("fused", fused)
+    try:
+        eng.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    finally:
+        rope.qk_rope_store, attention_decode.rope_decode_attention = plain_rope, fused
+    assert calls == {"rope": eng.num_layers, "fused": 3 * eng.num_layers}, calls  # 1 prompt step, 3 decode steps
+
+
+def test_the_engine_refuses_rope_attention_without_the_split_k_attention_or_beside_qkv_rope():
+    from anneal.engine.ops.registry import OpError
+
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=64))
+    before = eng.plan.hash
+    ref_attn = rope_attention_plan("cpu", False).with_ops(attention_decode=OpChoice(impl="reference"))
+    with pytest.raises(OpError, match="attention_decode must be triton_splitk, not reference"):
+        eng.apply_plan(ref_attn)
+    clash = rope_attention_plan("cpu", False).model_copy(update={"fusions": {"rope_attention": True, "qkv_rope": True}})
+    with pytest.raises(OpError, match="rope_attention with qkv_rope"):
+        eng.apply_plan(clash)
+    assert eng.plan.hash == before
