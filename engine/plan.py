@@ -53,6 +53,10 @@ FUSIONS = {
                       "triton_splitk; with folded_norm too), one kernel less a layer; prompt steps unfused",
 }
 
+# Fusions of ops that run once a step, not once a layer: on a fast tier of a few layers their gain
+# is what it is on the whole model (the others' grows with the layer count).
+STEP_FUSIONS = ("lm_head_argmax",)
+
 # Fusions that rewrite the same ops as another one: a plan may enable one of each pair.
 FUSION_CONFLICTS = {
     "folded_norm": ("norm_linear", "linear_norm", "norm_stats", "qkv_rope", "gate_up_silu", "silu_mul_down"),

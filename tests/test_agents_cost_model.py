@@ -222,3 +222,27 @@ def test_a_fast_tier_millisecond_of_a_layer_op_is_worth_the_models_layers():
     assert fast.full_model_factor("o_proj") == fast.full_model_factor("attention_decode") == 16
     assert fast.full_model_factor("lm_head") == fast.full_model_factor("rmsnorm") == 1  # once per step
     assert CostModel.from_state(H200).full_model_factor("o_proj") == 1
+
+
+def test_a_fusion_trial_on_two_layers_is_projected_to_the_whole_model():
+    """Session 20: on the 8B's 2-layer fast tier, lm_head and the rest of what runs once a step are
+    about half the step, so folded_norm's -2.4% per layer read x1.004 and was dropped. The trial's
+    ratio is projected: a per-layer saving scaled by 32/2 against the whole model's step, a
+    once-a-step one (lm_head_argmax) not scaled."""
+    from anneal.agents.plan_search import full_model_ratio
+
+    fast = CostModel.from_state(H200.model_copy(update={"num_layers_loaded": 2}))
+    spec = BenchSpec(batch_size=12, context_len=800)
+    once = sum(ms for op, ms in fast.predict(Plan(), spec).per_op_ms.items() if fast.full_model_factor(op) == 1.0)
+    base_ms = once + 2 * 0.155  # two layers of ~155 µs (the H200's bs-12 profile)
+    full_base = once + 32 * 0.155
+    per_layer = full_model_ratio(fast, "folded_norm", Plan(), spec, base_ms, base_ms - 2 * 0.0035)
+    assert per_layer == pytest.approx(1 - 32 * 0.0035 / full_base, rel=1e-6)
+    assert per_layer < 0.98 < (base_ms - 0.007) / base_ms  # kept at 0.5%; the raw ratio would say ~1%
+    step = full_model_ratio(fast, "lm_head_argmax", Plan(), spec, base_ms, base_ms - 0.005)
+    assert step == pytest.approx(1 - 0.005 / full_base, rel=1e-6)
+    slower = full_model_ratio(fast, "norm_stats", Plan(), spec, base_ms, base_ms * 1.01)
+    assert slower > 1.01  # a loss grows the same way
+    whole = CostModel.from_state(H200)  # every layer loaded: the measured ratio
+    assert full_model_ratio(whole, "folded_norm", Plan(), spec, 5.0, 4.9) == pytest.approx(0.98)
+    assert full_model_ratio(None, "folded_norm", Plan(), spec, 0.6, 0.594) == pytest.approx(0.99)
