@@ -124,36 +124,67 @@ def _decode_split_kernel(
     PREFETCH: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, RMS: tl.constexpr,
     BLOCK_HID: tl.constexpr,
 ):
-    # ROPE: q_ptr is the step's qkv [B, (H + 2 Hkv) D] (stride_qb its row stride), rotated here.
+    # ROPE: q_ptr is the step's qkv [B, (H + 2 Hkv) D] (stride_qb its row stride), rotated here;
+    # the launch never sets PREFETCH with it.
     pdl_launch_dependents(PDL)
-    if not (PREFETCH or ROPE):
+    if not PREFETCH:
         pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     # Context lengths and block tables are copied in before the step; nothing in it writes them.
     ctx = tl.minimum(tl.load(lens_ptr + b), max_tokens)  # never past the block table
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < G
+    dm = d < D
+    if ROPE:
+        # qk_rope_store's work for this (sequence, kv head), first (its loads beside the length's):
+        # its temporaries are dead before the K/V tiles are in registers (254 registers a thread
+        # and half the occupancy when they overlapped, session 20).
+        DT = kc_ptr.dtype.element_ty
+        HALF: tl.constexpr = D // 2
+        row = q_ptr + b.to(tl.int64) * stride_qb
+        row_scale = 1.0
+        if RMS:  # folded_norm: the input norm's 1/rms, from the residual row the projection read
+            row_scale = row_rstd(rms_ptr + b.to(tl.int64) * stride_rms, hidden, rms_eps, BLOCK_HID)
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        half_d = tl.where(d < HALF, d, d - HALF)[None, :]
+        cos = tl.load(cs_ptr + pos * stride_cs + half_d, mask=dm[None, :], other=0.0).to(DT).to(tl.float32)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + half_d, mask=dm[None, :], other=0.0).to(DT).to(tl.float32)
+        q = _rope_heads(row, kvh * G, G, cos, sin, qn_ptr, eps, row_scale, d, D, BLOCK_G, HAS_NORM, RMS, DT).to(DT)
+        k_new = _rope_heads(row, H + kvh, 1, cos, sin, kn_ptr, eps, row_scale, d, D, 1, HAS_NORM, RMS, DT).to(DT)
+        v_new = tl.load(row + (H + tl.num_programs(1) + kvh) * D + d[None, :], mask=dm[None, :], other=0.0)
+        if RMS:
+            v_new = v_new.to(tl.float32) * row_scale
+        v_new = v_new.to(DT)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
     split_len = _split_len(ctx, SPLIT_K, BLOCK_N)
     start = s * split_len
     if SPLIT_K > 1:
         if (s > 0) & (start >= ctx):  # nothing to do; the merge ignores this split (split 0
             return                    # always reports, so an empty sequence still gets zeros)
     end = tl.minimum(start + split_len, ctx)
+    stop = end  # the tiles read from the cache end here
+    if ROPE:
+        owner = s == tl.maximum(ctx - 1, 0) // split_len  # the split holding position ctx - 1
+        if (slot >= 0) & owner:
+            sk = (slot // BS) * stride_kb + (slot % BS) * stride_kt + kvh * stride_kh
+            sv = (slot // BS) * stride_vb + (slot % BS) * stride_vt + kvh * stride_vh
+            tl.store(kc_ptr + sk + d[None, :], k_new, mask=dm[None, :])
+            tl.store(vc_ptr + sv + d[None, :], v_new, mask=dm[None, :])
+        stop = tl.minimum(end, ctx - 1)  # the step's own token is added from registers below
 
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    gm = g < G
-    dm = d < D
     heads = kvh * G + g
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     loop_start = start
-    if PREFETCH or ROPE:
+    if PREFETCH:
         # The split's first tile is requested while the previous kernel still runs: of the keys and
-        # values it reads, only the step's own token (position ctx - 1) is written in this step (by
-        # the kernel before this one, or under ROPE by this kernel), so it alone is taken after the wait.
+        # values it reads, only the step's own token (position ctx - 1, stored by the kernel before
+        # this one) is written in this step, so it alone is loaded after the wait.
         t = start + tl.arange(0, BLOCK_N)
         tm = t < end
         blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
@@ -164,64 +195,39 @@ def _decode_split_kernel(
         k = tl.load(k_ptrs, mask=old, other=0.0)
         v = tl.load(v_ptrs, mask=old, other=0.0)
         pdl_wait(PDL)
-        if not ROPE:
-            new = (tm & (t == ctx - 1))[:, None] & dm[None, :]
-            k = tl.load(k_ptrs, mask=new, other=k)
-            v = tl.load(v_ptrs, mask=new, other=v)
-    if ROPE:
-        # qk_rope_store's work for this (sequence, kv head): its G query heads, and the step's own
-        # k / v, which the split holding position ctx - 1 stores in the cache slot.
-        DT = kc_ptr.dtype.element_ty
-        HALF: tl.constexpr = D // 2
-        row = q_ptr + b.to(tl.int64) * stride_qb
-        row_scale = 1.0
-        if RMS:  # folded_norm: the input norm's 1/rms, from the residual row the projection read
-            row_scale = row_rstd(rms_ptr + b.to(tl.int64) * stride_rms, hidden, rms_eps, BLOCK_HID)
-        pos = tl.load(pos_ptr + b).to(tl.int64)
-        half_d = tl.where(d < HALF, d, d - HALF)[None, :]
-        cos = tl.load(cs_ptr + pos * stride_cs + half_d, mask=(d < D)[None, :], other=0.0).to(DT).to(tl.float32)
-        sin = tl.load(cs_ptr + pos * stride_cs + HALF + half_d, mask=(d < D)[None, :], other=0.0).to(DT).to(tl.float32)
-        q = _rope_heads(row, kvh * G, G, cos, sin, qn_ptr, eps, row_scale, d, D, BLOCK_G, HAS_NORM, RMS, DT).to(DT)
-        k_new = _rope_heads(row, H + kvh, 1, cos, sin, kn_ptr, eps, row_scale, d, D, 1, HAS_NORM, RMS, DT).to(DT)
-        v_new = tl.load(row + (H + tl.num_programs(1) + kvh) * D + d[None, :], mask=dm[None, :], other=0.0)
-        if RMS:
-            v_new = v_new.to(tl.float32) * row_scale
-        v_new = v_new.to(DT)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        if (slot >= 0) & (s == tl.maximum(ctx - 1, 0) // split_len):
-            sk = (slot // BS) * stride_kb + (slot % BS) * stride_kt + kvh * stride_kh
-            sv = (slot // BS) * stride_vb + (slot % BS) * stride_vt + kvh * stride_vh
-            tl.store(kc_ptr + sk + d[None, :], k_new, mask=dm[None, :])
-            tl.store(vc_ptr + sv + d[None, :], v_new, mask=dm[None, :])
-        own = (t == ctx - 1)[:, None]
-        k = tl.where(own, k_new, k)
-        v = tl.where(own, v_new, v)
-    else:
+        new = (tm & (t == ctx - 1))[:, None] & dm[None, :]
+        k = tl.load(k_ptrs, mask=new, other=k)
+        v = tl.load(v_ptrs, mask=new, other=v)
+    if not ROPE:
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=gm[:, None] & dm[None, :], other=0.0)
-    if PREFETCH or ROPE:  # the prefetched tile first, then the loop from the next one
+    if PREFETCH:  # the prefetched tile first, then the loop from the next one
         if start < end:  # else an empty sequence (context 0): no keys, zeros out
             m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
         loop_start = start + BLOCK_N
-    for n0 in range(loop_start, end, BLOCK_N):
+    for n0 in range(loop_start, stop, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
-        tm = t < end
+        tm = t < stop
         blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
         tok = t % BS
-        if ROPE:  # the step's own token comes from registers, not from the slot being stored
-            kmask = (tm & (t < ctx - 1))[:, None] & dm[None, :]
-        else:
-            kmask = tm[:, None] & dm[None, :]
+        kmask = tm[:, None] & dm[None, :]
         k = tl.load(kc_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
         # V is requested together with K (not after the scores): both tiles in flight at once.
         v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
-        if ROPE:
-            own = (t == ctx - 1)[:, None]
-            k = tl.where(own, k_new, k)
-            v = tl.where(own, v_new, v)
         m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
+    if ROPE:
+        if owner & (ctx > 0):  # the step's own token: one more column of the online softmax
+            sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2
+            m_new = tl.maximum(m_i, sc)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new)
+            l_i = l_i * alpha + p
+            if not PV_F32:  # rounded as the PV MMA's bf16 operand would be
+                p = p.to(DT).to(tl.float32)
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+            m_i = m_new
 
     if SPLIT_K == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
