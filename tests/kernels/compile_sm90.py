@@ -135,7 +135,50 @@ def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2):
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def cubin_usage(compiled) -> tuple[int, int]:
+    """(registers a thread, local-memory bytes: spills) of a compiled kernel, read from its cubin by
+    the cuobjdump Triton bundles."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    return int(re.search(r"REG:(\d+)", out).group(1)), int(re.search(r"LOCAL:(\d+)", out).group(1))
+
+
+def ctas_per_sm(regs: int, num_warps: int) -> int:
+    """CTAs an SM holds by registers alone (64K a SM, allocated per warp in units of 256)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return 65536 // (per_warp * num_warps)
+
+
+def rope_attention_usage() -> dict[str, tuple[int, int]]:
+    """Registers and local memory of the decode split kernel at the chat shape's config, without and with
+    the rope_attention prologue (Llama; folded_norm's 1/rms)."""
+    from anneal.engine.kernels import attention_decode
+
+    ptrs = {"bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
+            "cnt_ptr": "*i32", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"}
+    out = {}
+    for name, rope_, rms in (("plain", False, False), ("rope", True, False), ("rope_rms", True, True)):
+        ce = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=4, PREC="tf32", UPCAST=False,
+                  PV_F32=False, TICKET=False, PREFETCH=False, ROPE=rope_, HAS_NORM=False, RMS=rms,
+                  BLOCK_HID=4096 if rms else 16, PDL=False)
+        out[name] = cubin_usage(compile_one(attention_decode._decode_split_kernel, ptrs, ce, 4))
+    return out
+
+
 def main() -> int:
+    if "--rope-attention-usage" in sys.argv:
+        import json
+
+        print(json.dumps(rope_attention_usage()))
+        return 0
     failed = 0
     for kernel, ptr_types, constexprs, warps in all_specs():
         t0 = time.perf_counter()
