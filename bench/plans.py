@@ -65,6 +65,11 @@ class InProcessEngine:
 
         return run_benchmark(self.eng, req)
 
+    def verify(self, plan):
+        from anneal.engine.verify import VerifyRequest, verify
+
+        return verify(self.eng, VerifyRequest(plan=plan, num_prompts=6, steps=16))  # the compile's request
+
     def close(self) -> None:
         pass
 
@@ -99,6 +104,9 @@ class ServedEngine:
         return BenchmarkResult.model_validate(
             self.client.benchmark_answer(req.model_dump(mode="json")))
 
+    def verify(self, plan):
+        return self.client.verify(plan)
+
     def close(self) -> None:
         self.client.close()
         self.local.stop()
@@ -119,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("in-process", "served", "served-beside-fast-tier"), default="in-process",
                     help="where the replays run: this process, an `anneal serve` process over its admin API, or "
                          "that beside an idle 2-layer fast-tier engine on the same GPU (as `anneal compile` runs)")
+    ap.add_argument("--verify", action="store_true",
+                    help="run the verification suite on every plan but the reference first (what `anneal "
+                         "compile` requires of its winner), and report which pass")
     ap.add_argument("--name", default=None, help="result file stem (default plans-<model>)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
@@ -166,6 +177,17 @@ def _measure(args, plans, device: str, eng, start_s: float) -> int:
     # steps, lost 2.6 s of prompt-step time to JIT in its first timed replay (x0.76 against
     # x1.04-1.06 in the next two). The reference plan is torch ops (no JIT) and replays for minutes:
     # it is warmed only when it is the one plan.
+    verified = {}
+    if args.verify:  # a plan that fails it could not be a compile's winner, however fast it replays
+        for label, plan in plans:
+            if label != "reference":
+                rep = eng.verify(plan)
+                verified[label] = rep.model_dump(mode="json")
+                failed = "; ".join(f"{c.name}: {c.detail}" for c in rep.checks if not c.passed)
+                print(f"verify {label}: " + ("passed" if rep.passed else f"FAILED ({failed})") + " ("
+                      + ", ".join(f"{c.name} {c.metrics.get('max_rel_err', 0):.3g}" for c in rep.checks
+                                  if "max_rel_err" in c.metrics) + ")",
+                      file=sys.stderr, flush=True)
     warm = ([(label, plan) for label, plan in plans if label != "reference"] or plans) if args.warm_replays else []
     for (label, plan), (sname, shape, n) in tqdm([(p, s) for p in warm for s in shapes], desc="warm-up replays",
                                                  file=sys.stderr):
@@ -208,6 +230,8 @@ def _measure(args, plans, device: str, eng, start_s: float) -> int:
             "itl_p90_ms": med("itl_p90_ms"), "ttft_p90_ms": med("ttft_p90_ms"),
             "itl_p50_ms": med("itl_p50_ms"), "rounds": rows,
         }
+        if label in verified:
+            table[sname][label]["verified"] = verified[label]["passed"]
     def paired(rows: list[dict], ref_rows: list[dict], key: str) -> float | None:
         """Median over rounds of ``key`` against the reference's on the same round: a round's request
         sample moves every plan's figures alike. None when no round has both."""
@@ -230,7 +254,7 @@ def _measure(args, plans, device: str, eng, start_s: float) -> int:
     print("\nshape     plan                      tok/s   itl p90 ms  ttft p90 ms  ratios", file=sys.stderr)
     for sname, per in table.items():
         for label, m in per.items():
-            ratios = ", ".join(f"{k}={v}" for k, v in m.items() if k.startswith(("x_vs_", "steady_x_vs_")))
+            ratios = ", ".join(f"{k}={v}" for k, v in m.items() if k.startswith(("x_vs_", "steady_x_vs_", "verified")))
             print(f"{sname:<9} {label:<24} {m['tokens_per_s']:8.1f} {m['itl_p90_ms']:11.2f} "
                   f"{m['ttft_p90_ms']:12.1f}  {ratios}", file=sys.stderr)
     path = write_result(args.name or f"plans-{args.model.removeprefix('random:')}", {
@@ -241,6 +265,7 @@ def _measure(args, plans, device: str, eng, start_s: float) -> int:
         "plans": {label: plan.model_dump(mode="json") for label, plan in plans},
         "shapes": {s: {"traffic": t.model_dump(mode="json"), "num_requests": n} for s, t, n in shapes},
         "results": table,
+        "verification": verified,
     }, Path(args.out) if args.out else None)
     print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -71,15 +71,21 @@ def test_one_change_variants_of_the_best_plans_resolve(tmp_path):
 @pytest.mark.parametrize("engine", ["in-process", "served"])
 def test_bench_plans_replays_side_by_side_in_process_and_over_the_admin_api(tmp_path, engine):
     """Both places a replay can run (the served one is where `anneal compile` measures) give a
-    result for every plan, paired against the first."""
+    result for every plan, paired against the first, and with --verify the verification suite's
+    report for every plan but the reference."""
     overlap = tmp_path / "overlap.json"
     overlap.write_text(json.dumps({"name": "overlap", "scheduler": {"overlap": True}}))
     script = Path(__file__).parent.parent / "bench" / "plans.py"
     subprocess.run([sys.executable, str(script), "--model", "random:tiny", "--plans", f"reference,{overlap}",
-                    "--traffic", "chat", "--rounds", "1", "--engine", engine, "--name", "t", "--out", str(tmp_path)],
+                    "--traffic", "chat", "--rounds", "1", "--engine", engine, "--name", "t", "--out", str(tmp_path),
+                    "--verify"],
                    check=True, capture_output=True, timeout=300)
     result = json.loads(next(tmp_path.glob("t-*.json")).read_text())
     assert result["engine"] == engine
     chat = result["results"]["chat"]
     assert set(chat) == {"reference", "overlap"}
     assert chat["overlap"]["x_vs_reference"] > 0 and chat["overlap"]["rounds"][0]["time_split"]["decode_steps"] > 0
+    assert set(result["verification"]) == {"overlap"}
+    report = result["verification"]["overlap"]
+    assert report["passed"] and chat["overlap"]["verified"] is True
+    assert {c["name"] for c in report["checks"]} >= {"quality", "kv_contamination", "determinism"}
