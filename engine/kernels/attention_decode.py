@@ -26,10 +26,13 @@ the step and does ``qk_rope_store``'s work itself, so a decode layer has one ker
 rotates (and, for Qwen3, q/k-normalises; under ``folded_norm`` scales by the stream's 1/rms) its G
 query heads as it starts; the program whose split holds the step's own token (position ``ctx - 1``)
 rotates that token's k, stores k and v in the cache slot and uses them from registers. Every
-program loads only the older tokens from the cache, so nothing it reads is written in the step,
-and its first tile is requested before it waits for the previous kernel (with ``pdl``). The q and k
-values are rounded exactly as ``qk_rope_store`` rounds them (the rotation below is the same
-arithmetic over a head's two halves at once), so the fused op's output equals the unfused pair's.
+program loads only the older tokens from the cache, so nothing it reads is written in the step; the
+step's own token is one more column of the online softmax after the loop (not a select in every
+tile: that and the prologue's temporaries beside the K/V tile took 254 registers a thread, session
+20). The q and k values are rounded as ``qk_rope_store`` rounds them (the same arithmetic over a
+head's two halves at once; Qwen3's q/k norm sums the squares in another order), so the caches
+match the unfused pair's and the output differs only by the order of that column's fp32 sums: on
+the 8B in bf16 that moved one greedy argmax of 48 in verification (session 20, call 5).
 
 CUDA-graph safe: no host sync, grid and workspace depend only on shapes (``B``, ``H``,
 ``block_tables.shape[1]``), never on context-length values. Padding entries of ``block_tables``

@@ -157,9 +157,9 @@ def ctas_per_sm(regs: int, num_warps: int) -> int:
     return 65536 // (per_warp * num_warps)
 
 
-def rope_attention_usage() -> dict[str, tuple[int, int]]:
-    """Registers and local memory of the decode split kernel at the chat shape's config, without and with
-    the rope_attention prologue (Llama; folded_norm's 1/rms)."""
+def rope_attention_usage() -> dict[str, tuple[int, int, int]]:
+    """Registers, local memory and CTAs per SM (by registers) of the decode split kernel at the chat
+    shape's config, without and with the rope_attention prologue (Llama; folded_norm's 1/rms)."""
     from anneal.engine.kernels import attention_decode
 
     ptrs = {"bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
@@ -169,7 +169,8 @@ def rope_attention_usage() -> dict[str, tuple[int, int]]:
         ce = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=4, PREC="tf32", UPCAST=False,
                   PV_F32=False, TICKET=False, PREFETCH=False, ROPE=rope_, HAS_NORM=False, RMS=rms,
                   BLOCK_HID=4096 if rms else 16, PDL=False)
-        out[name] = cubin_usage(compile_one(attention_decode._decode_split_kernel, ptrs, ce, 4))
+        regs, local = cubin_usage(compile_one(attention_decode._decode_split_kernel, ptrs, ce, 4))
+        out[name] = (regs, local, ctas_per_sm(regs, 4))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -31,13 +32,9 @@ def test_rope_attention_keeps_the_split_kernels_occupancy():
     r = subprocess.run([sys.executable, str(script), "--rope-attention-usage"], capture_output=True, text=True,
                        env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    import json
-
-    sys.path.insert(0, str(script.parent))
-    from compile_sm90 import ctas_per_sm
-
-    usage = json.loads(r.stdout.strip().splitlines()[-1])
-    plain = ctas_per_sm(usage["plain"][0], 4)
+    # (the script is not imported here: it unsets TRITON_INTERPRET for the process that imports it)
+    usage = json.loads(r.stdout.strip().splitlines()[-1])  # name -> [registers, local bytes, CTAs per SM]
+    plain = usage["plain"][2]
     for name in ("rope", "rope_rms"):
-        regs, local = usage[name]
-        assert local == 0 and ctas_per_sm(regs, 4) >= min(plain, 4), (name, usage)
+        regs, local, ctas = usage[name]
+        assert local == 0 and ctas >= min(plain, 4), (name, usage)
