@@ -112,6 +112,33 @@ def test_promotion_rejects_unverified_and_inconsistent_winners(tmp_path, fakes):
     led.close()
 
 
+def test_a_candidate_that_fails_verification_is_retried_without_its_fusions(tmp_path, fakes):
+    """Session 20: on the H200's 8B in bf16 the composite (folded_norm + rope_attention + overlap +
+    token graphs) replayed x1.21 and failed quality; the compile kept the baseline although the same
+    plan without the fusions was a verified x1.12. Now promotion measures that plan next."""
+    from anneal.engine.plan import OpChoice, Plan
+
+    fast_plan = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4}))
+    composite = fast_plan.model_copy(update={"fusions": {"folded_norm": True, "lm_head_argmax": True}})
+    spec = BenchSpec(mode="workload", num_requests=4, repeats=3)
+    _, url = fakes(noise=0.0, bad_fusions=("folded_norm",))
+    led = Ledger(tmp_path / "f.sqlite")
+    with EngineClient(url, "tok") as slow:
+        promo = promote(Lab(ledger=led, engines={"slow": slow}), [Candidate(plan=composite, agent="t", note="composite")],
+                        Plan(), spec)
+    assert not promo.is_baseline and promo.winner == fast_plan, promo.rejected
+    assert promo.rejected == [(composite.hash, "verification failed: quality: bad impl in ['fusion folded_norm']")]
+    fallback = [r for r in led.experiments(kind="benchmark") if r.plan_hash == fast_plan.hash][0]
+    assert fallback.note == "composite without folded_norm, lm_head_argmax (it failed verification)"
+    # a baseline that has the fusion keeps it in the fallback; a plan with no fusions of its own has none
+    from anneal.agents.promotion import without_own_fusions
+
+    with_lm = Plan(fusions={"lm_head_argmax": True})
+    assert without_own_fusions(Candidate(plan=composite, agent="t"), with_lm).plan.fusions == {"lm_head_argmax": True}
+    assert without_own_fusions(Candidate(plan=fast_plan, agent="t"), Plan()) is None
+    led.close()
+
+
 def test_promotion_judges_consistency_against_the_baseline_on_the_same_request_sample(tmp_path, fakes):
     """Each round replays another request sample, which moves every plan's tokens/s alike (the H200
     agentic baseline read 359-674 tok/s over four samples); a winner that is faster on each of

@@ -50,7 +50,7 @@ class FakeEngine:
                  bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu",
                  per_op: bool = True, sample_spread: float = 0.0, token_graph_gain: float = 0.0,
                  extra_variants: dict | None = None, drift: float = 0.0, fusion_gains: dict[str, float] | None = None,
-                 decode_drift: float = 0.0):
+                 decode_drift: float = 0.0, bad_fusions: tuple[str, ...] = ()):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
@@ -61,6 +61,7 @@ class FakeEngine:
         self.drift, self.benchmarks = drift, 0
         self.fusion_gains = fusion_gains or {}  # fusion -> how much faster every step runs with it
         self.decode_drift = decode_drift  # the same drift for decode-step benchmarks
+        self.bad_fusions = set(bad_fusions)  # fusions whose plans fail verification (quality)
         self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
         self.per_op = per_op  # False: an engine that cannot time ops even when asked
         self.plan = Plan()
@@ -135,6 +136,7 @@ class FakeEngine:
     def verify(self, body: dict) -> dict:
         plan = Plan.model_validate(body["plan"])
         bad = [op for op in OP_NAMES if plan.choice(op).impl in self.bad_impls]
+        bad += [f"fusion {f}" for f in sorted(self.bad_fusions) if plan.fusions.get(f)]
         checks = [{"name": "quality", "passed": not bad, "detail": f"bad impl in {bad}" if bad else "",
                    "metrics": {}}]
         return {"passed": not bad, "plan_hash": plan.hash, "checks": checks}
