@@ -23,16 +23,15 @@ memory-bound kernel).
 
 ``rope_decode_attention`` (the ``rope_attention`` fusion): the split kernel takes the raw qkv rows of
 the step and does ``qk_rope_store``'s work itself, so a decode layer has one kernel less. Each program
-rotates (and, for Qwen3, q/k-normalises; under ``folded_norm`` scales by the stream's 1/rms) its G
-query heads as it starts; the program whose split holds the step's own token (position ``ctx - 1``)
-rotates that token's k, stores k and v in the cache slot and uses them from registers. Every
-program loads only the older tokens from the cache, so nothing it reads is written in the step; the
-step's own token is one more column of the online softmax after the loop (not a select in every
-tile: that and the prologue's temporaries beside the K/V tile took 254 registers a thread, session
-20). The q and k values are rounded as ``qk_rope_store`` rounds them (the same arithmetic over a
-head's two halves at once; Qwen3's q/k norm sums the squares in another order), so the caches
-match the unfused pair's and the output differs only by the order of that column's fp32 sums: on
-the 8B in bf16 that moved one greedy argmax of 48 in verification (session 20, call 5).
+first rotates (and, for Qwen3, q/k-normalises; under ``folded_norm`` scales by the stream's 1/rms)
+its G query heads, with nothing else live; the program whose split holds the step's own token
+(position ``ctx - 1``) rotates that token's k, stores k and v in the cache slot and, after a CTA
+barrier, reads them back with the older tokens. So its tiles hold the bits the unfused pair's tiles
+hold and the output is the unfused pair's, bit for bit (Qwen3's q/k norm sums a head's squares in
+another order: equal to rounding). Session 20's two earlier versions kept the new token in
+registers: a select in every tile (179-254 registers a thread, half the CTAs an SM, 2.1x slower at
+bs 12), then one online-softmax column after the loop (as fast as needed, -1% a step, but its
+other summation order moved one greedy argmax of 48 in the 8B's bf16 verification).
 
 CUDA-graph safe: no host sync, grid and workspace depend only on shapes (``B``, ``H``,
 ``block_tables.shape[1]``), never on context-length values. Padding entries of ``block_tables``
@@ -168,15 +167,17 @@ def _decode_split_kernel(
         if (s > 0) & (start >= ctx):  # nothing to do; the merge ignores this split (split 0
             return                    # always reports, so an empty sequence still gets zeros)
     end = tl.minimum(start + split_len, ctx)
-    stop = end  # the tiles read from the cache end here
     if ROPE:
-        owner = s == tl.maximum(ctx - 1, 0) // split_len  # the split holding position ctx - 1
-        if (slot >= 0) & owner:
+        # The split holding position ctx - 1 stores the step's own k / v, and after a barrier (which
+        # makes a CTA's global stores visible to all its threads) reads them back with the older
+        # tokens: the tiles are the unfused pair's, bit for bit, and nothing stays live across the
+        # loop (a select of the new token in every tile took 179 registers a thread, 2 CTAs an SM).
+        if (slot >= 0) & (s == tl.maximum(ctx - 1, 0) // split_len):
             sk = (slot // BS) * stride_kb + (slot % BS) * stride_kt + kvh * stride_kh
             sv = (slot // BS) * stride_vb + (slot % BS) * stride_vt + kvh * stride_vh
             tl.store(kc_ptr + sk + d[None, :], k_new, mask=dm[None, :])
             tl.store(vc_ptr + sv + d[None, :], v_new, mask=dm[None, :])
-        stop = tl.minimum(end, ctx - 1)  # the step's own token is added from registers below
+            tl.debug_barrier()
 
     heads = kvh * G + g
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
@@ -208,9 +209,9 @@ def _decode_split_kernel(
         if start < end:  # else an empty sequence (context 0): no keys, zeros out
             m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
         loop_start = start + BLOCK_N
-    for n0 in range(loop_start, stop, BLOCK_N):
+    for n0 in range(loop_start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
-        tm = t < stop
+        tm = t < end
         blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
         tok = t % BS
         kmask = tm[:, None] & dm[None, :]
@@ -220,17 +221,6 @@ def _decode_split_kernel(
         v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
-    if ROPE:
-        if owner & (ctx > 0):  # the step's own token: one more column of the online softmax
-            sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2
-            m_new = tl.maximum(m_i, sc)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new)
-            l_i = l_i * alpha + p
-            if not PV_F32:  # rounded as the PV MMA's bf16 operand would be
-                p = p.to(DT).to(tl.float32)
-            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
-            m_i = m_new
 
     if SPLIT_K == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
