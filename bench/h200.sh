@@ -26,6 +26,8 @@
 #   iteration-ahead                 12 candidates, each one's kernels compiled ahead (POST /admin/prepare)
 #                                   in 4 child processes started with the server
 #   iteration-ahead-threads         the same, compiled on a thread of the server process
+#   quality-truth                   issue 5: each plan's logits against the fp32 truth on the same weights
+#                                   (bench/quality_truth.py; is a plan that fails quality less accurate?)
 #   gpu-tests                       pytest -m gpu
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -201,6 +203,11 @@ for s in "$@"; do
       stage "spread-steps${SPREAD_STEPS:-20}" 240 $py bench/spread.py --model random:llama-3.1-8b --layers 2 \
         --plan bench/plans/triton.json --runs 20 --steps "${SPREAD_STEPS:-20}" \
         --name "spread-llama-3.1-8b-k2-steps${SPREAD_STEPS:-20}" --out "$OUT"
+      ;;
+    quality-truth)  # issue 5: folded_norm failed quality on the 8B in bf16 (session 20): less accurate, or rounded otherwise?
+      stage quality-truth 300 $py bench/quality_truth.py --model random:llama-3.1-8b --plans "${TRUTH_PLANS:-reference,\
+bench/plans/triton.json,bench/plans/triton-overlap-token-graphs.json,bench/plans/triton-overlap-token-graphs-ropeattn.json,\
+bench/plans/triton-overlap-token-graphs-folded.json}" --name quality-truth-8b --out "$OUT"
       ;;
     gpu-tests)
       stage gpu-tests-engine 240 $py -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py

@@ -1,0 +1,102 @@
+"""Each plan's teacher-forced logits against the truth: the same weights and tokens computed in fp32.
+
+Why: verification's quality check measures a bf16 plan's distance from the bf16 reference plan, so a
+plan that only rounds otherwise reads as far from it as a less accurate one. On the H200's 8B
+(session 20) `folded_norm` sat at 0.0949 from the reference, `triton.json` at 0.0654, the tolerance
+0.0707. Here every plan, the bf16 reference plan too, is also measured against the model run in
+fp32 on the bf16 weights (the reference ops, upcast weights): when a plan's error against that
+truth is no larger than the reference plan's own, it is differently rounded, not less accurate.
+
+Both engines run in this process with small KV caches (the fp32 8B takes ~32 GB of weights). The
+prompts, greedy tokens and decisive positions are verification's (`engine/verify.py`).
+
+    python bench/quality_truth.py --model random:llama-3.1-8b \
+        --plans reference,bench/plans/triton.json,bench/plans/triton-overlap-token-graphs-folded.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, write_result  # noqa: E402
+from plans import load_plans  # noqa: E402
+
+
+def unfused(plan):
+    """What verification compares against: ``plan``'s model with the reference ops, eager."""
+    return plan.model_copy(update={"ops": {}, "kernels": [], "fusions": {}, "cuda_graph_batch_sizes": [],
+                                   "cuda_graph_token_sizes": []})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:llama-3.1-8b")
+    ap.add_argument("--plans", default="reference,bench/plans/triton.json")
+    ap.add_argument("--dtype", default="bfloat16", help="the serving dtype the plans run in")
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--max-prompt-len", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--name", default="quality-truth")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from anneal.engine.llm import Engine, EngineArgs
+    from anneal.engine.plan import Plan
+    from anneal.engine.sampling_params import SamplingParams
+    from anneal.engine.verify import DTYPE_TOL, _compare, _Forcer
+
+    plans = load_plans(args.plans.split(","))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    blocks = args.num_prompts * (args.max_prompt_len + args.steps + 32) // 16 + 16
+    mml = args.max_prompt_len + args.steps + 16
+    served = Engine(EngineArgs(model=args.model, device=device, dtype=args.dtype, num_kv_blocks=blocks,
+                               max_model_len=mml))
+    truth_eng = Engine(EngineArgs(model=args.model, device=device, dtype="float32", num_kv_blocks=blocks,
+                                  max_model_len=mml))
+    with torch.no_grad():  # the truth computes in fp32 on exactly the served weights
+        for t32, t16 in zip(truth_eng.weights.tensors(), served.weights.tensors()):
+            t32.copy_(t16.float())
+
+    rng = random.Random(args.seed)  # as verify() draws them
+    V = served.config.vocab_size
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(8, args.max_prompt_len))]
+               for _ in range(args.num_prompts)]
+    served.apply_plan(unfused(Plan()))
+    greedy = served.generate(prompts, SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True))
+    forced = [g[: args.steps] for g in greedy]
+    truth_eng.apply_plan(unfused(Plan()))
+    truth = _Forcer(truth_eng).run(prompts, forced)
+    reference = _Forcer(served).run(prompts, forced)
+    tol = DTYPE_TOL.get(served.dtype, 1e-3) * max(1.0, served.num_layers / 16) ** 0.5  # verify()'s
+
+    rows = {}
+    for label, plan in plans:
+        served.apply_plan(plan if label != "reference" else unfused(plan))
+        got = _Forcer(served).run(prompts, forced)
+        vs_truth = _compare("truth", got, truth, tol, False)
+        vs_ref = _compare("reference", got, reference, tol, False)
+        rows[label] = {"plan_hash": plan.hash, "vs_truth": vs_truth.metrics, "vs_reference": vs_ref.metrics}
+        print(f"{label:<40} vs fp32 truth: max rel err {vs_truth.metrics['max_rel_err']:.4f}, greedy "
+              f"{vs_truth.metrics['argmax_agreement']:.3f} of {vs_truth.metrics['decisive_positions']} | vs the "
+              f"{args.dtype} reference plan: {vs_ref.metrics['max_rel_err']:.4f}, greedy "
+              f"{vs_ref.metrics['argmax_agreement']:.3f} (tolerance {tol:.4f})", file=sys.stderr, flush=True)
+    path = write_result(args.name, {
+        "benchmark": "teacher-forced logits of each plan against the fp32 truth and the reference plan",
+        "environment": environment(), "model": args.model, "device": device, "dtype": args.dtype,
+        "num_prompts": args.num_prompts, "steps": args.steps, "seed": args.seed, "tolerance": tol,
+        "plans": {label: plan.model_dump(mode="json") for label, plan in plans}, "results": rows,
+    }, Path(args.out) if args.out else None)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
