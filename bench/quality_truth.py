@@ -26,12 +26,6 @@ from common import environment, write_result  # noqa: E402
 from plans import load_plans  # noqa: E402
 
 
-def unfused(plan):
-    """What verification compares against: ``plan``'s model with the reference ops, eager."""
-    return plan.model_copy(update={"ops": {}, "kernels": [], "fusions": {}, "cuda_graph_batch_sizes": [],
-                                   "cuda_graph_token_sizes": []})
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:llama-3.1-8b")
@@ -51,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from anneal.engine.llm import Engine, EngineArgs
     from anneal.engine.plan import Plan
     from anneal.engine.sampling_params import SamplingParams
-    from anneal.engine.verify import DTYPE_TOL, _compare, _Forcer
+    from anneal.engine.verify import _compare, _Forcer, reference_of, tolerance
 
     plans = load_plans(args.plans.split(","))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,17 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     V = served.config.vocab_size
     prompts = [[rng.randrange(V) for _ in range(rng.randint(8, args.max_prompt_len))]
                for _ in range(args.num_prompts)]
-    served.apply_plan(unfused(Plan()))
+    served.apply_plan(reference_of(Plan()))
     greedy = served.generate(prompts, SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True))
     forced = [g[: args.steps] for g in greedy]
-    truth_eng.apply_plan(unfused(Plan()))
+    truth_eng.apply_plan(reference_of(Plan()))
     truth = _Forcer(truth_eng).run(prompts, forced)
     reference = _Forcer(served).run(prompts, forced)
-    tol = DTYPE_TOL.get(served.dtype, 1e-3) * max(1.0, served.num_layers / 16) ** 0.5  # verify()'s
+    tol = tolerance(served)
 
     rows = {}
     for label, plan in plans:
-        served.apply_plan(plan if label != "reference" else unfused(plan))
+        served.apply_plan(plan if label != "reference" else reference_of(plan))
         got = _Forcer(served).run(prompts, forced)
         vs_truth = _compare("truth", got, truth, tol, False)
         vs_ref = _compare("reference", got, reference, tol, False)

@@ -80,9 +80,10 @@ def fusion_blockers(plan: "Plan") -> dict[str, str]:
     """The enabled fusions that ``plan``'s op choices rule out, each with the reason (the op table
     refuses such a plan; the search's ``normalized`` drops the fusion)."""
     out = {}
-    if "folded_norm" in plan.fusions and folded_norm_blockers(plan):
+    gemm = folded_norm_blockers(plan) if "folded_norm" in plan.fusions else []
+    if gemm:
         out["folded_norm"] = ("folded_norm adds the residual in the GEMM of o_proj and down_proj (addmm, beta = 1): "
-                              f"{', '.join(folded_norm_blockers(plan))} must be the reference GEMM")
+                              f"{', '.join(gemm)} must be the reference GEMM")
     impl = plan.choice("attention_decode").impl
     if "rope_attention" in plan.fusions and impl != "triton_splitk":
         out["rope_attention"] = ("rope_attention runs in the split-K decode attention kernel: attention_decode "

@@ -141,6 +141,21 @@ def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor], tol: 
                                 "decisive_positions": total, "tolerance": tol, "bit_identical": identical})
 
 
+def tolerance(engine) -> float:
+    """The logits' relative-error tolerance for ``engine``'s dtype and depth. Rounding differences
+    add up layer by layer (roughly in quadrature): the per-dtype tolerances hold for up to 16 layers
+    and widen with the square root of the depth beyond that."""
+    return DTYPE_TOL.get(engine.dtype, 1e-3) * max(1.0, engine.num_layers / 16) ** 0.5
+
+
+def reference_of(plan: Plan) -> Plan:
+    """What a plan is checked against: its model and scheduler with the reference ops, eager. The
+    reference runs eager: its decode attention gathers max_model_len-wide block tables, and a
+    captured graph of that would hold many GB the KV cache already owns."""
+    return plan.model_copy(update={"ops": {}, "kernels": [], "fusions": {}, "cuda_graph_batch_sizes": [],
+                                   "cuda_graph_token_sizes": []})
+
+
 def verify(engine, req: VerifyRequest) -> VerifyReport:
     """Run the checks for ``req.plan`` on ``engine`` (idle); restores the engine's plan."""
     t0 = time.perf_counter()
@@ -157,14 +172,9 @@ def verify(engine, req: VerifyRequest) -> VerifyReport:
         raise ValueError("max_model_len is too small for these prompt lengths and steps")
     prompts = [[rng.randrange(V) for _ in range(rng.randint(req.min_prompt_len, hi))]
                for _ in range(req.num_prompts)]
-    # Rounding differences add up layer by layer (roughly in quadrature): the per-dtype tolerances
-    # hold for up to 16 layers and widen with the square root of the depth beyond that.
-    tol = req.rel_tol or DTYPE_TOL.get(engine.dtype, 1e-3) * max(1.0, engine.num_layers / 16) ** 0.5
+    tol = req.rel_tol or tolerance(engine)
     original = engine.plan
-    # The reference runs eager: its decode attention gathers max_model_len-wide block tables,
-    # and a captured graph of that would hold many GB the KV cache already owns.
-    reference = req.plan.model_copy(update={"ops": {}, "kernels": [], "fusions": {},
-                                            "cuda_graph_batch_sizes": [], "cuda_graph_token_sizes": []})
+    reference = reference_of(req.plan)
     forcer = _Forcer(engine)
     results: list[CheckResult] = []
     try:

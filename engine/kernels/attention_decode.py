@@ -48,10 +48,11 @@ import triton
 import triton.language as tl
 
 from anneal.engine.kernels._common import (
-    KernelInputError, cdiv, check_contiguous_last, check_device, dot_precision, dot_upcast, fit_stages, launch_opts,
+    KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts,
     mma, pdl_enabled, pdl_launch_dependents, pdl_prologue, pdl_wait, pow2, pow2_split, rms_operand, row_rstd,
     sm_count, tile_counters,
 )
+from anneal.engine.kernels.rope import check_rope_operands, rope_heads
 from anneal.engine.ops.registry import Param, variant
 
 MAX_SPLIT_K = 64
@@ -79,37 +80,6 @@ def _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC: tl.constexpr, UPC
     else:
         pv = mma(p.to(v.dtype), v, PREC, UPCAST)
     return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _rope_heads(row, head0, n_heads, cos, sin, nw_ptr, eps, row_scale, d, D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                HAS_NORM: tl.constexpr, SCALED: tl.constexpr, DT: tl.constexpr):
-    """Heads ``head0 ..`` (``n_heads`` of ``BLOCK_ROWS`` rows) of a qkv row, scaled (``SCALED``),
-    normed (``HAS_NORM``) and rotated, ``[BLOCK_ROWS, BLOCK_D]`` fp32 holding activation-dtype values.
-    ``qk_rope_store``'s arithmetic on the whole head: each element's rotate-half partner
-    (``d +- D/2``) is loaded beside it, and ``cos``/``sin`` are already laid out per column."""
-    HALF: tl.constexpr = D // 2
-    h = (head0 + tl.arange(0, BLOCK_ROWS))[:, None]
-    hm = (tl.arange(0, BLOCK_ROWS) < n_heads)[:, None] & (d < D)[None, :]
-    dd = d[None, :]
-    partner = tl.where(dd < HALF, dd + HALF, dd - HALF)
-    x = tl.load(row + h * D + dd, mask=hm, other=0.0).to(tl.float32)
-    xp = tl.load(row + h * D + partner, mask=hm, other=0.0).to(tl.float32)
-    if SCALED:
-        x = x * row_scale
-        x = x.to(DT).to(tl.float32)
-        xp = xp * row_scale
-        xp = xp.to(DT).to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        w = tl.load(nw_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-        wp = tl.load(nw_ptr + partner, mask=dd < D, other=0.0).to(tl.float32)
-        x = ((x * rstd).to(DT).to(tl.float32) * w).to(DT).to(tl.float32)
-        xp = ((xp * rstd).to(DT).to(tl.float32) * wp).to(DT).to(tl.float32)
-    # rotate_half: first half x*cos - x'*sin, second half x*cos + x'*sin, each product rounded
-    xs = (xp * sin).to(DT).to(tl.float32)
-    xc = (x * cos).to(DT).to(tl.float32)
-    return tl.where(dd < HALF, xc - xs, xc + xs).to(DT).to(tl.float32)
 
 
 @triton.jit
@@ -154,8 +124,8 @@ def _decode_split_kernel(
         half_d = tl.where(d < HALF, d, d - HALF)[None, :]
         cos = tl.load(cs_ptr + pos * stride_cs + half_d, mask=dm[None, :], other=0.0).to(DT).to(tl.float32)
         sin = tl.load(cs_ptr + pos * stride_cs + HALF + half_d, mask=dm[None, :], other=0.0).to(DT).to(tl.float32)
-        q = _rope_heads(row, kvh * G, G, cos, sin, qn_ptr, eps, row_scale, d, D, BLOCK_G, HAS_NORM, RMS, DT).to(DT)
-        k_new = _rope_heads(row, H + kvh, 1, cos, sin, kn_ptr, eps, row_scale, d, D, 1, HAS_NORM, RMS, DT).to(DT)
+        q = rope_heads(row, kvh * G, G, cos, sin, qn_ptr, eps, row_scale, d, D, BLOCK_G, HAS_NORM, RMS, DT).to(DT)
+        k_new = rope_heads(row, H + kvh, 1, cos, sin, kn_ptr, eps, row_scale, d, D, 1, HAS_NORM, RMS, DT).to(DT)
         v_new = tl.load(row + (H + tl.num_programs(1) + kvh) * D + d[None, :], mask=dm[None, :], other=0.0)
         if RMS:
             v_new = v_new.to(tl.float32) * row_scale
@@ -359,24 +329,11 @@ def rope_decode_attention(
     name = "rope_attention"
     check_device(name, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, block_tables,
                  context_lens, rms_of)
-    B = qkv.shape[0] if qkv.dim() == 2 else -1
-    D = cos_sin.shape[-1]
     H, Hkv = num_heads, num_kv_heads
-    if D % 2 or qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D:
-        raise KernelInputError(f"{name}: qkv {tuple(qkv.shape)} is not [B, (H + 2*Hkv) * D] for H={H}, "
-                               f"Hkv={Hkv}, D={D} (D from cos_sin, must be even)")
+    B, D = check_rope_operands(name, "B", qkv, positions, cos_sin, slot_mapping, H, Hkv, q_norm, k_norm)
     _check_cache(name, B, H, D, qkv.dtype, k_cache, v_cache, block_tables, context_lens)
     if k_cache.shape[2] != Hkv:
         raise KernelInputError(f"{name}: caches hold {k_cache.shape[2]} kv heads, not Hkv={Hkv}")
-    if positions.shape != (B,) or slot_mapping.shape != (B,):
-        raise KernelInputError(f"{name}: positions and slot_mapping must be [B={B}]")
-    if (q_norm is None) != (k_norm is None):
-        raise KernelInputError(f"{name}: pass both q_norm and k_norm or neither")
-    if q_norm is not None and (q_norm.shape != (D,) or k_norm.shape != (D,)):
-        raise KernelInputError(f"{name}: q_norm/k_norm must be [D={D}]")
-    if q_norm is not None and (q_norm.dtype != qkv.dtype or k_norm.dtype != qkv.dtype):
-        raise KernelInputError(f"{name}: q_norm/k_norm dtype must be the activation dtype {qkv.dtype}")
-    check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin)
     rms, block_hid = rms_operand(name, rms_of, B, qkv)
     rope = _Rope(positions.contiguous(), cos_sin, slot_mapping.contiguous(),
                  None if q_norm is None else q_norm.contiguous(), None if k_norm is None else k_norm.contiguous(),

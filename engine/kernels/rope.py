@@ -66,6 +66,35 @@ def rotate_half(x1, x2, cos, sin, DT: tl.constexpr):
 
 
 @triton.jit
+def rope_heads(row, head0, n_heads, cos, sin, nw_ptr, eps, row_scale, d, D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               HAS_NORM: tl.constexpr, SCALED: tl.constexpr, DT: tl.constexpr):
+    """``_norm_rope`` on whole heads (the decode attention's ``rope_attention`` prologue): heads
+    ``head0 ..`` (``n_heads`` of ``BLOCK_ROWS`` rows) of a qkv row, ``[BLOCK_ROWS, BLOCK_D]`` fp32
+    holding activation-dtype values, rounded as ``_norm_rope`` rounds. Each element's rotate-half
+    partner (``d +- D/2``) is loaded beside it; ``cos``/``sin`` are laid out per column."""
+    HALF: tl.constexpr = D // 2
+    h = (head0 + tl.arange(0, BLOCK_ROWS))[:, None]
+    hm = (tl.arange(0, BLOCK_ROWS) < n_heads)[:, None] & (d < D)[None, :]
+    dd = d[None, :]
+    partner = tl.where(dd < HALF, dd + HALF, dd - HALF)
+    x = tl.load(row + h * D + dd, mask=hm, other=0.0).to(tl.float32)
+    xp = tl.load(row + h * D + partner, mask=hm, other=0.0).to(tl.float32)
+    if SCALED:
+        x = _rnd(x * row_scale, DT)
+        xp = _rnd(xp * row_scale, DT)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        w = tl.load(nw_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+        wp = tl.load(nw_ptr + partner, mask=dd < D, other=0.0).to(tl.float32)
+        x = _rnd(_rnd(x * rstd, DT) * w, DT)
+        xp = _rnd(_rnd(xp * rstd, DT) * wp, DT)
+    # rotate_half: first half x*cos - x'*sin, second half x*cos + x'*sin, each product rounded
+    xs = _rnd(xp * sin, DT)
+    xc = _rnd(x * cos, DT)
+    return _rnd(tl.where(dd < HALF, xc - xs, xc + xs), DT)
+
+
+@triton.jit
 def _qk_rope_store_kernel(
     qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q_ptr, qn_ptr, kn_ptr, rms_ptr,
     stride_qkv, stride_cs, stride_rms, H, HKV, eps, hidden, rms_eps,
@@ -108,6 +137,33 @@ def _qk_rope_store_kernel(
         tl.store(vo + HALF, v2.to(vc_ptr.dtype.element_ty), mask=mk)
 
 
+def check_rope_operands(
+    name: str, rows: str, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+) -> tuple[int, int]:
+    """``(rows, head_dim)`` of ``qk_rope_store``'s operands (its own kernel's, or the decode attention
+    that does its work under ``rope_attention``), checked; ``rows`` names the first dim in errors."""
+    T = qkv.shape[0]
+    D = cos_sin.shape[-1]
+    if D % 2 or qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D:
+        raise KernelInputError(
+            f"{name}: qkv {tuple(qkv.shape)} is not [{rows}, (H + 2*Hkv) * D] for H={num_heads}, "
+            f"Hkv={num_kv_heads}, D={D} (D from cos_sin, must be even)"
+        )
+    if positions.shape != (T,) or slot_mapping.shape != (T,):
+        raise KernelInputError(f"{name}: positions and slot_mapping must be [{rows}={T}]")
+    if (q_norm is None) != (k_norm is None):
+        raise KernelInputError(f"{name}: pass both q_norm and k_norm or neither")
+    if q_norm is not None:
+        if q_norm.shape != (D,) or k_norm.shape != (D,):
+            raise KernelInputError(f"{name}: q_norm/k_norm must be [D={D}]")
+        if q_norm.dtype != qkv.dtype or k_norm.dtype != qkv.dtype:
+            raise KernelInputError(f"{name}: q_norm/k_norm dtype must be the activation dtype {qkv.dtype}")
+    check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin)
+    return T, D
+
+
 def qk_rope_store(
     qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -119,28 +175,13 @@ def qk_rope_store(
     ``rsqrt(mean(x**2) + rms_eps)`` first (the ``folded_norm`` fusion)."""
     name = "qk_rope_store"
     check_device(name, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, rms_of)
-    T = qkv.shape[0]
-    D = cos_sin.shape[-1]
-    if D % 2 or qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D:
-        raise KernelInputError(
-            f"{name}: qkv {tuple(qkv.shape)} is not [T, (H + 2*Hkv) * D] for H={num_heads}, "
-            f"Hkv={num_kv_heads}, D={D} (D from cos_sin, must be even)"
-        )
+    T, D = check_rope_operands(name, "T", qkv, positions, cos_sin, slot_mapping, num_heads, num_kv_heads,
+                               q_norm, k_norm)
     want = (num_kv_heads, D)
     if tuple(k_cache.shape[2:]) != want or k_cache.shape != v_cache.shape:
         raise KernelInputError(f"{name}: caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} are not [NB, BS, {num_kv_heads}, {D}]")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise KernelInputError(f"{name}: k_cache and v_cache must be contiguous")
-    if positions.shape != (T,) or slot_mapping.shape != (T,):
-        raise KernelInputError(f"{name}: positions and slot_mapping must be [T={T}]")
-    if (q_norm is None) != (k_norm is None):
-        raise KernelInputError(f"{name}: pass both q_norm and k_norm or neither")
-    if q_norm is not None:
-        if q_norm.shape != (D,) or k_norm.shape != (D,):
-            raise KernelInputError(f"{name}: q_norm/k_norm must be [D={D}]")
-        if q_norm.dtype != qkv.dtype or k_norm.dtype != qkv.dtype:
-            raise KernelInputError(f"{name}: q_norm/k_norm dtype must be the activation dtype {qkv.dtype}")
-    check_contiguous_last(name, qkv=qkv, cos_sin=cos_sin)
     rms, block_hid = rms_operand(name, rms_of, T, qkv)
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # flat arrays
     q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)

@@ -24,6 +24,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 FLOAT_ARGS = {"eps", "scale", "scale_log2", "rms_eps"}
+# the decode split kernel's non-bf16 pointers (its rope_attention operands among them)
+DECODE_SPLIT_PTRS = {"bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
+                     "cnt_ptr": "*i32", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"}
 
 
 def specs():
@@ -40,9 +43,7 @@ def specs():
             (1, False, False, False, 0), (8, False, False, False, 0), (8, True, True, False, 0),
             (1, True, False, False, 0), (8, False, False, True, 0), (1, False, True, True, 0),
             (4, False, False, False, 1), (1, False, False, False, 2), (8, False, True, False, 3)):
-        yield attention_decode._decode_split_kernel, {
-            "bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
-            "cnt_ptr": "*i32", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"}, dict(
+        yield attention_decode._decode_split_kernel, DECODE_SPLIT_PTRS, dict(
             G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=split, PREC="tf32", UPCAST=False,
             PV_F32=pv32, TICKET=ticket, PREFETCH=prefetch, ROPE=rope_ > 0, HAS_NORM=rope_ == 2, RMS=rope_ == 3,
             BLOCK_HID=4096 if rope_ == 3 else 16), 4
@@ -162,14 +163,12 @@ def rope_attention_usage() -> dict[str, tuple[int, int, int]]:
     shape's config, without and with the rope_attention prologue (Llama; folded_norm's 1/rms)."""
     from anneal.engine.kernels import attention_decode
 
-    ptrs = {"bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
-            "cnt_ptr": "*i32", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"}
     out = {}
     for name, rope_, rms in (("plain", False, False), ("rope", True, False), ("rope_rms", True, True)):
         ce = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=4, PREC="tf32", UPCAST=False,
                   PV_F32=False, TICKET=False, PREFETCH=False, ROPE=rope_, HAS_NORM=False, RMS=rms,
                   BLOCK_HID=4096 if rms else 16, PDL=False)
-        regs, local = cubin_usage(compile_one(attention_decode._decode_split_kernel, ptrs, ce, 4))
+        regs, local = cubin_usage(compile_one(attention_decode._decode_split_kernel, DECODE_SPLIT_PTRS, ce, 4))
         out[name] = (regs, local, ctas_per_sm(regs, 4))
     return out
 

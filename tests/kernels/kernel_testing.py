@@ -27,6 +27,13 @@ def randn(*shape, dtype, device, g: torch.Generator, scale: float = 1.0) -> torc
     return x.to(dtype=dtype, device=device)
 
 
+def rope_table(max_pos: int, D: int, device) -> torch.Tensor:
+    """``[max_pos, D]`` float32 RoPE table (cos | sin halves, theta 10000), as the model builds it."""
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    ang = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(device)
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (floats) or a huge value (ints) so unwritten outputs cannot pass."""
     if t.is_floating_point():

@@ -7,13 +7,7 @@ import torch
 
 from anneal.engine.ops import reference as ref
 from anneal.engine.ops.registry import build_op
-from kernel_testing import DEVICES, DTYPES, assert_close, gen, randn
-
-
-def _cos_sin(max_pos, D, device):
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-    ang = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(device)
+from kernel_testing import DEVICES, DTYPES, assert_close, gen, randn, rope_table
 
 
 def _inputs(T, H, Hkv, D, NB, BS, qk_norm, dtype, device, g):
@@ -26,7 +20,7 @@ def _inputs(T, H, Hkv, D, NB, BS, qk_norm, dtype, device, g):
     kn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
     kc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
     vc0 = randn(NB, BS, Hkv, D, dtype=dtype, device=device, g=g)
-    return qkv, positions, _cos_sin(512, D, device), slots.to(device), qn, kn, kc0, vc0
+    return qkv, positions, rope_table(512, D, device), slots.to(device), qn, kn, kc0, vc0
 
 
 CASES_CPU = [  # T, H, Hkv, D, num_blocks, block_size, qk_norm
@@ -69,7 +63,7 @@ def test_qk_rope_store_rejects_bad_shapes(device):
     qkv = torch.ones(2, 40, device=device)
     cache = torch.ones(2, 4, 1, 8, device=device)
     with pytest.raises(ValueError, match="not \\[T, \\(H \\+ 2\\*Hkv\\) \\* D\\]"):
-        fn(qkv, torch.zeros(2, dtype=torch.long, device=device), _cos_sin(8, 8, device), cache, cache.clone(),
+        fn(qkv, torch.zeros(2, dtype=torch.long, device=device), rope_table(8, 8, device), cache, cache.clone(),
            torch.zeros(2, dtype=torch.long, device=device), 4, 1, None, None, 1e-6)
 
 
@@ -129,6 +123,6 @@ def test_qk_rope_store_rejects_a_stream_of_other_tokens(device):
     kc = randn(4, 4, Hkv, D, dtype=torch.float32, device=device, g=g)
     with pytest.raises(KernelInputError, match="rms_of must be"):
         rope.qk_rope_store(randn(T, (H + 2 * Hkv) * D, dtype=torch.float32, device=device, g=g),
-                           torch.zeros(T, dtype=torch.int64), _cos_sin(16, D, device), kc, kc.clone(),
+                           torch.zeros(T, dtype=torch.int64), rope_table(16, D, device), kc, kc.clone(),
                            torch.arange(T), H, Hkv, None, None, 1e-6,
                            rms_of=randn(T + 1, 32, dtype=torch.float32, device=device, g=g))

@@ -11,7 +11,7 @@ from anneal.engine.kernels import attention_decode as attn
 from anneal.engine.kernels import rope
 from anneal.engine.kernels._common import KernelInputError
 from anneal.engine.ops import reference as ref
-from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn
+from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn, rope_table
 from paged import paged_cache
 
 CASES_CPU = [  # context_lens (0: a graph's padding row), H, Hkv, D, block_size, qk_norm
@@ -37,12 +37,6 @@ PARAMS_GPU = [
 ]
 
 
-def _cos_sin(max_pos, D, device):
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-    ang = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(device)
-
-
 def _decode_step(lens, H, Hkv, D, BS, qk_norm, dtype, device, g):
     """A decode step's inputs: each row's own token at position ``len - 1``, stored at that
     position's slot of the block table (``-1`` for padding rows, context 0)."""
@@ -53,7 +47,7 @@ def _decode_step(lens, H, Hkv, D, BS, qk_norm, dtype, device, g):
     slots = torch.tensor([int(bt[b, (L - 1) // BS]) * BS + (L - 1) % BS if L else -1 for b, L in enumerate(lens)])
     qn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
     kn = randn(D, dtype=dtype, device=device, g=g) if qk_norm else None
-    return qkv, positions.to(device), _cos_sin(max(lens) + 1, D, device), kc, vc, slots.to(device), qn, kn, bt, cl
+    return qkv, positions.to(device), rope_table(max(lens) + 1, D, device), kc, vc, slots.to(device), qn, kn, bt, cl
 
 
 def _unfused(qkv, positions, cos_sin, kc, vc, slots, H, Hkv, qn, kn, bt, cl, scale, params, stream=None):
