@@ -186,7 +186,10 @@ def _measure(args, plans, device: str, eng, start_s: float) -> int:
                 failed = "; ".join(f"{c.name}: {c.detail}" for c in rep.checks if not c.passed)
                 print(f"verify {label}: " + ("passed" if rep.passed else f"FAILED ({failed})") + " ("
                       + ", ".join(f"{c.name} {c.metrics.get('max_rel_err', 0):.3g}" for c in rep.checks
-                                  if "max_rel_err" in c.metrics) + ")",
+                                  if "max_rel_err" in c.metrics)
+                      + "".join(f", quality vs the fp32 truth {c.metrics['truth_rel_err']:.3g} (reference plan "
+                                f"{c.metrics['reference_truth_rel_err']:.3g})" for c in rep.checks
+                                if "truth_rel_err" in c.metrics) + ")",
                       file=sys.stderr, flush=True)
     warm = ([(label, plan) for label, plan in plans if label != "reference"] or plans) if args.warm_replays else []
     for (label, plan), (sname, shape, n) in tqdm([(p, s) for p in warm for s in shapes], desc="warm-up replays",

@@ -24,3 +24,6 @@ def test_the_reference_plan_sits_at_bf16_rounding_from_the_truth_and_an_equal_pl
     # a scheduler knob computes the same logits: the same distance from the truth
     assert ov["vs_truth"]["max_rel_err"] == ref["vs_truth"]["max_rel_err"]
     assert ov["vs_truth"]["decisive_positions"] > 0 and ov["vs_truth"]["argmax_agreement"] == 1.0
+    # verification's quality check, judged against the same truth
+    assert ref["quality"]["passed"] and ov["quality"]["passed"]
+    assert ov["quality"]["truth_rel_err"] == ref["vs_truth"]["max_rel_err"]
