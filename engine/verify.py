@@ -34,8 +34,8 @@ CHECKS = ("quality", "kv_contamination", "batch_invariance", "prefix_cache", "de
 DTYPE_TOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 # How much further from the fp32 truth than the reference plan a plan may sit. Plans that only round
 # otherwise sit within 1.5% of the reference's distance (the 8B in bf16 on the H200, session 21:
-# 0.0715-0.0731 against 0.0722); one that computes in lower precision somewhere sits further.
-TRUTH_SLACK = 1.2
+# seven plans at 0.0715-0.0731 against 0.0722); one that computes in lower precision sits further.
+TRUTH_SLACK = 1.1
 # A position is decisive when the truth's top-2 margin exceeds this many standard deviations of the
 # two logits' rounding noise (each about rel. error x the row's RMS, so sqrt(2) x that for the gap).
 DECISIVE_SIGMAS = 3.0
@@ -166,7 +166,7 @@ def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor], tol: 
 def _quality(got: list[torch.Tensor], reference: list[torch.Tensor], truth: list[torch.Tensor], tol: float,
              exact: bool, min_agree: float) -> CheckResult:
     """The plan's logits against the fp32 truth, judged by the reference plan's own distance from it:
-    a plan passes when it is no less accurate than the reference (``TRUTH_SLACK``), however
+    a plan passes when it is no less accurate than the reference (within ``TRUTH_SLACK``), however
     differently it rounds. Two bf16 plans of equal accuracy sit ~sqrt(2) x their error apart, so the
     distance between them is not the measure (module doc of engine/truth.py)."""
     err = max(_rel(g, t) for g, t in zip(got, truth))

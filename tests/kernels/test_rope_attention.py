@@ -1,6 +1,7 @@
 """The ``rope_attention`` fusion's kernel: ``qk_rope_store`` then ``attention_decode`` in one launch,
-against those two kernels run one after the other on the same decode step (outputs and caches: bit
-for bit without Qwen3's q/k norm)."""
+against the reference's RoPE + store followed by the split kernel on the same decode step (caches and
+output bit for bit in bf16 without Qwen3's q/k norm), and against the two kernels run one after the
+other."""
 
 from __future__ import annotations
 
@@ -71,21 +72,31 @@ def test_rope_attention_equals_rope_then_attention(device, dtype, folded):
             out = attn.rope_decode_attention(qkv, pos, cs, kc, vc, slots, H, Hkv, qn, kn, 1e-6, bt, cl, scale,
                                              rms_of=stream, rms_eps=1e-5, **params)
             what = f"params {params} case {i} {dtype}"
-            if qk_norm:  # Qwen3's q/k norm sums a head's squares in another order: equal to rounding
-                assert_close(out, expected, TOL_ACC, what=what)
-                assert_close(kc, kc_ref, what=what + " k_cache")
-                assert_close(vc, vc_ref, what=what + " v_cache")
-            else:  # the same bits in the same tiles: what passes the verification gate unfused passes fused
-                assert torch.equal(out, expected), what + ": output differs from the unfused pair's"
-                assert torch.equal(kc, kc_ref), what + ": k_cache differs from qk_rope_store's"
-                assert torch.equal(vc, vc_ref), what + ": v_cache differs from qk_rope_store's"
-            if dtype != torch.float32:
-                continue  # each kernel's bf16 tests against the reference cover the rest
-            # and against the plain reference of both ops
-            kc_r, vc_r = kc0.clone(), vc0.clone()
+            # The reference's RoPE and store on the same inputs, then the split kernel on its q and caches
+            kc_x, vc_x = kc0.clone(), vc0.clone()
             x = ref.rms_scaled(qkv, stream, 1e-5) if folded else qkv
-            q_r = ref.qk_rope_store(x, pos, cs, kc_r, vc_r, slots, H, Hkv, qn, kn, 1e-6)
-            assert_close(out, ref.attention_decode(q_r, kc_r, vc_r, bt, cl, scale), TOL_ACC, what=what + " vs reference")
+            q_x = ref.qk_rope_store(x, pos, cs, kc_x, vc_x, slots, H, Hkv, qn, kn, 1e-6)
+            via_ref = attn.paged_decode_attention(q_x, kc_x, vc_x, bt, cl, scale, **params)
+            if dtype != torch.float32 and not qk_norm and not folded and device == "cuda":
+                # RoPE rounded as the reference rounds it, so the tiles hold the reference's bits: its
+                # output is the split kernel's on them, bit for bit. (On the H200 the qk_rope_store
+                # kernel differs from the reference by an ulp in ~17% of k: session 21, NOTES.)
+                assert torch.equal(kc, kc_x), what + ": k_cache differs from the reference's RoPE"
+                assert torch.equal(vc, vc_x), what + ": v_cache differs from the reference's store"
+                assert torch.equal(out, via_ref), what + ": output differs from the split kernel's on those caches"
+            elif dtype != torch.float32 and not qk_norm and not folded:
+                # The interpreter rounds bf16 its own way (not PyTorch's), in both kernels alike: the
+                # fused kernel's caches and output are the unfused pair's, bit for bit
+                assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), what + ": caches differ from qk_rope_store's"
+                assert torch.equal(out, expected), what + ": output differs from the unfused pair's"
+            else:  # fp32 products may fuse (FMA); Qwen3's q/k norm and the folded 1/rms sum in another order
+                assert_close(kc, kc_x, what=what + " k_cache")
+                assert_close(vc, vc_x, what=what + " v_cache")
+                assert_close(out, via_ref, TOL_ACC, what=what)
+            if dtype == torch.float32:  # and the unfused pair's and the plain reference's outputs
+                assert_close(out, expected, TOL_ACC, what=what + " vs the unfused pair")
+                assert_close(out, ref.attention_decode(q_x, kc_x, vc_x, bt, cl, scale), TOL_ACC,
+                             what=what + " vs reference")
 
 
 @pytest.mark.parametrize("device", DEVICES)
