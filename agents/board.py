@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import KernelSource, OpChoice, Plan, SchedulerKnobs
+from anneal.engine.plan import KernelSource, OpChoice, Plan, SchedulerKnobs, fusion_conflicts
 from anneal.agents.space import CandidateSpace, normalized
 from anneal.agents.types import BenchSpec, LatencyObjective
 
@@ -88,7 +88,8 @@ class Board:
     scheduler_runners_up: list[SchedulerKnobs] = field(default_factory=list)
     graph_batch_sizes: list[int] | None = None
     token_graph_sizes: list[int] | None = None
-    fusions: list[str] = field(default_factory=list)  # fusions whose paired trial against the base won
+    # fusions whose paired trial against the base won -> their step ratio projected to the whole model
+    fusions: dict[str, float] = field(default_factory=dict)
     plans: list[tuple[float, Plan, str]] = field(default_factory=list)  # (ms, plan, agent) decode-spec
     notes: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -120,15 +121,24 @@ class Board:
         with self._lock:
             return list(self.plans[:k])
 
-    def keep_fusion(self, name: str) -> None:
+    def keep_fusion(self, name: str, ratio: float) -> None:
         with self._lock:
-            if name not in self.fusions:
-                self.fusions.append(name)
+            self.fusions[name] = min(ratio, self.fusions.get(name, ratio))
+
+    def _compatible_fusions(self) -> list[str]:
+        """The kept fusions, fastest trial first, less each that the engine refuses beside a faster one
+        (``plan.FUSION_CONFLICTS``): session 21's chat compile kept ``norm_stats`` (x0.943) and
+        ``folded_norm`` (x0.991), and the fixed order of the conflict table chose ``folded_norm``."""
+        chosen: list[str] = []
+        for f in sorted(self.fusions, key=self.fusions.get):
+            if not fusion_conflicts([*chosen, f]):
+                chosen.append(f)
+        return chosen
 
     def composite(self, base: Plan) -> Plan:
         """The base plan with every tuned op, the fitted graph buckets, the token graphs and the
-        fusions when their trials won, and the chosen scheduler (fusions the tuned ops exclude, or
-        that exclude each other, are dropped by ``normalized``)."""
+        fusions when their trials won (of two that exclude each other, the faster trial's), and the
+        chosen scheduler (fusions the tuned ops exclude are dropped by ``normalized``)."""
         with self._lock:
             plan = base.with_ops(**{op: ch for op, (ch, _) in self.best_ops.items()})
             needed = [self.kernels[f"{op}/{ch.impl}"] for op, (ch, _) in sorted(self.best_ops.items())
@@ -141,7 +151,7 @@ class Board:
             if self.token_graph_sizes is not None:
                 upd["cuda_graph_token_sizes"] = list(self.token_graph_sizes)
             if self.fusions:
-                upd["fusions"] = {**base.fusions, **{f: True for f in self.fusions}}
+                upd["fusions"] = {**base.fusions, **{f: True for f in self._compatible_fusions()}}
         return normalized(plan.model_copy(update=upd))
 
     @property

@@ -89,7 +89,7 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
                        + ("; kept" if keep else "; not kept"))
             board.offer_plan(fused, plan, agent)
             if keep:
-                board.keep_fusion(f)
+                board.keep_fusion(f, full)
         prev = steps[2]
 
 

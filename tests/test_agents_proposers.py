@@ -309,6 +309,21 @@ def test_graph_bucket_agent_keeps_token_graphs_only_when_the_replay_runs_faster_
         srv.shutdown()
 
 
+@pytest.mark.parametrize("faster", ["folded_norm", "norm_stats"])
+def test_of_two_kept_fusions_that_exclude_each_other_the_composite_carries_the_faster(faster):
+    """folded_norm and norm_stats cannot run together; both kept, the composite takes the one whose
+    trial was faster (not the conflict table's order), beside a fusion that conflicts with neither."""
+    from anneal.engine.plan import Plan, fusion_conflicts
+
+    board = Board()
+    slower = "norm_stats" if faster == "folded_norm" else "folded_norm"
+    assert fusion_conflicts([faster, slower])
+    board.keep_fusion(slower, 0.99)
+    board.keep_fusion("lm_head_argmax", 0.995)
+    board.keep_fusion(faster, 0.95)
+    assert board.composite(Plan()).fusions == {faster: True, "lm_head_argmax": True}
+
+
 @pytest.mark.parametrize("drift", [0.0, 0.01, -0.01])
 def test_plan_search_tries_each_fusion_beside_the_base_and_the_composite_keeps_the_winner(tmp_path, drift):
     """One fusion makes every step 3% faster, one 2% slower, the rest change nothing; the fast
@@ -332,7 +347,7 @@ def test_plan_search_tries_each_fusion_beside_the_base_and_the_composite_keeps_t
             assert set(trials) == set(FUSIONS) - set(fusion_blockers(everything))
             assert len(bases) == len(trials) + 1 and all(r.plan.hash == setting.base.hash for r in bases)
             assert {r.spec.seed for r in trials.values()} <= {r.spec.seed for r in bases}
-            assert board.fusions == ["folded_norm"], board.notes
+            assert list(board.fusions) == ["folded_norm"] and board.fusions["folded_norm"] < 0.99, board.notes
             assert board.composite(setting.base).fusions == {"folded_norm": True}
             assert any(n.startswith("fusion norm_stats:") and n.endswith("not kept") for n in board.notes)
             led.close()
