@@ -1,9 +1,11 @@
 """The k that the `qk_rope_store` kernel, the `rope_attention` kernel and the reference ops store for
 one decode step, compared element by element (GPU only).
 
-Why: on the H200 the fused kernel's output differed from the unfused pair's (session 21). This shows
-which one leaves the reference's rounding: in bf16 the fused kernel stores the reference's k bit for
-bit and `qk_rope_store` is an ulp off in ~17% of it (bench/results/rope-attention-diff-s21-call4.log).
+Why: on the H200 the fused kernel's output differed from the unfused pair's (session 21). This showed
+which one left the reference's rounding: in bf16 the fused kernel stored the reference's k bit for
+bit and `qk_rope_store` was an ulp off in ~17% of it (bench/results/rope-attention-diff-s21-call4.log):
+its FMA-contracted rotation, since compiled without contraction (`rope.QK_ROPE_STORE_OPTIONS`; not yet
+re-run on the GPU). Every count should now read 0 in bf16.
 
     python bench/rope_store_rounding.py
 """

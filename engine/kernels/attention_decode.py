@@ -28,9 +28,9 @@ its G query heads, with nothing else live; the program whose split holds the ste
 (position ``ctx - 1``) rotates that token's k, stores k and v in the cache slot and, after a CTA
 barrier, reads them back with the older tokens, so nothing but the plain kernel's loop runs over the
 tiles. On the H200 its RoPE rounds exactly as the reference ops do (bf16): the caches and output are
-the split kernel's on the reference's q and k, bit for bit, while the unfused ``qk_rope_store``
-kernel differs from the reference by an ulp in ~17% of k (session 21; Qwen3's q/k norm sums a head's
-squares in another order: equal to rounding). Session 20's two earlier versions kept the new token in
+the split kernel's on the reference's q and k, bit for bit (session 21; the ``qk_rope_store``
+kernel was an ulp off in ~17% of k until it was compiled without FMA contraction; Qwen3's q/k norm
+sums a head's squares in another order: equal to rounding). Session 20's two earlier versions kept the new token in
 registers: a select in every tile (179-254 registers a thread, half the CTAs an SM, 2.1x slower at
 bs 12), then one online-softmax column after the loop (as fast as needed, -1% a step, but its
 other summation order moved one greedy argmax of 48 in the 8B's bf16 verification).

@@ -23,6 +23,14 @@ from anneal.engine.kernels._common import (
 from anneal.engine.ops.registry import Param, variant
 
 
+# The RoPE store kernel compiles without FMA contraction: with it, sm_90's backend turns
+# ``_rnd(_rnd(x1 * cos) - _rnd(x2 * sin))`` into ``fma.rn.bf16(x1, cos, -rnd(x2 * sin))``, skipping the
+# product's rounding, and k came out an ulp off the reference in ~17% of its elements on the H200
+# (session 21, bench/rope_store_rounding.py). Without it every product and sum rounds as the
+# reference's elementwise ops round them; the kernel is memory-bound, the extra instructions free.
+QK_ROPE_STORE_OPTIONS = {"enable_fp_fusion": False}
+
+
 @triton.jit
 def _rnd(x, DT: tl.constexpr):
     return x.to(DT).to(tl.float32)
@@ -197,7 +205,7 @@ def qk_rope_store(
         rms.shape[1], float(rms_eps),
         HAS_NORM=has_norm, D=D, BLOCK_H=pow2(num_heads), BLOCK_HKV=pow2(num_kv_heads),
         BLOCK_HALF=pow2(D // 2), RMS=rms_of is not None, BLOCK_HID=block_hid,
-        PDL=pdl_enabled(pdl), num_warps=num_warps, **launch_opts(pdl),
+        PDL=pdl_enabled(pdl), num_warps=num_warps, **QK_ROPE_STORE_OPTIONS, **launch_opts(pdl),
     )
     return q
 

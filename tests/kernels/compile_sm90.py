@@ -111,7 +111,14 @@ def all_specs():
             yield kernel, ptr_types, dict(constexprs, PDL=True), warps
 
 
-def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2):
+def launch_options(kernel) -> dict:
+    """The compile options a kernel's launch passes beyond num_warps / num_stages."""
+    from anneal.engine.kernels import rope
+
+    return dict(rope.QK_ROPE_STORE_OPTIONS) if kernel is rope._qk_rope_store_kernel else {}
+
+
+def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2, options=None):
     # constexpr params the spec leaves out take their defaults, as a launch does (not an i32 arg)
     constexprs = {**{p.name: p.default for p in kernel.params
                      if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
@@ -132,8 +139,9 @@ def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2):
             # strides): without it loads compile scalar, and registers and spills are not the launch's
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, sig, constexprs, attrs)
+    opts = launch_options(kernel) if options is None else options
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **opts})
 
 
 def cubin_usage(compiled) -> tuple[int, int]:
@@ -173,7 +181,30 @@ def rope_attention_usage() -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def rope_store_arithmetic() -> dict[str, dict[str, int]]:
+    """The bf16 arithmetic instructions in the qk_rope_store kernel's PTX (Llama, bf16), as launched
+    and with FMA contraction on: contracted, a rotation is one rounding short (session 21)."""
+    import collections
+    import re
+
+    from anneal.engine.kernels import rope
+
+    ce = dict(HAS_NORM=False, D=128, BLOCK_H=32, BLOCK_HKV=8, BLOCK_HALF=64, RMS=False, BLOCK_HID=16, PDL=False)
+    ptrs = {"pos_ptr": "*i64", "slot_ptr": "*i64", "cs_ptr": "*fp32"}
+    out = {}
+    for name, opts in (("launched", None), ("fp_fusion", {"enable_fp_fusion": True})):
+        ptx = compile_one(rope._qk_rope_store_kernel, ptrs, ce, 4, options=opts).asm["ptx"]
+        ops = collections.Counter(re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]*\.bf16)\b", ptx, re.M))
+        out[name] = dict(ops)
+    return out
+
+
 def main() -> int:
+    if "--rope-store-arithmetic" in sys.argv:
+        import json
+
+        print(json.dumps(rope_store_arithmetic()))
+        return 0
     if "--rope-attention-usage" in sys.argv:
         import json
 
@@ -183,7 +214,7 @@ def main() -> int:
     for kernel, ptr_types, constexprs, warps in all_specs():
         t0 = time.perf_counter()
         try:
-            compiled = compile_one(kernel, ptr_types, constexprs, warps)
+            compiled = compile_one(kernel, ptr_types, constexprs, warps)  # with its launch's options
             print(f"ok   {kernel.__name__} {constexprs} ({time.perf_counter() - t0:.1f}s, "
                   f"{compiled.metadata.shared} B shared)")
         except Exception as e:  # report every kernel, then fail

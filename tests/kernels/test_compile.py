@@ -39,3 +39,21 @@ def test_rope_attention_keeps_the_split_kernels_occupancy():
     for name in ("rope", "rope_rms"):
         regs, local, ctas = usage[name]
         assert local == 0 and ctas >= min(plain, 4), (name, usage)
+
+
+@pytest.mark.slow
+def test_the_rope_store_kernel_rounds_every_product_as_the_reference():
+    """With FMA contraction sm_90 computes ``x1 * cos - x2 * sin`` as one fused multiply-add,
+    skipping the product's rounding: k was an ulp off the reference in ~17% of its elements on
+    the H200 (session 21). The launch turns contraction off; the same kernel with it on is the
+    control (the check can see a contraction)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_sm90.py")
+    r = subprocess.run([sys.executable, str(script), "--rope-store-arithmetic"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    ops = json.loads(r.stdout.strip().splitlines()[-1])
+    assert ops["fp_fusion"].get("fma.rn.bf16", 0) > 0, ops  # the control
+    launched = ops["launched"]
+    assert not any(op.startswith("fma") for op in launched), launched
+    assert launched.get("mul.rn.bf16", 0) > 0 and launched.get("sub.rn.bf16", 0) > 0, launched

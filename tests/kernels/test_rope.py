@@ -51,6 +51,10 @@ def test_qk_rope_store(device, dtype):
         assert_close(q, q_ref, what=what + " q")
         assert_close(kc, kc_ref, what=what + " k_cache")
         assert torch.equal(vc, vc_ref), what + " v_cache must be a plain copy"
+        if device == "cuda" and not qk_norm:  # compiled without FMA contraction (rope.QK_ROPE_STORE_OPTIONS):
+            # every product and sum rounded as the reference's elementwise ops round them (the
+            # interpreter rounds bf16 its own way, so only the GPU build is held to the bits)
+            assert torch.equal(q, q_ref) and torch.equal(kc, kc_ref), what + ": RoPE rounds otherwise than the reference"
         # slots not written keep their old contents exactly
         untouched = torch.ones(NB * BS, dtype=torch.bool)
         untouched[slots[slots >= 0].cpu()] = False

@@ -79,8 +79,7 @@ def test_rope_attention_equals_rope_then_attention(device, dtype, folded):
             via_ref = attn.paged_decode_attention(q_x, kc_x, vc_x, bt, cl, scale, **params)
             if dtype != torch.float32 and not qk_norm and not folded and device == "cuda":
                 # RoPE rounded as the reference rounds it, so the tiles hold the reference's bits: its
-                # output is the split kernel's on them, bit for bit. (On the H200 the qk_rope_store
-                # kernel differs from the reference by an ulp in ~17% of k: session 21, NOTES.)
+                # output is the split kernel's on them, bit for bit (session 21, NOTES)
                 assert torch.equal(kc, kc_x), what + ": k_cache differs from the reference's RoPE"
                 assert torch.equal(vc, vc_x), what + ": v_cache differs from the reference's store"
                 assert torch.equal(out, via_ref), what + ": output differs from the split kernel's on those caches"
