@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import KernelSource, OpChoice, Plan, SchedulerKnobs, fusion_conflicts
+from anneal.engine.plan import KernelSource, OpChoice, Plan, SchedulerKnobs, fusion_blockers, fusion_conflicts
 from anneal.agents.space import CandidateSpace, normalized
 from anneal.agents.types import BenchSpec, LatencyObjective
 
@@ -125,13 +125,15 @@ class Board:
         with self._lock:
             self.fusions[name] = min(ratio, self.fusions.get(name, ratio))
 
-    def _compatible_fusions(self) -> list[str]:
-        """The kept fusions, fastest trial first, less each that the engine refuses beside a faster one
-        (``plan.FUSION_CONFLICTS``): session 21's chat compile kept ``norm_stats`` (x0.943) and
-        ``folded_norm`` (x0.991), and the fixed order of the conflict table chose ``folded_norm``."""
+    def _compatible_fusions(self, plan: Plan) -> list[str]:
+        """The kept fusions that ``plan``'s ops allow, fastest trial first, less each that the engine
+        refuses beside a faster one (``plan.FUSION_CONFLICTS``): session 21's chat compile kept
+        ``norm_stats`` (x0.943) and ``folded_norm`` (x0.991), and the conflict table's fixed order
+        chose ``folded_norm``."""
+        blocked = fusion_blockers(plan.model_copy(update={"fusions": dict.fromkeys(self.fusions, True)}))
         chosen: list[str] = []
         for f in sorted(self.fusions, key=self.fusions.get):
-            if not fusion_conflicts([*chosen, f]):
+            if f not in blocked and not fusion_conflicts([*chosen, f]):
                 chosen.append(f)
         return chosen
 
@@ -151,7 +153,7 @@ class Board:
             if self.token_graph_sizes is not None:
                 upd["cuda_graph_token_sizes"] = list(self.token_graph_sizes)
             if self.fusions:
-                upd["fusions"] = {**base.fusions, **{f: True for f in self._compatible_fusions()}}
+                upd["fusions"] = {**base.fusions, **{f: True for f in self._compatible_fusions(plan)}}
         return normalized(plan.model_copy(update=upd))
 
     @property
