@@ -19,7 +19,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from anneal.engine.context import AttnContext
 from anneal.engine.models.transformer import Transformer
 from anneal.engine.op_table import OpTable
 from anneal.engine.ops import reference as ref
@@ -74,37 +73,23 @@ def _exact_fp32_matmuls():
 def truth_logits(engine, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
     """Per prompt, ``[len(forced) + 1, V]`` fp32 logits on the CPU: the positions verification's
     teacher-forced runs read (the prompt's last token, then each forced token), computed in fp32."""
-    cfg, weights = engine.config, engine.weights
-    device = weights.embed.device
+    runner, cfg = engine.runner, engine.config
+    bs = runner.block_size
     seqs = [list(p) + list(f) for p, f in zip(prompts, forced)]
     lens = [len(s) for s in seqs]
-    bs = 16
-    blocks = [-(-n // bs) for n in lens]
-    first = [sum(blocks[:i]) for i in range(len(seqs))]
-    kv = torch.zeros(len(weights.layers), 2, max(1, sum(blocks)), bs, cfg.num_key_value_heads, cfg.head_dim,
-                     dtype=torch.float32, device=device)
-    table = torch.zeros(len(seqs), max(blocks), dtype=torch.int32)
-    for i, (f0, nb) in enumerate(zip(first, blocks)):
-        table[i, :nb] = torch.arange(f0, f0 + nb, dtype=torch.int32)
-    cu = [0]
-    for n in lens:
+    tables, cu, last, next_block = [], [0], [], 0
+    for p, n in zip(prompts, lens):  # each sequence on blocks of its own, one after the other
+        nb = -(-n // bs)
+        tables.append(list(range(next_block, next_block + nb)))
+        next_block += nb
+        last.extend(range(cu[-1] + len(p) - 1, cu[-1] + n))
         cu.append(cu[-1] + n)
-    slots = [f0 * bs + j for f0, n in zip(first, lens) for j in range(n)]
-    ctx = AttnContext(
-        is_prefill=True,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=table.to(device),
-        context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        max_seqlen_q=max(lens),
-    )
-    model = Transformer(cfg, weights, _fp32_ops(), max(lens))
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
-    positions = torch.tensor([j for n in lens for j in range(n)], dtype=torch.int64, device=device)
+    kv = torch.zeros(len(engine.weights.layers), 2, max(1, next_block), bs, cfg.num_key_value_heads, cfg.head_dim,
+                     dtype=torch.float32, device=runner.device)
+    slots = [t[j // bs] * bs + j % bs for t, n in zip(tables, lens) for j in range(n)]
+    model = Transformer(cfg, engine.weights, _fp32_ops(), max(lens))
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=runner.device)
     with _exact_fp32_matmuls():
-        hidden = model.forward(ids, positions, ctx, kv)
-        out = []
-        for i, (p, f) in enumerate(zip(prompts, forced)):
-            rows = hidden[cu[i] + len(p) - 1: cu[i] + len(p) + len(f)]
-            out.append(model.logits(rows).float().cpu())
-    return out
+        logits = runner._varlen_logits(model, kv, ids, [j for n in lens for j in range(n)], slots, cu, lens,
+                                       tables, False, last).cpu()
+    return list(logits.split([len(f) + 1 for f in forced]))
