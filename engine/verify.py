@@ -146,9 +146,13 @@ def _nonfinite(got: list[torch.Tensor]) -> bool:
 def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor], tol: float,
              exact: bool, min_agree: float = 1.0) -> CheckResult:
     """``got`` against ``want`` (two runs of one plan, or a plan and its reference): relative error
-    within ``tol``, greedy agreement at the positions rounding at ``tol`` cannot flip."""
+    within ``tol``, greedy agreement at the positions rounding at ``tol`` cannot flip: their gap
+    moves by the difference of two logits' errors, sqrt(2) x tol x the row's RMS a standard
+    deviation, so a decisive gap is ``DECISIVE_SIGMAS`` of those (at 2 x tol, the old margin, noise at
+    the tolerance flipped ~1.3% of the decisive positions: the 8B's prefix_cache check read 55/56 in
+    session 21, against the bar of 98%)."""
     worst = max(_rel(g, w) for g, w in zip(got, want))
-    agree, total = _greedy(got, want, 2 * tol)
+    agree, total = _greedy(got, want, DECISIVE_SIGMAS * 2 ** 0.5 * tol)
     total = max(total, 1)
     nonfinite = _nonfinite(got)
     identical = all(torch.equal(g, w) for g, w in zip(got, want))

@@ -121,3 +121,21 @@ def test_verification_reports_each_plan_against_the_truth():
     # a scheduler knob computes the reference's logits: the same distance from the truth, > 0 in bf16
     assert m["truth_rel_err"] == m["reference_truth_rel_err"] > 0 and m["max_rel_err"] == 0
     assert m["bound"] == m["tolerance"]  # a 2-layer model: the dtype's tolerance is the wider bound
+
+
+def test_two_runs_that_differ_by_rounding_at_the_tolerance_agree_at_every_decisive_position():
+    """The prefix_cache / batch_invariance / kv_contamination checks compare one plan with itself over
+    two rounding paths; noise at the tolerance must not flip a decisive position (the 8B read 55/56
+    at the old 2 x tol margin, session 21), while a real flip still fails the check."""
+    tol = 0.0707
+    for seed in range(20):
+        want = _logits(100 + seed)
+        got = _noisy(want, 0.95 * tol, seed=200 + seed)
+        r = _compare("prefix_cache", got, want, tol, False, 1.0)
+        assert r.passed and r.metrics["decisive_positions"] > 0, (seed, r.detail)
+    want = _logits(300)
+    want[1][2, 7] = want[1][2].max() + 5.0  # token 7 leads by 5 logits (RMS 3)
+    got = [w.clone() for w in want]
+    got[1][2, 8] = got[1][2, 7] + 1.0  # another token wins there, every other logit equal
+    r = _compare("prefix_cache", got, want, tol, False, 1.0)
+    assert not r.passed and "argmax agreement" in r.detail, r.detail
