@@ -276,15 +276,19 @@ def test_graph_bucket_agent_fits_the_replayed_batches_and_keeps_the_fit_only_whe
         srv.shutdown()
 
 
-@pytest.mark.parametrize("gain,drift", [(0.1, 0.0), (-0.1, 0.0), (0.05, 0.03), (-0.05, -0.03)])
-def test_graph_bucket_agent_keeps_token_graphs_only_when_the_replay_runs_faster_with_them(tmp_path, gain, drift):
+@pytest.mark.parametrize("gain,drift,noise", [(0.1, 0.0, 0.0), (-0.1, 0.0, 0.0), (0.05, 0.03, 0.0),
+                                              (-0.05, -0.03, 0.0), (0.04, 0.0, 0.1), (-0.04, 0.0, -0.1)])
+def test_graph_bucket_agent_keeps_token_graphs_only_when_the_replay_runs_faster_with_them(tmp_path, gain, drift,
+                                                                                       noise):
     """Kept when the traffic's replay is faster with them, also on a fast tier whose replays drift
-    over the search (slower, or faster, by 3% a replay): the trial pairs them with the base."""
+    over the search (slower, or faster, by 3% a replay): the trial pairs them with the base; and when
+    host noise moves the token plan's decode steps more than its prompt steps gain or lose (the
+    trial reads the prompt steps, the only ones token graphs change)."""
     from anneal.agents.graph_buckets import GraphBucketAgent
     from anneal.agents.space import TOKEN_GRAPH_SETS
 
     srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", token_graph_gain=gain, extra_variants=PREFILL,
-                                          drift=drift))
+                                          drift=drift, token_plan_decode_noise=noise))
     try:
         with EngineClient(url, "tok") as client:
             setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
@@ -359,3 +363,21 @@ def test_plan_search_tries_each_fusion_beside_the_base_and_the_composite_keeps_t
             led.close()
     finally:
         srv.shutdown()
+
+
+def test_the_token_graph_trial_reads_session_22s_pairs_by_their_prompt_steps():
+    """The chat compile's trial on the H200 (session 22): whole replays x0.937 and x1.056, prompt
+    steps 226 -> 104 and 184 -> 110 ms over the same prompt tokens. By the prompt steps both pairs
+    say faster; a time split without prompt tokens falls back to the whole replays."""
+    from anneal.agents.graph_buckets import prompt_step_ratio
+    from anneal.agents.types import Measurement
+
+    def m(total, prefill, tokens):
+        return Measurement(median_ms=total, time_split={"total_ms": total, "prefill_ms": prefill,
+                                                        "tokens_in_prefill_steps": tokens})
+
+    pairs = [(m(1814.0, 226.3, 19714), m(1700.2, 104.2, 19714)), (m(1539.5, 183.9, 20789), m(1625.4, 110.0, 20789))]
+    ratios = [prompt_step_ratio(b, p) for b, p in pairs]
+    assert ratios == pytest.approx([0.9321, 0.9520], abs=1e-3)
+    assert prompt_step_ratio(m(100.0, 0.0, 0), m(90.0, 0.0, 0)) == pytest.approx(0.9)
+    assert prompt_step_ratio(Measurement(median_ms=100.0), Measurement(median_ms=103.0)) == pytest.approx(1.03)

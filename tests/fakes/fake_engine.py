@@ -45,16 +45,22 @@ def fake_per_op(plan: Plan, batch: int) -> dict[str, float]:
     return out
 
 
+PROMPT_SHARE = 0.25  # of a workload replay's time, in its prompt steps
+
+
 class FakeEngine:
     def __init__(self, token: str = "tok", layers: int = 1, noise: float = 0.02, model: str = "random:tiny",
                  bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu",
                  per_op: bool = True, sample_spread: float = 0.0, token_graph_gain: float = 0.0,
                  extra_variants: dict | None = None, drift: float = 0.0, fusion_gains: dict[str, float] | None = None,
-                 decode_drift: float = 0.0, bad_fusions: tuple[str, ...] = ()):
+                 decode_drift: float = 0.0, bad_fusions: tuple[str, ...] = (), token_plan_decode_noise: float = 0.0):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
         self.token_graph_gain = token_graph_gain  # how much faster a workload replays with token graphs
+        # the decode steps of a token-graph plan's replays read this much slower: host noise that
+        # landed on them (token graphs change prompt steps only; session 22's pair read x1.056)
+        self.token_plan_decode_noise = token_plan_decode_noise
         self.extra_variants = extra_variants or {}  # op -> {impl: params}, beside VARIANTS
         # a host whose speed moves as a search goes on (compile-ahead's builds): a workload replay
         # this much slower for every benchmark before it, whatever its plan
@@ -114,9 +120,13 @@ class FakeEngine:
             eff = min(1.0, s.max_num_seqs / 16) * (1.05 if s.chunked_prefill else 1.0)
             step = step / max(eff, 0.2)
             step *= 1 + self.sample_spread * (int(body.get("seed") or 0) % 3 - 1)
+            # a quarter of a replay is its prompt steps; token graphs change those alone
+            prompt, rest = step * PROMPT_SHARE, step * (1 - PROMPT_SHARE)
             if self.device == "cuda" and plan.cuda_graph_token_sizes:  # prompt steps without host launches
-                step *= 1 - self.token_graph_gain
-            step *= 1 + self.drift * before
+                prompt *= 1 - self.token_graph_gain / PROMPT_SHARE
+                rest *= 1 + self.token_plan_decode_noise
+            step = (prompt + rest) * (1 + self.drift * before)
+            prompt *= 1 + self.drift * before
         samples = [step * (1 + self.noise * rng.uniform(-1, 1)) for _ in range(int(body.get("repeats", 5)))]
         samples.sort()
         med = samples[len(samples) // 2]
@@ -131,6 +141,9 @@ class FakeEngine:
             # a closed loop of 16: steady at the cap, then a drain through every smaller batch
             cap = min(16, plan.scheduler.max_num_seqs)
             out["decode_batches"] = {cap: 40, **{b: 3 for b in range(1, cap)}}
+            scale = med / step  # the median replay's split; the same requests, so the same prompt tokens
+            out["time_split"] = {"total_ms": med, "prefill_ms": prompt * scale, "tokens_in_prefill_steps": 4096,
+                                 "decode_ms": med - prompt * scale}
         return out
 
     def verify(self, body: dict) -> dict:
