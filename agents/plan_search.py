@@ -103,11 +103,16 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
         readings.setdefault(f, []).append((fused, before, after, full))
         return True
 
-    timed = [(f, plan) for f, plan in trials if read(f, plan)]
-    for f, plan in timed:
-        if abs(readings[f][0][3] - bar) < FUSION_REREAD_BAND and not read(f, plan):
-            readings.pop(f)
-    for f, plan in timed:
+    out_of_budget: BudgetExhausted | None = None
+    try:  # the budget can end anywhere in here: what was read by then is still decided on
+        for f, plan in trials:
+            read(f, plan)
+        for f, plan in trials:
+            if f in readings and abs(readings[f][0][3] - bar) < FUSION_REREAD_BAND and not read(f, plan):
+                readings.pop(f)
+    except BudgetExhausted as e:
+        out_of_budget = e
+    for f, plan in trials:
         if f not in readings:
             continue
         rs = readings[f]
@@ -121,6 +126,8 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
         board.offer_plan(sum(r[0] for r in rs) / len(rs), plan, agent)
         if keep:
             board.keep_fusion(f, full)
+    if out_of_budget is not None:
+        raise out_of_budget
 
 
 class PlanSearch:

@@ -421,3 +421,20 @@ def test_a_fusion_near_the_keep_bar_is_read_again_and_the_mean_of_its_readings_d
     assert board.fusions["norm_stats"] == pytest.approx(0.992)
     note = next(n for n in board.notes if n.startswith("fusion folded_norm:"))
     assert "(readings x0.990, x1.004: the mean)" in note and note.endswith("not kept")
+
+    # the budget ends during the second readings: what was read by then is still decided on
+    from anneal.agents.lab import BudgetExhausted
+
+    class ShortLab(StubLab):
+        def measure(self, cand, spec, prune=True):
+            if len(calls) >= 9 + 2:  # the first readings (1 + 4 x 2), then one more fusion step and its base
+                raise BudgetExhausted("budget spent")
+            return super().measure(cand, spec, prune)
+
+    calls.clear()
+    short = Board()
+    with pytest.raises(BudgetExhausted):
+        fusion_trials(ShortLab(), dataclasses.replace(setting, space=space), short, "plan-search", 0.005)
+    assert set(short.fusions) == {"qkv_rope"} and short.fusions["qkv_rope"] == pytest.approx(0.950)
+    assert any("(readings x0.990, x1.004: the mean)" in n for n in short.notes)  # its re-read finished
+    assert any(n.startswith("fusion norm_stats:") and "x0.999" in n and n.endswith("not kept") for n in short.notes)
