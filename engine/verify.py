@@ -139,6 +139,12 @@ def _greedy(got: list[torch.Tensor], want: list[torch.Tensor], margin: float) ->
     return agree, total
 
 
+def _decisive_margin(rel_err: float) -> float:
+    """The top-2 gap, in units of the row's RMS, that two logits each off by ``rel_err`` x the RMS
+    cannot close but at ``DECISIVE_SIGMAS`` standard deviations (their difference: sqrt(2) x that)."""
+    return DECISIVE_SIGMAS * 2 ** 0.5 * rel_err
+
+
 def _nonfinite(got: list[torch.Tensor]) -> bool:
     return any(not torch.isfinite(g).all() for g in got)
 
@@ -152,7 +158,7 @@ def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor], tol: 
     the tolerance flipped ~1.3% of the decisive positions: the 8B's prefix_cache check read 55/56 in
     session 21, against the bar of 98%)."""
     worst = max(_rel(g, w) for g, w in zip(got, want))
-    agree, total = _greedy(got, want, DECISIVE_SIGMAS * 2 ** 0.5 * tol)
+    agree, total = _greedy(got, want, _decisive_margin(tol))
     total = max(total, 1)
     nonfinite = _nonfinite(got)
     identical = all(torch.equal(g, w) for g, w in zip(got, want))
@@ -177,7 +183,7 @@ def _quality(got: list[torch.Tensor], reference: list[torch.Tensor], truth: list
     ref_err = max(_rel(r, t) for r, t in zip(reference, truth))
     to_ref = max(_rel(g, r) for g, r in zip(got, reference))
     bound = max(tol, TRUTH_SLACK * ref_err)
-    margin = DECISIVE_SIGMAS * 2 ** 0.5 * max(tol, ref_err, err)
+    margin = _decisive_margin(max(tol, ref_err, err))
     agree, total = _greedy(got, truth, margin)
     ref_agree, _ = _greedy(reference, truth, margin)
     nonfinite = _nonfinite(got)

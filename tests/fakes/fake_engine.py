@@ -125,8 +125,8 @@ class FakeEngine:
             if self.device == "cuda" and plan.cuda_graph_token_sizes:  # prompt steps without host launches
                 prompt *= 1 - self.token_graph_gain / PROMPT_SHARE
                 rest *= 1 + self.token_plan_decode_noise
-            step = (prompt + rest) * (1 + self.drift * before)
-            prompt *= 1 + self.drift * before
+            prompt, rest = prompt * (1 + self.drift * before), rest * (1 + self.drift * before)
+            step = prompt + rest
         samples = [step * (1 + self.noise * rng.uniform(-1, 1)) for _ in range(int(body.get("repeats", 5)))]
         samples.sort()
         med = samples[len(samples) // 2]
