@@ -380,7 +380,44 @@ def test_cross_shape_replays_the_other_shape_at_its_own_request_count():
     _cross_measure(RecordingLab(), "chat", None, promo, agentic_spec, quick=False)
     chat_requests = gpu_requests(load_traffic("chat"))
     assert chat_requests > agentic_spec.num_requests
-    assert replayed == [(chat_requests, "chat")] * 2
+    assert replayed == [(chat_requests, "chat")] * 4  # two request samples, both plans on each
+
+
+def test_cross_shape_replays_both_plans_on_each_of_two_fresh_samples_in_swapped_order():
+    """Session 23: one agentic sample read the chat plan's ITL p90 at 11.91 ms against the baseline's
+    7.20, the next at 6.33 against 6.85. Each sample is replayed by both plans (the second pair in
+    the other order), and the result keeps the per-sample figures beside their medians."""
+    from types import SimpleNamespace
+
+    from anneal.agents.compile import CROSS_SAMPLES, _cross_measure
+    from anneal.agents.types import Measurement
+
+    itl = {(100, "baseline"): 7.20, (100, "compiled"): 11.91, (101, "baseline"): 6.85, (101, "compiled"): 6.33}
+    tps = {(100, "baseline"): 495.3, (100, "compiled"): 553.2, (101, "baseline"): 683.2, (101, "compiled"): 744.8}
+    order = []
+
+    class Lab:
+        def measure(self, candidate, spec, tier, **kw):
+            label = candidate.note.split()[0]
+            order.append((spec.seed, label))
+            key = (spec.seed, label)
+            return SimpleNamespace(measurement=Measurement(
+                median_ms=1000.0, tokens_per_s=tps[key],
+                itl_p90_ms=itl[key], ttft_p90_ms=600.0))
+
+    promo = SimpleNamespace(baseline=Plan(), winner=Plan.model_validate({"scheduler": {"max_num_seqs": 8}}))
+    res = _cross_measure(Lab(), "agentic", None, promo, BenchSpec(mode="workload", num_requests=16, seed=0),
+                         quick=False)
+    assert CROSS_SAMPLES == 2
+    assert order == [(100, "baseline"), (100, "compiled"), (101, "compiled"), (101, "baseline")]
+    assert [s["seed"] for s in res["samples"]] == [100, 101]
+    assert res["samples"][0]["compiled_itl_p90_ms"] == 11.91
+    assert res["compiled_itl_p90_ms"] == round((11.91 + 6.33) / 2, 3)
+    assert res["ratio"] == round((553.2 / 495.3 + 744.8 / 683.2) / 2, 3)
+    order.clear()
+    one = _cross_measure(Lab(), "agentic", None, promo, BenchSpec(mode="workload", num_requests=4, seed=0),
+                         quick=True)  # the CPU's quick compile: one sample
+    assert len(one["samples"]) == 1 and len(order) == 2
 
 
 def test_a_gpu_replay_holds_at_least_two_waves_of_the_concurrency():

@@ -62,3 +62,26 @@ def test_the_cross_shape_table_names_what_the_plan_loses_there():
     fine = cross_shape_table({"traffic": "chat", "baseline_tokens_per_s": 100.0, "compiled_tokens_per_s": 99.0,
                               "baseline_itl_p90_ms": 5.0, "compiled_itl_p90_ms": None})
     assert "| ITL p90 ms | 5 | - | - |" in "\n".join(fine) and "loses nothing beyond 2%" in fine[-1]
+
+
+def test_the_cross_shape_table_over_two_samples_judges_their_median_and_names_a_sample_that_lost():
+    """Session 23's two agentic samples of the chat plan: ITL p90 x1.654 on one, x0.924 on the other."""
+    from anneal.agents.report import cross_shape_table
+
+    samples = [{"seed": 100, "baseline_tokens_per_s": 495.3, "compiled_tokens_per_s": 553.2,
+                "baseline_itl_p90_ms": 7.20, "compiled_itl_p90_ms": 11.91,
+                "baseline_ttft_p90_ms": 808.4, "compiled_ttft_p90_ms": 691.8},
+               {"seed": 101, "baseline_tokens_per_s": 683.2, "compiled_tokens_per_s": 744.8,
+                "baseline_itl_p90_ms": 6.85, "compiled_itl_p90_ms": 6.33,
+                "baseline_ttft_p90_ms": 635.1, "compiled_ttft_p90_ms": 558.4}]
+    cross = {"traffic": "agentic", "samples": samples, "baseline_itl_p90_ms": 7.025, "compiled_itl_p90_ms": 9.12,
+             "baseline_tokens_per_s": 589.25, "compiled_tokens_per_s": 649.0,
+             "baseline_ttft_p90_ms": 721.75, "compiled_ttft_p90_ms": 625.1}
+    text = "\n".join(cross_shape_table(cross))
+    assert "on 2 request samples" in text
+    assert "| ITL p90 ms | 7.025 | 9.12 | 1.289 | 1.654, 0.924 |" in text
+    assert "On `agentic` the plan loses: ITL p90 ms x1.29." in text
+    calm = [dict(samples[0], compiled_itl_p90_ms=7.6), dict(samples[1], compiled_itl_p90_ms=6.5)]  # x1.056, x0.949
+    text = "\n".join(cross_shape_table({**cross, "samples": calm}))
+    assert "loses nothing beyond 2% in tokens/s, ITL p90 or TTFT p90 (median of the samples; ITL p90 ms x1.06 " \
+           "on one sample)." in text
