@@ -37,6 +37,8 @@ class SearchSetting:
     # steps with prompt tokens per decode step in a replay of the traffic (an estimate from its
     # lengths): what a millisecond of prefill attention is worth beside one of a decode op
     prefill_steps_per_decode_step: float = 1.0
+    # the engine's model config (``GET /admin/state``), when it reports one: which fusions can run
+    model_config: dict[str, Any] | None = None
 
     def rng(self, agent: str) -> random.Random:
         """A reproducible random stream per agent (a resumed run proposes the same candidates)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from anneal.engine.plan import STEP_FUSIONS, Plan
+from anneal.engine.plan import STEP_FUSIONS, Plan, inert_fusions
 from anneal.agents.board import Board, SearchSetting
 from anneal.agents.cost_model import CostModel
 from anneal.agents.lab import BudgetExhausted, Lab
@@ -66,12 +66,17 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
     Kept on the board (the composite carries it) when its step, projected to the whole model
     (``full_model_ratio``), is ``min_gain`` faster than their mean; one within
     ``FUSION_REREAD_BAND`` of that bar is read again after the others, and the mean of its two
-    readings decides. Its plan is offered as a candidate either way."""
+    readings decides. Its plan is offered as a candidate either way. A fusion that would run
+    nothing on this model under the base's params (``plan.inert_fusions``) is not tried."""
     base = setting.base
     trials = []
     for f in setting.space.fusions:
         plan = normalized(base.model_copy(update={"fusions": {**base.fusions, f: True}, "name": None}))
         if not base.fusions.get(f) and plan.fusions.get(f) and plan.hash != base.hash:
+            inert = inert_fusions(plan, setting.model_config).get(f) if setting.model_config else None
+            if inert:  # the engine would run the unfused ops: its trial would time noise
+                board.note(f"fusion {f}: not tried, it runs nothing on this model under the base's params ({inert})")
+                continue
             trials.append((f, plan))  # normalized drops a fusion the base's ops exclude
     if not trials:
         return

@@ -64,7 +64,7 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
     setting = SearchSetting(space=space, base=base, decode_spec=decode, batch_dist=dist, buckets=buckets,
                             context_len=context, prompt_len=prompt, seed=seed,
                             workload_requests=num_requests, long_context_len=long_context,
-                            prefill_steps_per_decode_step=prefill_per_decode)
+                            prefill_steps_per_decode_step=prefill_per_decode, model_config=state.config)
     return setting, traffic
 
 

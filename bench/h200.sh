@@ -19,6 +19,8 @@
 #   profile-bs1                     issue 4: the 8B bs=1 step's kernels for $PROFILE_BS1_PLANS
 #   decode-batch                    issue 5: 8B decode steps at batches 1-16, context 800, $DECODE_PLANS side by side
 #   kernels-bs1, decode-bs1, variants  issue 2/4: bs=1 GEMV sweep, bs=1 plans side by side, one-change variants
+#   fused-tiles                     issue 5: the fused GEMVs of $BASE_PLAN (default the chat compile of session 23),
+#                                   one tile change each, 8B decode at $VARIANT_BATCH (12)
 #   greedy-fp32, greedy-bf16        issue 4: greedy tokens vs the reference over 256 steps, in fp32 / bf16
 #   iteration                       issue 4: per-candidate time vs a cold start (warm and empty Triton cache)
 #   iteration-parallel-jit          the same with `serve --parallel-jit` (kernels compiled in parallel)
@@ -136,6 +138,13 @@ for s in "$@"; do
       stage variants 420 $py bench/decode.py --shapes "${SHAPE:-llama-3.2-1b}" --batch-sizes "${VARIANT_BATCH:-1}" \
         --context "${VARIANT_CONTEXT:-1024}" --plans "triton,${BASE_PLAN:-bench/plans/gemv-pdl.json},$plans" --no-hf \
         --steps 50 --greedy-check 0 --name "decode-variants-${SHAPE:-llama-3.2-1b}-bs${VARIANT_BATCH:-1}" --out "$OUT"
+      ;;
+    fused-tiles)  # issue 5: the compiled plan's fused GEMVs, one tile change at a time (plan_variants.py --fused-tiles)
+      base=${BASE_PLAN:-bench/plans/chat-s23-compiled.json}
+      plans=$($py bench/plan_variants.py "$base" --fused-tiles --out "$OUT/fused-tile-plans")
+      stage fused-tiles 480 $py bench/decode.py --shapes "${SHAPE:-llama-3.1-8b}" --batch-sizes "${VARIANT_BATCH:-12}" \
+        --context "${VARIANT_CONTEXT:-800}" --plans "$base,$plans" --no-hf --steps 50 --greedy-check 0 \
+        --name "fused-tiles-${SHAPE:-llama-3.1-8b}-bs${VARIANT_BATCH:-12}" --out "$OUT"
       ;;
     gpu-tests-new)
       # NEW_TESTS: test files, space- or comma-separated (commas fit in one h200-lanes.sh word)

@@ -164,7 +164,8 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
                                 "parallel_jit_kernels": report.parallel_jit_kernels}
                                if report.parallel_jit_s is not None else {})},
                 **({"token_graphs": {"kept": report.token_graph_sizes, "dropped": report.token_graph_sizes_dropped}}
-                   if report.token_graph_sizes is not None else {})}
+                   if report.token_graph_sizes is not None else {}),
+                **({"inert_fusions": report.inert_fusions} if report.inert_fusions else {})}
 
     @app.post("/admin/kernels", dependencies=[Depends(auth)])
     async def kernels(request: Request) -> Any:

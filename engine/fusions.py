@@ -13,6 +13,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from anneal.engine.plan import GEMV_BLOCK_N
+
 
 def _gemv_params(choice: tuple[str, dict]) -> tuple[dict, int]:
     """The GEMV kernel params of a projection's choice (when it is the Triton GEMV), for the fused
@@ -146,7 +148,7 @@ def _qkv_rope(gemv, fns: dict[str, Callable], params: dict, max_m: int) -> Calla
     epilogue; the unfused ops where it does not apply (prefill rows, Qwen3's q/k norm, heads the
     tile size cannot hold whole)."""
     qkv_proj, rope = fns["qkv_proj"], fns["qk_rope_store"]
-    block_n = params.get("block_n", 64)
+    block_n = params.get("block_n", GEMV_BLOCK_N)
 
     def qkv_rope_store(h, w, positions, cos_sin, k_cache, v_cache, slots, H, Hkv, q_norm, k_norm, eps):
         if (h.shape[0] > max_m or q_norm is not None
@@ -208,7 +210,7 @@ def _norm_stats_qkv(gemv, fns: dict[str, Callable], fused: dict[str, Callable], 
     RoPE and the cache store in its epilogue when the plan fuses ``qkv_rope`` and the heads allow;
     without them the plan's norm kernel, then its qkv path."""
     qkv_proj, rope = fns["qkv_proj"], fns["qk_rope_store"]
-    block_n = params.get("block_n", 64)
+    block_n = params.get("block_n", GEMV_BLOCK_N)
 
     def norm_stats_qkv(pending: NormInput, norm_w, eps, w, positions, cos_sin, k_cache, v_cache, slots, H, Hkv,
                        q_norm, k_norm, rope_eps):

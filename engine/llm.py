@@ -19,7 +19,7 @@ from anneal.engine.compile_ahead import CompileAhead
 from anneal.engine.overlap import OverlapStepper
 from anneal.engine.config import ModelConfig
 from anneal.engine.op_table import OpTable
-from anneal.engine.plan import Plan
+from anneal.engine.plan import Plan, inert_fusions
 from anneal.engine.runner import ModelRunner
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.scheduler import Scheduler
@@ -83,6 +83,7 @@ class ApplyReport:
     token_graph_sizes: list[int] | None = None  # the plan's token graphs kept (no slower than a larger one)
     token_graph_sizes_dropped: list[int] | None = None
     ahead_wait_s: float = 0.0  # of build_s: waiting for this plan's compile-ahead to finish
+    inert_fusions: dict[str, str] | None = None  # enabled fusions that run nothing on this model -> why
 
 
 def _up_to_first_holding(sizes: list[int], most: int) -> list[int]:
@@ -353,6 +354,7 @@ class Engine:
             token_graph_sizes=timings.get("token_graph_sizes"),
             token_graph_sizes_dropped=timings.get("token_graph_sizes_dropped"),
             ahead_wait_s=ahead_wait_s,
+            inert_fusions=inert_fusions(plan, self.config.model_dump()) or None,
         )
 
     def _set_folded(self, plan: Plan) -> None:

@@ -91,6 +91,35 @@ def fusion_blockers(plan: "Plan") -> dict[str, str]:
     return out
 
 
+GEMV_BLOCK_N = 64  # the Triton GEMV's default tile width (engine/kernels/gemv.KERNEL_PARAMS), fused or not
+
+
+def rope_fusable(block_n: int, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether the qkv GEMV's RoPE epilogue can tile these heads: whole heads per tile, no tile
+    across q | k | v."""
+    return (block_n % head_dim == 0 and head_dim % 2 == 0 and (num_heads * head_dim) % block_n == 0
+            and (num_kv_heads * head_dim) % block_n == 0)
+
+
+def inert_fusions(plan: "Plan", config: dict[str, Any]) -> dict[str, str]:
+    """The enabled fusions that run nothing on this model (``config``: the engine's model config)
+    under the plan's params, each with the reason: the engine runs the unfused ops in their place in
+    every step, so a trial of one times noise. Session 23's chat compile kept ``qkv_rope`` (x0.989)
+    on the 8B, whose 128-wide heads the qkv GEMV's default 64-wide tiles cannot hold."""
+    out: dict[str, str] = {}
+    if plan.fusions.get("qkv_rope"):
+        choice = plan.choice("qkv_proj")  # the fused GEMV takes the projection's params when it is the GEMV
+        block_n = int(choice.params.get("block_n", GEMV_BLOCK_N)) if choice.impl == "triton_gemv_splitk" \
+            else GEMV_BLOCK_N
+        D, H, Hkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+        if config.get("family") == "qwen3":
+            out["qkv_rope"] = "the q/k norm runs between the qkv projection and RoPE (Qwen3): RoPE stays in qk_rope_store"
+        elif not rope_fusable(block_n, D, H, Hkv):
+            out["qkv_rope"] = (f"the qkv GEMV's block_n {block_n} cannot tile whole heads of {D} ({H} q, {Hkv} kv "
+                               f"heads): qkv_proj and qk_rope_store run unfused")
+    return out
+
+
 DEFAULT_GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 

@@ -438,3 +438,37 @@ def test_a_fusion_near_the_keep_bar_is_read_again_and_the_mean_of_its_readings_d
     assert set(short.fusions) == {"qkv_rope"} and short.fusions["qkv_rope"] == pytest.approx(0.950)
     assert any("(readings x0.990, x1.004: the mean)" in n for n in short.notes)  # its re-read finished
     assert any(n.startswith("fusion norm_stats:") and "x0.999" in n and n.endswith("not kept") for n in short.notes)
+
+
+def test_fusion_trials_skip_a_fusion_that_runs_nothing_on_the_model_and_say_why(env):
+    """Session 23: on the 8B the qkv_rope trial timed noise (x0.989, kept): its fused GEMV cannot
+    hold the 128-wide heads at the base's tiles, so the engine ran the unfused ops. With the model's
+    config in the setting such a fusion is not tried; on the 1B's 64-wide heads it is."""
+    from types import SimpleNamespace
+
+    from anneal.agents.plan_search import fusion_trials
+    from anneal.engine.presets import PRESETS
+
+    lab, setting, _ = env
+    tried: list[str] = []
+
+    class StubLab:
+        cost_model = None
+
+        def measure(self, cand, spec, prune=True):
+            tried.append(cand.note)
+            ms = 0.95 if cand.note.startswith("fusion trial: ") else 1.0
+            return SimpleNamespace(measurement=SimpleNamespace(median_ms=ms), verdict=SimpleNamespace(reason=""))
+
+    space = dataclasses.replace(setting.space, fusions=("qkv_rope", "norm_stats"))
+    for preset, skipped in (("llama-3.1-8b", True), ("qwen3-8b", True), ("llama-3.2-1b", False)):
+        tried.clear()
+        board = Board()
+        fusion_trials(StubLab(), dataclasses.replace(setting, space=space, model_config=PRESETS[preset]), board,
+                      "plan-search", 0.005)
+        assert ("fusion trial: qkv_rope" in tried) is not skipped, preset
+        assert "fusion trial: norm_stats" in tried and "norm_stats" in board.fusions
+        assert ("qkv_rope" in board.fusions) is not skipped
+        if skipped:
+            note = next(n for n in board.notes if n.startswith("fusion qkv_rope:"))
+            assert note.startswith("fusion qkv_rope: not tried, it runs nothing on this model"), note

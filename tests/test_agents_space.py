@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from anneal.engine.plan import Plan
+from anneal.engine.plan import OpChoice, Plan
 from anneal.agents.space import CandidateSpace
 from anneal.agents.types import EngineState
 
@@ -148,3 +148,22 @@ def test_no_candidate_admits_fewer_sequences_than_twice_the_traffic_concurrency(
     huge = load_traffic("chat").model_copy(update={"concurrency": 10_000})  # beyond every value: the largest
     setting, _ = make_setting(STATE, huge, seed=0, max_len=256, num_requests=4)
     assert setting.space.max_num_seqs == (max(setting.space.max_num_seqs),) and setting.space.max_num_seqs[0] == 256
+
+
+def test_qkv_rope_is_inert_where_the_qkv_tiles_cannot_hold_whole_heads_or_the_model_norms_q_and_k():
+    """Session 23: the 8B chat compile kept qkv_rope (x0.989), which on the 8B's 128-wide heads ran
+    nothing at the qkv GEMV's default 64-wide tiles; the fused kernels fall back to the unfused ops."""
+    from anneal.engine.plan import inert_fusions
+    from anneal.engine.presets import PRESETS
+
+    llama_8b, llama_1b, qwen3 = PRESETS["llama-3.1-8b"], PRESETS["llama-3.2-1b"], PRESETS["qwen3-8b"]
+    fused = Plan(fusions={"qkv_rope": True, "norm_stats": True})
+    assert "block_n 64 cannot tile whole heads of 128" in inert_fusions(fused, llama_8b)["qkv_rope"]
+    assert set(inert_fusions(fused, llama_8b)) == {"qkv_rope"}  # norm_stats runs either way
+    assert inert_fusions(fused, llama_1b) == {}  # 64-wide heads: one per tile
+    wide = fused.with_ops(qkv_proj=OpChoice(impl="triton_gemv_splitk", params={"block_n": 128, "max_m": 64}))
+    assert inert_fusions(wide, llama_8b) == {}
+    narrow = fused.with_ops(qkv_proj=OpChoice(impl="triton_gemv_splitk", params={"block_n": 32}))
+    assert "block_n 32" in inert_fusions(narrow, llama_1b)["qkv_rope"]
+    assert "Qwen3" in inert_fusions(wide, qwen3)["qkv_rope"]
+    assert inert_fusions(Plan(fusions={"norm_stats": True}), llama_8b) == {}

@@ -68,6 +68,31 @@ def test_one_change_variants_of_the_best_plans_resolve(tmp_path):
         assert any(Plan.model_validate(json.loads(p.read_text())).fusions.get("silu_mul_down") for p in variants)
 
 
+def test_fused_tile_variants_put_each_fused_projection_on_the_gemv_with_one_change(tmp_path):
+    """``bench/h200.sh fused-tiles``: the compiled chat plan's fused GEMVs run at their projections'
+    params; every variant must resolve, change one projection only, and the sweep needs its control."""
+    script = Path(__file__).parent.parent / "bench" / "plan_variants.py"
+    base_path = script.parent / "plans" / "chat-s23-compiled.json"
+    base = Plan.model_validate(json.loads(base_path.read_text()))
+    out = subprocess.run([sys.executable, str(script), str(base_path), "--fused-tiles", "--out", str(tmp_path)],
+                         check=True, capture_output=True, text=True).stdout.strip().split(",")
+    assert len(out) == 4 * 15  # norm_stats runs all four projections: a control + 14 changes each
+    controls = 0
+    for path in out:
+        plan = Plan.model_validate(json.loads(Path(path).read_text()))
+        OpTable.resolve(plan, "cuda")
+        changed = [op for op in plan.ops if plan.choice(op) != base.choice(op)]
+        assert len(changed) == 1 and plan.choice(changed[0]).impl == "triton_gemv_splitk", (path, changed)
+        assert plan.fusions == base.fusions and plan.scheduler == base.scheduler
+        params = plan.choice(changed[0]).params
+        assert params["max_m"] == 64 and len(params) <= 2
+        controls += params == {"max_m": 64}
+    assert controls == 4
+    refused = subprocess.run([sys.executable, str(script), str(script.parent / "plans" / "triton.json"), "--fused-tiles",
+                              "--out", str(tmp_path / "none")], capture_output=True, text=True)
+    assert refused.returncode != 0 and "no GEMV fusion" in refused.stderr
+
+
 @pytest.mark.parametrize("engine", ["in-process", "served"])
 def test_bench_plans_replays_side_by_side_in_process_and_over_the_admin_api(tmp_path, engine):
     """Both places a replay can run (the served one is where `anneal compile` measures) give a

@@ -55,6 +55,7 @@ from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.kernels.argmax import argmax_merge_kernel
 from anneal.engine.kernels.rope import rotate_half
 from anneal.engine.ops.registry import Param, variant
+from anneal.engine.plan import GEMV_BLOCK_N, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
 
 MAX_SPLIT_K = 16
 
@@ -406,7 +407,7 @@ def _block_m(M: int, block_m: int, m1: str) -> int:
 def small_m_gemm(
     x: torch.Tensor, weight: torch.Tensor, *, silu_mul_input: bool = False,
     norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, block_m: int = 64,
-    block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
+    block_n: int = GEMV_BLOCK_N, block_k: int = 128, split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
     norm_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None, add_stats: torch.Tensor | None = None,
@@ -520,7 +521,7 @@ def small_m_gemm(
 # The tunable params of every GEMV-based kernel (the fused entry points take them as keywords).
 KERNEL_PARAMS = (
     Param("block_m", (16, 32, 64, 128), 64),  # rows per program; M up to this is one tile (W read once)
-    Param("block_n", (16, 32, 64, 128), 64),
+    Param("block_n", (16, 32, 64, 128), GEMV_BLOCK_N),
     Param("block_k", (64, 128, 256, 512), 128),
     Param("split_k", (0, 1, 2, 4, 8, 16), 0),  # 0 = auto from shapes and SM count
     Param("num_warps", (2, 4, 8), 4),
@@ -558,12 +559,6 @@ def silu_mul_down_proj(gate_up: torch.Tensor, weight: torch.Tensor, **params) ->
     return small_m_gemm(gate_up, weight, silu_mul_input=True, **params)
 
 
-def rope_fusable(block_n: int, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
-    """Whether ``qkv_rope_store`` can tile these heads: whole heads per tile, no tile across q|k|v."""
-    return (block_n % head_dim == 0 and head_dim % 2 == 0 and (num_heads * head_dim) % block_n == 0
-            and (num_kv_heads * head_dim) % block_n == 0)
-
-
 def qkv_rope_store(
     x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
@@ -575,7 +570,7 @@ def qkv_rope_store(
     kernel (one launch per layer) disappear. Llama only (no q/k norm). Returns q ``[T, H, D]``;
     ``params`` from ``KERNEL_PARAMS`` (``block_n`` a multiple of the head size, see ``rope_fusable``)."""
     M, D = x.shape[0], cos_sin.shape[-1]
-    block_n = params.get("block_n", 64)
+    block_n = params.get("block_n", GEMV_BLOCK_N)
     if not rope_fusable(block_n, D, num_heads, num_kv_heads):
         raise KernelInputError(f"qkv_rope_store: block_n {block_n} cannot tile heads of {D} "
                                f"({num_heads} q heads, {num_kv_heads} kv heads)")

@@ -261,3 +261,23 @@ def test_the_engine_refuses_rope_attention_without_the_split_k_attention_or_besi
     with pytest.raises(OpError, match="rope_attention with qkv_rope"):
         eng.apply_plan(clash)
     assert eng.plan.hash == before
+
+
+@pytest.mark.parametrize("block_n,inert", [(64, True), (32, False)])
+def test_a_qkv_rope_whose_tiles_cannot_hold_whole_heads_is_reported_inert_and_runs_unfused(block_n, inert,
+                                                                                        monkeypatch):
+    """random:tiny has 16-wide heads, 2 of them kv (32 columns): a 64-wide qkv tile would straddle
+    k | v, so the fusion falls back to the unfused ops, and the apply report says so
+    (``plan.inert_fusions``, what the compiler's fusion trials now skip); at 32 it runs."""
+    from anneal.engine.kernels import gemv
+
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128))
+    calls = []
+    fused = gemv.qkv_rope_store
+    monkeypatch.setattr(gemv, "qkv_rope_store", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    plan = Plan(ops={"qkv_proj": OpChoice(impl="triton_gemv_splitk", params={"block_n": block_n, "block_k": 64})},
+                fusions={"qkv_rope": True})
+    report = eng.apply_plan(plan)
+    assert bool(report.inert_fusions) == inert and (not inert or "qkv_rope" in report.inert_fusions)
+    eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert bool(calls) is not inert
