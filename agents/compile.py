@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import uuid
@@ -410,8 +411,6 @@ def _cross_measure(lab: Lab, spec_name: str, max_len: int | None, promo: Promoti
     the agentic plan (max_num_seqs 8) read x1.07-1.08 on chat; on chat's own replay it is x0.66.
     ``CROSS_SAMPLES`` fresh samples on a GPU (one on the CPU), both plans on each, the order swapped
     from one to the next so drift favours neither; the medians and each sample's figures are kept."""
-    import statistics
-
     from anneal.engine.traffic import load_traffic
 
     other = load_traffic(spec_name)

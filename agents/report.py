@@ -233,9 +233,10 @@ def cross_shape_table(cross: dict[str, Any], tolerance: float = 0.02) -> list[st
         elif n > 1 and any(lost(x) for x in per):
             worst = min(per) if higher_is_better else max(per)
             sample_losses.append(f"{label} x{worst:.2f} on one sample")
-    L += ["", f"On `{name}` the plan loses: {', '.join(losses)}." if losses else
+    also = ", ".join(sample_losses)
+    L += ["", f"On `{name}` the plan loses: {', '.join(losses)}" + (f"; and {also}." if also else ".") if losses else
           f"On `{name}` the plan loses nothing beyond {tolerance:.0%} in tokens/s, ITL p90 or TTFT p90"
-          + (f" (median of the samples; {', '.join(sample_losses)})." if sample_losses else ".")]
+          + (f" (median of the samples; {also})." if also else ".")]
     return L
 
 

@@ -85,3 +85,6 @@ def test_the_cross_shape_table_over_two_samples_judges_their_median_and_names_a_
     text = "\n".join(cross_shape_table({**cross, "samples": calm}))
     assert "loses nothing beyond 2% in tokens/s, ITL p90 or TTFT p90 (median of the samples; ITL p90 ms x1.06 " \
            "on one sample)." in text
+    slower = [dict(c, compiled_tokens_per_s=c["baseline_tokens_per_s"] * 0.9) for c in calm]
+    text = "\n".join(cross_shape_table({**cross, "samples": slower}))
+    assert "On `agentic` the plan loses: tokens/s x0.90; and ITL p90 ms x1.06 on one sample." in text
