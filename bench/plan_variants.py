@@ -18,6 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
+from anneal.engine.plan import GEMV_MAX_M
+
 # (op, params overlaid on the op's params in the base plan)
 CHANGES = [
     ("attention_decode", {"split_k": 4}), ("attention_decode", {"split_k": 8}), ("attention_decode", {"split_k": 32}),
@@ -58,7 +60,6 @@ TILE_CHANGES = [
     {"split_k": 1}, {"split_k": 2}, {"split_k": 4}, {"num_warps": 2}, {"num_warps": 8},
     {"num_stages": 2}, {"num_stages": 4}, {"reduce": "ticket"},
 ]
-FUSED_MAX_M = 64  # the GEMV's own default: decode steps up to 64 rows run the fused kernels
 
 
 def fused_tile_variants(base: dict, stem: str) -> dict[str, dict]:
@@ -71,7 +72,7 @@ def fused_tile_variants(base: dict, stem: str) -> dict[str, dict]:
     for op in projections:
         choice = base.get("ops", {}).get(op, {"impl": "reference"})
         params = dict(choice.get("params", {})) if choice.get("impl") == "triton_gemv_splitk" else {}
-        params.setdefault("max_m", FUSED_MAX_M)
+        params.setdefault("max_m", GEMV_MAX_M)  # as the fusions run: decode steps up to it
         for change in [{}, *TILE_CHANGES]:
             if change and all(params.get(k) == v for k, v in change.items()):
                 continue  # already the base's

@@ -13,17 +13,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from anneal.engine.plan import GEMV_BLOCK_N
-
-
-def _gemv_params(choice: tuple[str, dict]) -> tuple[dict, int]:
-    """The GEMV kernel params of a projection's choice (when it is the Triton GEMV), for the fused
-    kernel that replaces it, and the row count above which the unfused ops run instead (prefill)."""
-    impl, params = choice
-    if impl != "triton_gemv_splitk":
-        return {}, 64
-    p = dict(params)
-    return p, p.pop("max_m", 64) or 1 << 30
+from anneal.engine.plan import GEMV_BLOCK_N, fused_gemv_params
 
 
 def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]) -> dict[str, Callable]:
@@ -35,26 +25,26 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
         if name == "lm_head_argmax":
             out[name] = gemv.lm_head_argmax
         elif name == "silu_mul_down":
-            out[name] = _silu_mul_down(gemv, fns, *_gemv_params(choices["down_proj"]))
+            out[name] = _silu_mul_down(gemv, fns, *fused_gemv_params(*choices["down_proj"]))
         elif name == "linear_norm":
             for proj in ("o_proj", "down_proj"):
-                out[f"{proj}_add_rmsnorm"] = _linear_norm(gemv, fns, proj, *_gemv_params(choices[proj]))
+                out[f"{proj}_add_rmsnorm"] = _linear_norm(gemv, fns, proj, *fused_gemv_params(*choices[proj]))
         elif name == "gate_up_silu":
-            out["gate_up_silu"] = _gate_up_silu(gemv, fns, *_gemv_params(choices["gate_up_proj"]))
+            out["gate_up_silu"] = _gate_up_silu(gemv, fns, *fused_gemv_params(*choices["gate_up_proj"]))
         elif name == "qkv_rope":
-            out["qkv_rope_store"] = _qkv_rope(gemv, fns, *_gemv_params(choices["qkv_proj"]))
+            out["qkv_rope_store"] = _qkv_rope(gemv, fns, *fused_gemv_params(*choices["qkv_proj"]))
         elif name == "norm_linear":
             for proj in ("qkv_proj", "gate_up_proj"):
-                out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *_gemv_params(choices[proj]))
+                out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *fused_gemv_params(*choices[proj]))
         elif name == "folded_norm":
             out.update(_folded_norm(fns, choices))
         elif name == "rope_attention":
             out["rope_attention"] = _rope_attention(choices)
         elif name == "norm_stats":
             for proj in ("o_proj", "down_proj"):
-                out[f"{proj}_add_stats"] = _add_stats(gemv, fns, proj, *_gemv_params(choices[proj]))
-            out["norm_stats_qkv"] = _norm_stats_qkv(gemv, fns, out, *_gemv_params(choices["qkv_proj"]))
-            out["norm_stats_gate_up"] = _norm_stats_gate_up(gemv, fns, out, *_gemv_params(choices["gate_up_proj"]))
+                out[f"{proj}_add_stats"] = _add_stats(gemv, fns, proj, *fused_gemv_params(*choices[proj]))
+            out["norm_stats_qkv"] = _norm_stats_qkv(gemv, fns, out, *fused_gemv_params(*choices["qkv_proj"]))
+            out["norm_stats_gate_up"] = _norm_stats_gate_up(gemv, fns, out, *fused_gemv_params(*choices["gate_up_proj"]))
     return out
 
 

@@ -92,6 +92,17 @@ def fusion_blockers(plan: "Plan") -> dict[str, str]:
 
 
 GEMV_BLOCK_N = 64  # the Triton GEMV's default tile width (engine/kernels/gemv.KERNEL_PARAMS), fused or not
+GEMV_MAX_M = 64  # its default row limit: above it the projection (and a fusion of it) runs unfused
+
+
+def fused_gemv_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The GEMV kernel params a fusion takes from its projection's choice (the projection's own when
+    it is the Triton GEMV, else the GEMV's defaults), and the row count above which the unfused ops
+    run instead (prefill)."""
+    if impl != "triton_gemv_splitk":
+        return {}, GEMV_MAX_M
+    p = dict(params)
+    return p, p.pop("max_m", GEMV_MAX_M) or 1 << 30
 
 
 def rope_fusable(block_n: int, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
@@ -108,9 +119,8 @@ def inert_fusions(plan: "Plan", config: dict[str, Any]) -> dict[str, str]:
     on the 8B, whose 128-wide heads the qkv GEMV's default 64-wide tiles cannot hold."""
     out: dict[str, str] = {}
     if plan.fusions.get("qkv_rope"):
-        choice = plan.choice("qkv_proj")  # the fused GEMV takes the projection's params when it is the GEMV
-        block_n = int(choice.params.get("block_n", GEMV_BLOCK_N)) if choice.impl == "triton_gemv_splitk" \
-            else GEMV_BLOCK_N
+        choice = plan.choice("qkv_proj")
+        block_n = int(fused_gemv_params(choice.impl, choice.params)[0].get("block_n", GEMV_BLOCK_N))
         D, H, Hkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
         if config.get("family") == "qwen3":
             out["qkv_rope"] = "the q/k norm runs between the qkv projection and RoPE (Qwen3): RoPE stays in qk_rope_store"

@@ -55,7 +55,7 @@ from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.kernels.argmax import argmax_merge_kernel
 from anneal.engine.kernels.rope import rotate_half
 from anneal.engine.ops.registry import Param, variant
-from anneal.engine.plan import GEMV_BLOCK_N, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
+from anneal.engine.plan import GEMV_BLOCK_N, GEMV_MAX_M, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
 
 MAX_SPLIT_K = 16
 
@@ -532,11 +532,11 @@ KERNEL_PARAMS = (
     Param("ahead", (1, 2, 3), 1),  # M == 1 FMA path: W tiles requested before the PDL wait / in flight ahead
 )
 GEMV_PARAMS = KERNEL_PARAMS + (
-    Param("max_m", (0, 1, 8, 16, 32, 64, 128, 256), 64),  # above this many rows use torch's GEMM; 0 = never
+    Param("max_m", (0, 1, 8, 16, 32, 64, 128, 256), GEMV_MAX_M),  # above this many rows use torch's GEMM; 0 = never
 )
 
 
-def _make_linear(max_m: int = 64, **params):
+def _make_linear(max_m: int = GEMV_MAX_M, **params):
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if max_m and x.dim() == 2 and x.shape[0] > max_m:
             return F.linear(x, weight)
