@@ -8,6 +8,7 @@
 #   overlap                         issue 5: hand-set plan with and without scheduler.overlap (8B, 1B)
 #   l2-prefetch                     issue 4: o_proj weights streamed into L2 during attention (bench/l2_prefetch.py)
 #   attention-layout                issue 5: decode attention on an NHD vs an HND KV cache (bench/attention_layout.py)
+#   attention-stages                issue 5: decode attention at pipeline depths 1-3 (bench/attention_stages.py)
 #   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)
 #   prefill-attention               issue 5: the paged prefill kernel vs torch SDPA at agentic's prompt shapes
 #   profile-mixed-agentic           issue 5: one eager 3072-token prompt step with 7 decode rows (agentic's prompt steps)
@@ -95,6 +96,9 @@ for s in "$@"; do
       ;;
     attention-layout)  # issue 5: is decode attention at 50% of its roofline because of the cache layout?
       stage attention-layout 180 $py bench/attention_layout.py --out "$OUT"
+      ;;
+    attention-stages)  # issue 5: is decode attention at 50% at chat's batch because its loop is one tile deep?
+      stage attention-stages 240 $py bench/attention_stages.py --out "$OUT"
       ;;
     blas-backend)  # issue 5: would cuBLASLt run o/qkv/down faster at the chat replay's batches?
       stage blas-backend 240 $py bench/blas_backend.py --out "$OUT"

@@ -412,7 +412,9 @@ def _launch(
         Param("split_k", (0, 1, 2, 4, 8, 16, 32, 64), 0),  # 0 = auto from shapes and SM count
         Param("block_n", (16, 32, 64, 128), 64),
         Param("num_warps", (2, 4, 8), 4),
-        Param("num_stages", (1, 2, 3, 4), 2),
+        # Triton 3.6 spends stages on the block-table indirection first: the loop's K/V tiles get one
+        # shared buffer up to 4 (nothing in flight while a tile is computed), two from 5, three from 7
+        Param("num_stages", (1, 2, 3, 4, 5, 7), 2),
         Param("pv_precision", ("bf16", "tf32"), "bf16"),  # softmax probabilities in the PV MMA
         Param("merge", ("kernel", "ticket"), "kernel"),  # split merge: second kernel, or last split
         Param("pdl", (False, True), False),

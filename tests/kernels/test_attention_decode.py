@@ -34,6 +34,8 @@ PARAMS_GPU = [
     {"split_k": 8, "block_n": 32},
     {"split_k": 0, "block_n": 64, "num_warps": 4, "num_stages": 2},
     {"split_k": 64, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    {"split_k": 4, "block_n": 64, "num_stages": 5},  # K/V double-buffered (Triton 3.6)
+    {"split_k": 0, "block_n": 32, "num_stages": 7, "merge": "ticket"},  # triple-buffered
     {"split_k": 4, "pdl": True},
     {"split_k": 16, "merge": "ticket", "pv_precision": "tf32"},
     {"split_k": 0, "merge": "ticket", "pdl": True},

@@ -35,6 +35,8 @@ PARAMS_GPU = [
     {"split_k": 1, "block_n": 32},
     {"split_k": 8, "block_n": 32, "pdl": True},
     {"split_k": 16, "merge": "ticket", "pdl": True},
+    {"num_stages": 5},  # the loop's K/V double-buffered: tiles requested after the new token's store
+    {"split_k": 4, "block_n": 32, "num_stages": 7},
 ]
 
 
