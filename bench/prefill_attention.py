@@ -48,7 +48,10 @@ from common import probe_dtype, probe_parser, time_graph, write_probe  # noqa: E
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # llama-3.1-8b, the engine's block size
 CONFIGS = [dict(), dict(pack_gqa=True), dict(block_m=128, num_warps=8), dict(block_m=128, num_warps=8, pack_gqa=True),
            dict(block_m=128, block_n=32, num_warps=8), dict(block_m=128, num_warps=8, num_stages=3),
-           dict(block_m=128, block_n=128, num_warps=8, num_stages=2), dict(num_stages=3, pack_gqa=True)]
+           dict(block_m=128, block_n=128, num_warps=8, num_stages=2), dict(num_stages=3, pack_gqa=True),
+           # Triton 3.6 waits for every K/V copy at the loop's top up to 4 stages (no tile in flight
+           # while one computes); from 5 the next one stays in flight (three buffers, session 25)
+           dict(num_stages=5), dict(num_stages=5, pack_gqa=True), dict(block_m=128, num_warps=8, num_stages=5)]
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
