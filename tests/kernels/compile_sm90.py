@@ -6,7 +6,8 @@ Run as a script (it must run without TRITON_INTERPRET): ``python tests/kernels/c
 here: ``pip install --no-deps --target /tmp/tri36 triton==3.6.0`` and run the script with
 ``PYTHONPATH=/tmp/tri36`` (done for every kernel in this folder: all compile). Each spec gives the pointer dtypes and the constexprs
 of one representative specialisation; other scalar arguments default to i32 (``eps``/``scale`` fp32);
-pointers and ``stride_*`` arguments are taken as divisible by 16, as a launch specialises them.
+pointers, ``stride_*`` arguments and ``LAUNCH_DIVISIBLE_INTS`` are taken as divisible by 16, as a launch
+specialises them. ``--loop-pipelining`` prints the software pipelines of the decode attention and GEMV loops.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 FLOAT_ARGS = {"eps", "scale", "scale_log2", "rms_eps"}
+# int arguments whose values at the engine's launches are multiples of 16 (feature widths, a split's
+# K range, head counts, the block table's token span): a launch specialises them as such, and without
+# it the GEMV's dot loop is not software-pipelined at all (k_per_split's alignment: 228 registers and
+# no async copies, against 64 registers and a pipelined loop as launched; session 25)
+LAUNCH_DIVISIBLE_INTS = {"N", "K", "k_per_split", "H", "max_tokens", "hidden"}
 # the decode split kernel's non-bf16 pointers (its rope_attention operands among them)
 DECODE_SPLIT_PTRS = {"bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
                      "cnt_ptr": "*i32", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"}
@@ -134,7 +140,8 @@ def compile_one(kernel, ptr_types, constexprs, num_warps, num_stages=2, options=
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-        if name not in constexprs and (name.endswith("_ptr") or name.startswith("stride_")):
+        if name not in constexprs and (name.endswith("_ptr") or name.startswith("stride_")
+                                       or name in LAUNCH_DIVISIBLE_INTS):
             # a launch specialises pointers and ints divisible by 16 (torch's allocations, model
             # strides): without it loads compile scalar, and registers and spills are not the launch's
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -181,6 +188,37 @@ def rope_attention_usage() -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def loop_pipelining() -> dict[str, dict[int, tuple[int, int]]]:
+    """The software pipeline Triton builds for the decode split kernel's K/V loop and the GEMV's
+    dot loop (M padded to 16) at each ``num_stages``: (K tiles buffered in shared memory, copy
+    groups the loop's wait leaves in flight). 0 in flight: every iteration waits for its own tile
+    with nothing requested behind it, so a program's tiles are serial round trips (the decode loop
+    up to 4 stages: its block-table indirection takes the stages first)."""
+    import re
+
+    from anneal.engine.kernels import attention_decode, gemv
+
+    def shape(compiled, name):
+        ir = compiled.asm["ttgir"]
+        bufs = re.search(rf"%{name}_\d+ = ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x", ir)
+        loop = ir[ir.index("scf.for"):]
+        waits = [int(n) for n in re.findall(r"ttg.async_wait[^{]*\{num = (\d+)", loop.split("scf.yield")[0])]
+        return (int(bufs.group(1)) if bufs else 0, max(waits, default=0))
+
+    decode = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=4, PREC="tf32", UPCAST=False,
+                  PV_F32=False, TICKET=False, PREFETCH=False, ROPE=False, HAS_NORM=False, RMS=False, BLOCK_HID=16,
+                  PDL=False)
+    gp = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
+          "cs_ptr": "*fp32", "slot_ptr": "*i64"}
+    dot = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, SILU_MUL=False, NORM=0, ARGMAX=False, TICKET=False,
+               PREC="tf32", UPCAST=False, ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False, PDL=False)
+    return {
+        "attention_decode": {st: shape(compile_one(attention_decode._decode_split_kernel, DECODE_SPLIT_PTRS, decode, 4,
+                                                   num_stages=st), "k") for st in (2, 4, 5, 7)},
+        "gemv_dot": {st: shape(compile_one(gemv._gemv_kernel, gp, dot, 4, num_stages=st), "w") for st in (2, 3)},
+    }
+
+
 def rope_store_arithmetic() -> dict[str, dict[str, int]]:
     """The bf16 arithmetic instructions in the qk_rope_store kernel's PTX (Llama, bf16), as launched
     and with FMA contraction on: contracted, a rotation is one rounding short (session 21)."""
@@ -204,6 +242,11 @@ def main() -> int:
         import json
 
         print(json.dumps(rope_store_arithmetic()))
+        return 0
+    if "--loop-pipelining" in sys.argv:
+        import json
+
+        print(json.dumps(loop_pipelining()))
         return 0
     if "--rope-attention-usage" in sys.argv:
         import json

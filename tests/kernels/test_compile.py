@@ -57,3 +57,25 @@ def test_the_rope_store_kernel_rounds_every_product_as_the_reference():
     launched = ops["launched"]
     assert not any(op.startswith("fma") for op in launched), launched
     assert launched.get("mul.rn.bf16", 0) > 0 and launched.get("sub.rn.bf16", 0) > 0, launched
+
+
+@pytest.mark.slow
+def test_the_decode_attention_loop_keeps_a_tile_in_flight_from_five_stages():
+    """Triton gives the split kernel's loop one K/V buffer at ``num_stages`` 2-4 (its block-table
+    load is an indirection and takes the stages first): each iteration waits for its own tile with
+    nothing in flight behind it. From 5 stages the next tile is requested before the current one is
+    computed; that is why 5 and 7 are declared. The GEMV's dot loop, as launched (its split's K range
+    a multiple of 16), is pipelined at its default 3. If a Triton upgrade moves these, the declared
+    stages and bench/attention_stages.py's premise move with them."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    script = Path(__file__).with_name("compile_sm90.py")
+    r = subprocess.run([sys.executable, str(script), "--loop-pipelining"], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    shapes = json.loads(r.stdout.strip().splitlines()[-1])  # kernel -> stages -> [buffers, in flight]
+    decode = shapes["attention_decode"]
+    assert decode["2"] == [1, 0] and decode["4"] == [1, 0], decode
+    assert decode["5"][0] >= 2 and decode["5"][1] > 0, decode
+    assert decode["7"][0] >= 3 and decode["7"][1] > decode["5"][1], decode
+    assert shapes["gemv_dot"]["3"][0] >= 2 and shapes["gemv_dot"]["3"][1] > 0, shapes
