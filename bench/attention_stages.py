@@ -19,6 +19,12 @@ against the first config's on the same inputs: a pipeline depth changes no arith
 agree exactly.
 Prediction: at 12 x 800, ``num_stages`` 5 (block_n 64) or 7 (block_n 32) 16-19 µs → 11-13 µs; at
 32 x 4096 (already at the roofline) no change.
+Measured (session 25, H200, bench/results/attention-stages-s25-call2-2026-12-03.json): **missed**.
+At 12 x 800 the default 20.4 µs, the best 17.8 (block_n 32, 5 stages: -13%, 52% of the roofline);
+at 4 x 800 every auto-split config 10.7-11.7 µs. Depth pays where programs hold many tiles (12 x
+2048 at split 2: 45.6 → 36.1 µs, block_n 32 61.9 → 41.0), not at chat's four tiles a program: the
+~9 µs a call is not the pipeline. In the 8B decode step at bs 12 the deeper configs read -0.7% to
++0%, at bs 16 up to +4% (decode-batch-s25-call2).
 
     python bench/attention_stages.py                # CUDA; JSON to bench/results/
     python bench/attention_stages.py --device cpu   # Triton interpreter, tiny shapes: checks only
