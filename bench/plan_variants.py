@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from anneal.engine.plan import GEMV_MAX_M
+from anneal.engine.plan import GEMV_FUSION_PROJECTIONS, GEMV_MAX_M
 
 # (op, params overlaid on the op's params in the base plan)
 CHANGES = [
@@ -47,12 +47,6 @@ CHANGES = [
 # fusions the base plan does not have, switched on one at a time
 FUSION_CHANGES = ["lm_head_argmax", "silu_mul_down", "gate_up_silu", "linear_norm"]
 
-# the projections whose params each GEMV fusion runs with (engine/fusions.build_fusions)
-FUSED_PROJECTIONS = {
-    "gate_up_silu": ("gate_up_proj",), "qkv_rope": ("qkv_proj",), "silu_mul_down": ("down_proj",),
-    "linear_norm": ("o_proj", "down_proj"), "norm_linear": ("qkv_proj", "gate_up_proj"),
-    "norm_stats": ("o_proj", "down_proj", "qkv_proj", "gate_up_proj"),
-}
 # one change each from the GEMV's defaults (64 x 64 x 128 tiles, split-K from the SM count, 4 warps,
 # 3 stages, split sums by a second kernel)
 TILE_CHANGES = [
@@ -68,7 +62,7 @@ def fused_tile_variants(base: dict, stem: str) -> dict[str, dict]:
     when it already is the Triton GEMV."""
     out: dict[str, dict] = {}
     on = [f for f, enabled in base.get("fusions", {}).items() if enabled]
-    projections = sorted({p for f in on for p in FUSED_PROJECTIONS.get(f, ())})
+    projections = sorted({p for f in on for p in GEMV_FUSION_PROJECTIONS.get(f, ())})
     for op in projections:
         choice = base.get("ops", {}).get(op, {"impl": "reference"})
         params = dict(choice.get("params", {})) if choice.get("impl") == "triton_gemv_splitk" else {}
@@ -97,7 +91,7 @@ def main() -> None:
     if args.fused_tiles:
         variants = fused_tile_variants(base, args.base.stem)
         if not variants:
-            raise SystemExit(f"{args.base}: no GEMV fusion on ({sorted(FUSED_PROJECTIONS)}), no fused tiles to vary")
+            raise SystemExit(f"{args.base}: no GEMV fusion on ({sorted(GEMV_FUSION_PROJECTIONS)}), no fused tiles to vary")
         for name, plan in variants.items():
             (args.out / name).write_text(json.dumps(plan, indent=1))
         print(",".join(str(args.out / n) for n in sorted(variants)))

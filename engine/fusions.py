@@ -13,38 +13,41 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from anneal.engine.plan import GEMV_BLOCK_N, fused_gemv_params
+from anneal.engine.plan import GEMV_BLOCK_N, GEMV_FUSION_PROJECTIONS, fused_gemv_params
 
 
 def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]) -> dict[str, Callable]:
-    """The callables behind a plan's fusions, keyed by their ``OpTable.FUSED`` names."""
+    """The callables behind a plan's fusions, keyed by their ``OpTable.FUSED`` names. Each GEMV
+    fusion runs with the params of its projections in ``GEMV_FUSION_PROJECTIONS``."""
     from anneal.engine.kernels import gemv
 
     out: dict[str, Callable] = {}
     for name in names:
+        projs = GEMV_FUSION_PROJECTIONS.get(name, ())
+        gemv_params = {proj: fused_gemv_params(*choices[proj]) for proj in projs}
         if name == "lm_head_argmax":
             out[name] = gemv.lm_head_argmax
-        elif name == "silu_mul_down":
-            out[name] = _silu_mul_down(gemv, fns, *fused_gemv_params(*choices["down_proj"]))
-        elif name == "linear_norm":
-            for proj in ("o_proj", "down_proj"):
-                out[f"{proj}_add_rmsnorm"] = _linear_norm(gemv, fns, proj, *fused_gemv_params(*choices[proj]))
-        elif name == "gate_up_silu":
-            out["gate_up_silu"] = _gate_up_silu(gemv, fns, *fused_gemv_params(*choices["gate_up_proj"]))
-        elif name == "qkv_rope":
-            out["qkv_rope_store"] = _qkv_rope(gemv, fns, *fused_gemv_params(*choices["qkv_proj"]))
-        elif name == "norm_linear":
-            for proj in ("qkv_proj", "gate_up_proj"):
-                out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *fused_gemv_params(*choices[proj]))
+        elif name == "silu_mul_down":  # down_proj
+            out[name] = _silu_mul_down(gemv, fns, *gemv_params[projs[0]])
+        elif name == "linear_norm":  # o_proj, down_proj
+            for proj in projs:
+                out[f"{proj}_add_rmsnorm"] = _linear_norm(gemv, fns, proj, *gemv_params[proj])
+        elif name == "gate_up_silu":  # gate_up_proj
+            out["gate_up_silu"] = _gate_up_silu(gemv, fns, *gemv_params[projs[0]])
+        elif name == "qkv_rope":  # qkv_proj
+            out["qkv_rope_store"] = _qkv_rope(gemv, fns, *gemv_params[projs[0]])
+        elif name == "norm_linear":  # qkv_proj, gate_up_proj
+            for proj in projs:
+                out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *gemv_params[proj])
         elif name == "folded_norm":
             out.update(_folded_norm(fns, choices))
         elif name == "rope_attention":
             out["rope_attention"] = _rope_attention(choices)
-        elif name == "norm_stats":
+        elif name == "norm_stats":  # o_proj and down_proj leave the statistics, qkv_proj and gate_up_proj use them
             for proj in ("o_proj", "down_proj"):
-                out[f"{proj}_add_stats"] = _add_stats(gemv, fns, proj, *fused_gemv_params(*choices[proj]))
-            out["norm_stats_qkv"] = _norm_stats_qkv(gemv, fns, out, *fused_gemv_params(*choices["qkv_proj"]))
-            out["norm_stats_gate_up"] = _norm_stats_gate_up(gemv, fns, out, *fused_gemv_params(*choices["gate_up_proj"]))
+                out[f"{proj}_add_stats"] = _add_stats(gemv, fns, proj, *gemv_params[proj])
+            out["norm_stats_qkv"] = _norm_stats_qkv(gemv, fns, out, *gemv_params["qkv_proj"])
+            out["norm_stats_gate_up"] = _norm_stats_gate_up(gemv, fns, out, *gemv_params["gate_up_proj"])
     return out
 
 

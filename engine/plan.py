@@ -95,6 +95,15 @@ GEMV_BLOCK_N = 64  # the Triton GEMV's default tile width (engine/kernels/gemv.K
 GEMV_MAX_M = 64  # its default row limit: above it the projection (and a fusion of it) runs unfused
 
 
+# the projections whose GEMV params each GEMV fusion runs with (``fused_gemv_params``): what
+# engine/fusions.build_fusions builds each fusion from, and what a tile sweep of a fusion must vary
+GEMV_FUSION_PROJECTIONS = {
+    "silu_mul_down": ("down_proj",), "linear_norm": ("o_proj", "down_proj"), "gate_up_silu": ("gate_up_proj",),
+    "qkv_rope": ("qkv_proj",), "norm_linear": ("qkv_proj", "gate_up_proj"),
+    "norm_stats": ("o_proj", "down_proj", "qkv_proj", "gate_up_proj"),
+}
+
+
 def fused_gemv_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The GEMV kernel params a fusion takes from its projection's choice (the projection's own when
     it is the Triton GEMV, else the GEMV's defaults), and the row count above which the unfused ops
