@@ -196,9 +196,9 @@ def paged_prefill_attention(
         Param("block_m", (16, 32, 64, 128), 64),
         Param("block_n", (16, 32, 64, 128), 64),
         Param("num_warps", (2, 4, 8), 4),
-        # up to 4 Triton 3.6 waits for every K/V copy at the loop's top (nothing in flight while a tile
-        # computes); from 5 the next tiles stay in flight (three buffers, 113 KB: one CTA an SM at 128 rows)
-        Param("num_stages", (1, 2, 3, 4, 5), 2),
+        # 5 (three K/V buffers, the next tiles in flight) was tried and lost 24% at 64 rows: 113 KB of
+        # shared memory leaves one CTA an SM (session 25, bench/prefill_attention.py)
+        Param("num_stages", (1, 2, 3, 4), 2),
         Param("pv_precision", ("bf16", "tf32"), "bf16"),
         # rows = (token, query head) pairs of one kv head: K/V read once per kv head, not per head
         Param("pack_gqa", (False, True), False),
