@@ -4,7 +4,8 @@ The loop: connect to (or start) the fast- and slow-tier engines; read the search
 hardware from the fast tier; run the proposer agents concurrently until the search share of the
 budget is spent; promote the best candidates on the slow tier (traffic replay, verification,
 consistent re-measurement, baseline in the same run); write ``plan.json``, ``report.md`` + plots
-and ``ledger.sqlite``. Re-running with the same ``--out`` resumes: finished experiments are reused.
+and ``ledger.sqlite``. Re-running with the same ``--out`` resumes: finished experiments are reused,
+and the budget is what the earlier runs there left of it (``budget_spent``).
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     p.add_argument("--model", required=True, help="Hugging Face model folder or random:<preset>")
     p.add_argument("--traffic", required=True, help="preset (chat, rag, agentic, batch) or a YAML/JSON TrafficShape")
     p.add_argument("--budget", type=float, default=120.0,
-                   help="seconds of search and promotion once the engines are up (default 120)")
+                   help="seconds of search and promotion once the engines are up (default 120), over all "
+                        "the runs in one --out: a rerun there spends what the earlier runs left")
     p.add_argument("--out", default="anneal-out",
                    help="output folder (plan.json, report.md + PNGs, ledger.sqlite); an existing ledger "
-                        "there is resumed: experiments it holds are reused, not run again")
+                        "there is resumed: experiments it holds are reused, not run again, and the time "
+                        "its runs spent counts against --budget")
     p.add_argument("--engines", default=None, help="FAST_URL,SLOW_URL of running engines' admin APIs; "
                    "without it both tiers start as local `anneal serve` processes")
     p.add_argument("--report-to", default=None, metavar="NS/NAME", help="CompilationJob to report progress to")
@@ -87,6 +90,16 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="interleaved slow-tier re-measurements of winner and baseline (default 2 on a GPU, "
                         "1 on the CPU); the median decides, so more rounds narrow a noisy replay")
     return p
+
+
+def budget_spent(ledger: Ledger) -> float:
+    """Seconds of budget the ledger's earlier runs spent: for each run whose start is recorded, from
+    its start to its last recorded experiment (a killed run's unrecorded last moments are lost)."""
+    starts = ledger.get_meta("run_starts", {}) or {}
+    last: dict[str, float] = {}
+    for exp in ledger.experiments():
+        last[exp.run_id] = max(last.get(exp.run_id, 0.0), exp.finished_at)
+    return sum(max(0.0, last[run] - start) for run, start in starts.items() if run in last)
 
 
 def _options() -> dict[str, Any]:
@@ -234,6 +247,12 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         _say(progress, f"note: engines serve {fast_state.model} (asked for {settings.model})")
     run_id = uuid.uuid4().hex[:12]
     ledger.set_meta("runs", [*(ledger.get_meta("runs", []) or []), run_id])
+    # A resumed compile spends what its earlier runs left of the budget: a 30-minute compile can
+    # then run as several shorter ones (a device's 10-minute calls), each killed one picking up where
+    # it stopped, and a finished one rerun reuses everything instead of searching again.
+    spent = budget_spent(ledger)
+    ledger.set_meta("run_starts", {**(ledger.get_meta("run_starts", {}) or {}), run_id: t0_wall})
+    t0 -= spent
     quick = not fast_state.device.startswith("cuda")
     if max_len is None:  # decided by where the engines run, not by this (maybe torch-free) process
         max_len = CPU_MAX_LEN if quick else None
@@ -258,7 +277,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     agents = _agents(agent_names, llm_model)
     lab.warm_up(setting.decode_spec)
     lab.warm_up(setting.workload_spec(), traffic_json)
-    resumed = f"; resuming from {len(ledger)} ledger rows" if len(ledger) else ""
+    resumed = (f"; resuming from {len(ledger)} ledger rows, {spent:.0f} of the {settings.budget_s:.0f} s budget "
+               f"spent by earlier runs" if len(ledger) else "")
     _say(progress, f"search space: {setting.space.size:.3g} plans; agents: "
                    f"{', '.join(a.name for a in agents)}{resumed}")
     results = _search_with_progress(agents, lab, setting, board, settings, progress)

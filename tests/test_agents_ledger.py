@@ -187,3 +187,49 @@ def _fake_in_thread():
     from fakes.fake_engine import FakeEngine, serve_in_thread
 
     return serve_in_thread(FakeEngine(token="tok"))
+
+
+def test_a_rerun_spends_what_the_earlier_runs_left_of_the_budget(tmp_path):
+    """The budget counts over the runs in one --out: a finished compile rerun with the same budget
+    has none left, so it measures nothing new on the fast tier (everything it asks is reused) and
+    says what the earlier run spent; raised, the budget buys more search."""
+    from anneal.agents.compile import budget_spent
+
+    fast, fast_url = _start_fake(1, delay=0.02)
+    slow, slow_url = _start_fake(4, delay=0.0)
+    out = tmp_path / "out"
+
+    def compile_(budget: str) -> subprocess.CompletedProcess:
+        cmd = [PY, "-m", "anneal.agents.compile", "--model", "random:tiny", "--traffic", "chat", "--budget", budget,
+               "--out", str(out), "--engines", f"{fast_url},{slow_url}",
+               "--agents", "kernel-tuner,plan-search,scheduler-tuner"]
+        r = subprocess.run(cmd, env={**os.environ, "ANNEAL_ADMIN_TOKEN": "tok"}, capture_output=True, text=True,
+                           timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r
+
+    def new_fast_measurements(before: dict, after: dict) -> set[str]:
+        return {k for k, n in after.items() if n > before.get(k, 0) and not k.endswith(f"|s{WARMUP_SEED}")}
+
+    try:
+        compile_("4")
+        with Ledger(out / "ledger.sqlite") as led:
+            spent1 = budget_spent(led)
+        assert 4 * 0.55 <= spent1 <= 60, spent1  # at least the search share, at most the whole run
+        calls1 = httpx.get(fast_url + "/fake/calls").json()
+
+        r2 = compile_("4")
+        calls2 = httpx.get(fast_url + "/fake/calls").json()
+        assert not new_fast_measurements(calls1, calls2), "a rerun with no budget left measured new candidates"
+        assert f"{spent1:.0f} of the 4 s budget spent by earlier runs" in r2.stderr, r2.stderr[-2000:]
+
+        compile_("40")
+        calls3 = httpx.get(fast_url + "/fake/calls").json()
+        assert new_fast_measurements(calls2, calls3), "a raised budget searched no further"
+        with Ledger(out / "ledger.sqlite") as led:
+            assert len({e.run_id for e in led.experiments()}) >= 2
+            assert budget_spent(led) > spent1
+    finally:
+        for p in (fast, slow):
+            p.kill()
+            p.wait()
