@@ -59,10 +59,15 @@ for s in "$@"; do
   case $s in
     compile-chat|compile-agentic)
       traffic=${s#compile-}; other=$([ "$traffic" = chat ] && echo agentic || echo chat)
-      # COMPILE_ARGS: extra flags (e.g. --compile-ahead), COMPILE_TAG: a suffix for the output folder
-      stage "$s${COMPILE_TAG:-}" $((BUDGET + 150)) $py -m anneal.cli compile --model random:llama-3.1-8b --traffic "$traffic" \
-        --cross-traffic "$other" --budget "$BUDGET" --fast-layers 2 --baseline-plan bench/plans/triton.json --rounds "${ROUNDS:-3}" \
-        --out "$OUT/$s${COMPILE_TAG:-}" --quiet ${COMPILE_ARGS:-}
+      # COMPILE_ARGS: extra flags (e.g. --compile-ahead), COMPILE_TAG: a suffix for the output folder.
+      # COMPILE_OUT: a folder carried in (an ignored path such as .resume/compile-chat-1800) to resume, with
+      # COMPILE_LIMIT the stage's limit: a budget longer than one device call runs as several, each
+      # stopped at its limit and the next one spending what is left (`--budget` counts over the runs)
+      out_dir=${COMPILE_OUT:-$OUT/$s${COMPILE_TAG:-}}
+      stage "$s${COMPILE_TAG:-}" "${COMPILE_LIMIT:-$((BUDGET + 150))}" $py -m anneal.cli compile --model random:llama-3.1-8b \
+        --traffic "$traffic" --cross-traffic "$other" --budget "$BUDGET" --fast-layers 2 \
+        --baseline-plan bench/plans/triton.json --rounds "${ROUNDS:-3}" --out "$out_dir" --quiet ${COMPILE_ARGS:-}
+      [ -n "${COMPILE_OUT:-}" ] && cp -r "$COMPILE_OUT" "$OUT/"
       ;;
     plans)
       # The reference plan's decode attention gathers max_model_len-wide block tables (it exists
