@@ -62,6 +62,18 @@ def make_caches(batch: int, ctx: int, copies: int, layout: str, device, dtype, g
     return out
 
 
+def shape_inputs(batch: int, ctx: int, layouts: tuple[str, ...], device, dtype):
+    """One (batch, context) shape's timing inputs: its K/V bytes, the copy count that exceeds L2, a
+    query set per copy, the context lengths and the cache copies per layout."""
+    kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+    copies = max(2, -(-120 * 2**20 // kv_bytes))  # more than twice the H200's 50 MB of L2
+    gen = torch.Generator(device=device).manual_seed(batch * 100_000 + ctx)
+    qs = [torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen) for _ in range(copies)]
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    caches = {lay: make_caches(batch, ctx, copies, lay, device, dtype, gen) for lay in layouts}
+    return kv_bytes, copies, qs, lens, caches
+
+
 def same_output(device, dtype) -> float:
     """Largest difference between the two layouts on the same values (they must agree exactly)."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -94,12 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
-        kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
-        copies = max(2, -(-120 * 2**20 // kv_bytes))  # more than twice the H200's 50 MB of L2
-        gen = torch.Generator(device=device).manual_seed(batch * 100_000 + ctx)
-        qs = [torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen) for _ in range(copies)]
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-        caches = {lay: make_caches(batch, ctx, copies, lay, device, dtype, gen) for lay in ("nhd", "hnd")}
+        kv_bytes, copies, qs, lens, caches = shape_inputs(batch, ctx, ("nhd", "hnd"), device, dtype)
         floor_us = kv_bytes / (bw * 1e9) * 1e6
         for cfg in CONFIGS:
             row = {"batch": batch, "context": ctx, **cfg, "floor_us": round(floor_us, 2)}

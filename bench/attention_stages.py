@@ -42,7 +42,7 @@ import torch
 from anneal.engine.kernels.attention_decode import paged_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_layout import HEAD_DIM, HEADS, KV_HEADS, make_caches  # noqa: E402
+from attention_layout import HEAD_DIM, HEADS, make_caches, shape_inputs  # noqa: E402
 from common import copy_bandwidth_gbps, probe_dtype, probe_parser, time_graph, write_probe  # noqa: E402
 
 # (block_n, num_stages) pairs around the buffer counts Triton 3.6 gives the loop (1 up to 4, 2 at 5-6,
@@ -84,12 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
-        kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
-        copies = max(2, -(-120 * 2**20 // kv_bytes))  # more than twice the H200's 50 MB of L2
-        gen = torch.Generator(device=device).manual_seed(batch * 100_000 + ctx)
-        qs = [torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen) for _ in range(copies)]
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-        sets = make_caches(batch, ctx, copies, "nhd", device, dtype, gen)
+        kv_bytes, copies, qs, lens, caches = shape_inputs(batch, ctx, ("nhd",), device, dtype)
+        sets = caches["nhd"]
         floor_us = kv_bytes / (bw * 1e9) * 1e6
         for cfg in CONFIGS:
             def call(i, cfg=cfg):
