@@ -48,7 +48,11 @@ from common import copy_bandwidth_gbps, probe_dtype, probe_parser, time_graph, w
 # (block_n, num_stages) pairs around the buffer counts Triton 3.6 gives the loop (1 up to 4, 2 at 5-6,
 # 3 at 7-8), at the auto split and at two fixed ones
 DEPTHS = [(64, 2), (64, 4), (64, 5), (32, 2), (32, 5), (32, 7), (16, 7)]
-CONFIGS = [dict(split_k=s, block_n=n, num_stages=st) for s in (0, 2, 8) for n, st in DEPTHS]
+
+
+def configs(splits: tuple[int, ...]) -> list[dict]:
+    """Every depth at each split count (0: the kernel's auto split; 1: no split, no merge kernel)."""
+    return [dict(split_k=s, block_n=n, num_stages=st) for s in splits for n, st in DEPTHS]
 
 
 def same_outputs(device, dtype, configs) -> float:
@@ -65,13 +69,15 @@ def same_outputs(device, dtype, configs) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__, reps=60)
     ap.add_argument("--shapes", default="4x800,12x800,16x800,12x2048,32x4096")
+    ap.add_argument("--splits", default="0,2,8", help="split counts to time every depth at (0 = auto)")
     args = ap.parse_args(argv)
+    cfgs = configs(tuple(int(x) for x in args.splits.split(",")))
     device = torch.device(args.device)
     dtype = probe_dtype(device)
     # a pipeline's depth changes only when tiles arrive, never the order of the arithmetic; the split
     # count and the tile size do change it, so outputs are compared within one (split, block_n)
-    groups = {(c["split_k"], c["block_n"]) for c in CONFIGS}
-    worst = max(same_outputs(device, dtype, [c for c in CONFIGS if (c["split_k"], c["block_n"]) == g])
+    groups = {(c["split_k"], c["block_n"]) for c in cfgs}
+    worst = max(same_outputs(device, dtype, [c for c in cfgs if (c["split_k"], c["block_n"]) == g])
                 for g in sorted(groups))
     print(f"depths of one (split, block_n) against each other, same inputs: max |diff| {worst:.3g}",
           file=sys.stderr)
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes, copies, qs, lens, caches = shape_inputs(batch, ctx, ("nhd",), device, dtype)
         sets = caches["nhd"]
         floor_us = kv_bytes / (bw * 1e9) * 1e6
-        for cfg in CONFIGS:
+        for cfg in cfgs:
             def call(i, cfg=cfg):
                 k, v, bt = sets[i]
                 paged_decode_attention(qs[i], k, v, bt, lens, 0.088, **cfg)
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         key = f"{r['batch']}x{r['context']}"
         base = best.setdefault(key, {"default_us": None, "best": None})
-        if r["split_k"] == 0 and (r["block_n"], r["num_stages"]) == DEPTHS[0]:
+        if r["split_k"] == 0 and (r["block_n"], r["num_stages"]) == DEPTHS[0]:  # the kernel's defaults
             base["default_us"] = r["us"]
         if base["best"] is None or r["us"] < base["best"]["us"]:
             base["best"] = {k: r[k] for k in ("us", "of_roofline", "split_k", "block_n", "num_stages")}
