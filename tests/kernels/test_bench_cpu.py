@@ -36,12 +36,14 @@ def test_bench_kernels_tiny_cpu(tmp_path):
 
 @pytest.mark.parametrize("script, says", [
     ("attention_layout.py", "NHD vs HND, same values: max |diff| 0"),
+    ("attention_stages.py", "depths of one (split, block_n) against each other, same inputs: max |diff| 0"),
     ("blas_backend.py", "every setting computes F.linear"),
     ("prefill_attention.py", "kernel, SDPA and reference on one shape: max |diff|"),
     ("persistent_chain.py", "every variant computes the reference chain"),
 ])
 def test_gpu_probes_check_their_premise_on_the_cpu(script, says):
-    """The device probes' CPU mode: the two cache layouts give the same attention, every BLAS
+    """The device probes' CPU mode: the two cache layouts give the same attention, so do the
+    pipeline depths of one split and tile size, every BLAS
     setting computes the same linear, and the paged prefill kernel, SDPA with a bottom-right causal
     mask and the reference agree (so on the GPU only their timings differ)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
