@@ -96,9 +96,7 @@ def budget_spent(ledger: Ledger) -> float:
     """Seconds of budget the ledger's earlier runs spent: for each run whose start is recorded, from
     its start to its last recorded experiment (a killed run's unrecorded last moments are lost)."""
     starts = ledger.get_meta("run_starts", {}) or {}
-    last: dict[str, float] = {}
-    for exp in ledger.experiments():
-        last[exp.run_id] = max(last.get(exp.run_id, 0.0), exp.finished_at)
+    last = ledger.last_finished()
     return sum(max(0.0, last[run] - start) for run, start in starts.items() if run in last)
 
 

@@ -117,6 +117,12 @@ class Ledger:
             ).fetchone()
         return _from_row(row) if row else None
 
+    def last_finished(self) -> dict[str, float]:
+        """Each run's latest ``finished_at``, by run id (how far a run got: what resuming counts)."""
+        with self._lock:
+            rows = self._db.execute("SELECT run_id, MAX(finished_at) FROM experiments GROUP BY run_id").fetchall()
+        return {run: finished for run, finished in rows}
+
     def experiments(self, *, kind: str | None = None, tier: str | None = None) -> list[Experiment]:
         q, args = f"SELECT {_COLS} FROM experiments", []
         where = []
