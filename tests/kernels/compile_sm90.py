@@ -33,6 +33,9 @@ LAUNCH_DIVISIBLE_INTS = {"N", "K", "k_per_split", "H", "max_tokens", "hidden"}
 # the decode split kernel's non-bf16 pointers (its rope_attention operands among them)
 DECODE_SPLIT_PTRS = {"bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
                      "cnt_ptr": "*i32", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"}
+# the GEMV kernel's non-bf16 pointers (its split-K workspace, argmax, ticket and RoPE operands)
+GEMV_PTRS = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
+             "cs_ptr": "*fp32", "slot_ptr": "*i64"}
 
 
 def specs():
@@ -65,30 +68,28 @@ def specs():
     yield attention_prefill._prefill_kernel, {"bt_ptr": "*i32", "cu_ptr": "*i32", "lens_ptr": "*i32"}, dict(
         G=7, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BS=16, PREC="tf32", UPCAST=False, PV_F32=False,
         PACK_GQA=True), 4
-    gp = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
-          "cs_ptr": "*fp32", "slot_ptr": "*i64"}
     for bm, split, silu, norm, argmax, ticket in (
             (1, 4, False, 0, False, False), (16, 1, False, 0, False, False), (64, 2, True, 0, False, False),
             (1, 1, False, 0, True, False), (16, 1, False, 0, True, False), (1, 4, False, 2, False, False),
             (16, 2, False, 2, False, False), (1, 1, False, 1, False, False), (16, 4, False, 0, False, True),
             (1, 8, True, 0, False, True), (32, 2, False, 2, False, True), (16, 1, False, 2, True, False)):
-        yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SILU_MUL=silu,
+        yield gemv._gemv_kernel, GEMV_PTRS, dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SILU_MUL=silu,
                                           NORM=norm, ARGMAX=argmax, TICKET=ticket, PREC="tf32", UPCAST=False,
                                           ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False), 4
     for bm, split, ticket in ((1, 4, True), (1, 1, False), (16, 2, True)):  # o/down_proj + add_rmsnorm
-        yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
+        yield gemv._gemv_kernel, GEMV_PTRS, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
                                           ARGMAX=False, TICKET=ticket, PREC="tf32", UPCAST=False, ROPE=False,
                                           HEAD_D=1, ADD_NORM=True, BLOCK_NORM=4096, SILU_OUT=False), 4
     for bm, split, bn in ((1, 1, 32), (1, 4, 128), (16, 2, 64)):  # gate_up_proj + silu_and_mul
-        yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
+        yield gemv._gemv_kernel, GEMV_PTRS, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
                                           ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=False,
                                           HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=True), 4
     for bm, split in ((1, 4), (1, 1), (16, 2)):  # qkv_proj + RoPE + cache store
-        yield gemv._gemv_kernel, gp, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
+        yield gemv._gemv_kernel, GEMV_PTRS, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
                                           ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=True, HEAD_D=64,
                                           ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False), 4
     for ahead, rope in ((2, False), (3, False), (2, True)):  # M == 1 with more W tiles in flight
-        yield gemv._gemv_kernel, gp, dict(BLOCK_M=1, BLOCK_N=128, BLOCK_K=64, SPLIT_K=8, SILU_MUL=False, NORM=0,
+        yield gemv._gemv_kernel, GEMV_PTRS, dict(BLOCK_M=1, BLOCK_N=128, BLOCK_K=64, SPLIT_K=8, SILU_MUL=False, NORM=0,
                                           ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=rope,
                                           HEAD_D=64 if rope else 1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False,
                                           AHEAD=ahead), 4
@@ -208,14 +209,12 @@ def loop_pipelining() -> dict[str, dict[int, tuple[int, int]]]:
     decode = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=64, BS=16, SPLIT_K=4, PREC="tf32", UPCAST=False,
                   PV_F32=False, TICKET=False, PREFETCH=False, ROPE=False, HAS_NORM=False, RMS=False, BLOCK_HID=16,
                   PDL=False)
-    gp = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
-          "cs_ptr": "*fp32", "slot_ptr": "*i64"}
     dot = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, SILU_MUL=False, NORM=0, ARGMAX=False, TICKET=False,
                PREC="tf32", UPCAST=False, ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False, PDL=False)
     return {
         "attention_decode": {st: shape(compile_one(attention_decode._decode_split_kernel, DECODE_SPLIT_PTRS, decode, 4,
                                                    num_stages=st), "k") for st in (2, 4, 5, 7)},
-        "gemv_dot": {st: shape(compile_one(gemv._gemv_kernel, gp, dot, 4, num_stages=st), "w") for st in (2, 3)},
+        "gemv_dot": {st: shape(compile_one(gemv._gemv_kernel, GEMV_PTRS, dot, 4, num_stages=st), "w") for st in (2, 3)},
     }
 
 
