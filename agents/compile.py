@@ -41,6 +41,8 @@ from anneal.agents.swarm import run_swarm, summary
 from anneal.agents.types import BenchSpec, Candidate, CompileSettings
 
 AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner", "llm-writer")
+ENGINE_STOP_GRACE_S = 20.0  # a finished compile's engines: time to exit cleanly
+INTERRUPTED_STOP_GRACE_S = 3.0  # a failed or interrupted one's: their work is abandoned
 SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
 
 
@@ -222,17 +224,23 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
             clients = local.start()
     ledger = Ledger(out / "ledger.sqlite")
     t0_wall, t0 = time.time(), time.monotonic()  # the budget starts once the engines answer
+    grace_s = ENGINE_STOP_GRACE_S
     try:
         if baseline is not None and local is None:  # local tiers were started on it already
             _apply_baseline(clients, baseline, settings.baseline_plan, progress)
         return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
                         max_len, cross_traffic, gpus, progress, verification or {}, llm_model, seeds)
+    except BaseException:
+        # Failed or interrupted: what the engines still run is this compile's own measurement,
+        # abandoned, so they are not given time to finish it (a SIGTERM'd pod has ~30 s in all).
+        grace_s = INTERRUPTED_STOP_GRACE_S
+        raise
     finally:
-        ledger.close()
+        if local is not None:  # first: an agent's request still in flight then fails at once
+            local.stop(timeout_s=grace_s)
         for c in clients.values():
             c.close()
-        if local is not None:
-            local.stop()
+        ledger.close()
 
 
 def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_len, cross_traffic, gpus,

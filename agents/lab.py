@@ -61,6 +61,7 @@ class Lab:
     _no_prepare: bool = False  # the fast engine has no POST /admin/prepare
     reused: int = 0
     run: int = 0
+    stopped: bool = False  # interrupted: an answer arriving now is not recorded (it may be cut short)
 
     def __post_init__(self) -> None:
         self._locks = {tier: threading.Lock() for tier in self.engines}
@@ -73,6 +74,12 @@ class Lab:
     def check_budget(self) -> None:
         if self.time_left() <= 0:
             raise BudgetExhausted()
+
+    def stop(self) -> None:
+        """The run is interrupted: no new fast-tier experiment starts, and none still in flight is
+        recorded (its engine may be stopping under it; a resumed run measures it again)."""
+        self.stopped = True
+        self.deadline = float("-inf")
 
     # ---- measuring -----------------------------------------------------------------------------
 
@@ -228,6 +235,8 @@ class Lab:
 
     def _record(self, exp: Experiment) -> Experiment:
         exp = exp.model_copy(update={"finished_at": time.time()})
+        if self.stopped:
+            return exp
         exp = self.ledger.record(exp)
         with self._state_lock:
             self.run += 1

@@ -3,7 +3,9 @@
 Why threads: agents spend their time waiting on the engine's HTTP answers; the lab queues their
 measurements per engine, so concurrency buys overlap of thinking (LLM calls, cost model) with
 measuring, never two timings at once on one engine. An agent that crashes is reported and the
-others go on: one broken proposer must not lose the compile.
+others go on: one broken proposer must not lose the compile. Interrupted (SIGTERM, Ctrl-C), the
+search stops at once: the lab records nothing more, and the agents' threads are daemons, so a
+measurement still in flight neither delays the exit nor lands in the ledger half-judged.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
 from anneal.agents.board import Board, SearchSetting
@@ -44,16 +45,17 @@ def run_swarm(
         with lock:
             results[agent.name] = outcome
 
-    with ThreadPoolExecutor(max_workers=max(1, len(agents)), thread_name_prefix="agent") as pool:
-        futures = [pool.submit(one, a) for a in agents]
-        try:
-            while not all(f.done() for f in futures):
-                if tick:
-                    tick()
-                time.sleep(tick_s)
-        except BaseException:
-            lab.deadline = float("-inf")  # interrupted: every agent stops at its next measurement
-            raise
+    threads = [threading.Thread(target=one, args=(a,), name=f"agent-{a.name}", daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            if tick:
+                tick()
+            time.sleep(tick_s)
+    except BaseException:
+        lab.stop()  # interrupted: nothing more is measured or recorded
+        raise
     if tick:
         tick()
     return results

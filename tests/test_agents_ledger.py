@@ -156,6 +156,39 @@ def test_killed_compile_resumes_without_remeasuring(tmp_path):
             p.wait()
 
 
+def test_sigterm_mid_measurement_exits_at_once_and_records_nothing_half_done(tmp_path):
+    """SIGTERM while a fast-tier measurement is in flight: the compile exits in a few seconds, not
+    when the measurement ends (a device's time limit killed one at +20 s, session 26), and the
+    abandoned measurement is not recorded: a resumed run measures it again."""
+    delay = 6.0  # each fake benchmark: longer than the exit may take
+    fast, fast_url = _start_fake(1, delay=delay)
+    slow, slow_url = _start_fake(4, delay=0.0)
+    out = tmp_path / "out"
+    cmd = [PY, "-m", "anneal.agents.compile", "--model", "random:tiny", "--traffic", "chat",
+           "--budget", "300", "--out", str(out), "--engines", f"{fast_url},{slow_url}", "--quiet",
+           "--agents", "kernel-tuner"]
+    try:
+        run = subprocess.Popen(cmd, env={**os.environ, "ANNEAL_ADMIN_TOKEN": "tok"},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while _rows(out / "ledger.sqlite") < 1 and time.time() < deadline and run.poll() is None:
+            time.sleep(0.05)
+        assert run.poll() is None, run.stdout.read().decode()
+        time.sleep(1.0)  # the next measurement is now in flight on the fast tier
+        rows = _rows(out / "ledger.sqlite")
+        t0 = time.monotonic()
+        run.send_signal(signal.SIGTERM)
+        rc = run.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        for p in (fast, slow):
+            p.kill()
+            p.wait()
+    assert rc == 128 + signal.SIGTERM, run.stdout.read().decode()[-2000:]
+    assert took < delay - 2.0, f"exit took {took:.1f} s: it waited for the measurement in flight"
+    assert _rows(out / "ledger.sqlite") == rows  # the cut-short measurement left no row
+
+
 def test_resume_retries_transient_failures_but_not_refusals(tmp_path):
     """A 400 (the engine refused the plan) is final; no answer or a 5xx is retried on resume."""
     from anneal.agents.lab import Lab
