@@ -7,6 +7,7 @@ They talk through this board, never through each other.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import threading
@@ -127,25 +128,43 @@ class Board:
         with self._lock:
             self.fusions[name] = min(ratio, self.fusions.get(name, ratio))
 
-    def _compatible_fusions(self, plan: Plan) -> list[str]:
-        """The kept fusions that ``plan``'s ops allow, fastest trial first, less each that the engine
-        refuses beside a faster one (``plan.FUSION_CONFLICTS``): session 21's chat compile kept
-        ``norm_stats`` (x0.943) and ``folded_norm`` (x0.991), and the conflict table's fixed order
-        chose ``folded_norm``."""
-        blocked = fusion_blockers(plan.model_copy(update={"fusions": dict.fromkeys(self.fusions, True)}))
-        chosen: list[str] = []
-        for f in sorted(self.fusions, key=self.fusions.get):
-            if f not in blocked and not fusion_conflicts([*chosen, f]):
-                chosen.append(f)
-        return chosen
+    def _fusion_set(self, allowed: list[str]) -> list[str]:
+        """Of the ``allowed`` kept fusions, the set the engine runs together (``plan.FUSION_CONFLICTS``)
+        whose trials' ratios multiply to the least: each trial ran one fusion beside the base, and
+        their gains are taken to compound. Session 26's 30-minute chat compile kept norm_stats
+        x0.981, rope_attention x0.981, folded_norm x0.983 and gate_up_silu x0.985; taking the fastest
+        first gave norm_stats + gate_up_silu (x0.966), where rope_attention + folded_norm (x0.964)
+        is the hand-set best's pair."""
+        names = sorted(allowed, key=self.fusions.get)  # ties go to the faster trials
+        best, best_ratio = [], 1.0
+        for r in range(len(names), 0, -1):
+            for combo in itertools.combinations(names, r):
+                ratio = math.prod(self.fusions[f] for f in combo)
+                if ratio < best_ratio and not fusion_conflicts(combo):
+                    best, best_ratio = list(combo), ratio
+        return best
 
-    def composite(self, base: Plan) -> Plan:
+    def _compatible_fusions(self, plan: Plan) -> list[str]:
+        """The best set (``_fusion_set``) of the kept fusions that ``plan``'s ops allow."""
+        blocked = fusion_blockers(plan.model_copy(update={"fusions": dict.fromkeys(self.fusions, True)}))
+        return self._fusion_set([f for f in self.fusions if f not in blocked])
+
+    def composite(self, base: Plan, fusions_first: bool = False) -> Plan:
         """The base plan with every tuned op, the fitted graph buckets, the token graphs and the
-        fusions when their trials won (of two that exclude each other, the faster trial's), and the
-        chosen scheduler (fusions the tuned ops exclude are dropped by ``normalized``)."""
+        best set of the fusions whose trials won, and the chosen scheduler. A tuned op can rule out
+        a fusion (a Triton o_proj rules out folded_norm): by default the op stays and the fusion
+        goes; ``fusions_first`` keeps the fusions and leaves such ops at the base's choice. Session
+        26's compile had only the first: its tuned projections took folded_norm and rope_attention
+        out of the composite, which replayed x0.95 the baseline on the slow tier."""
         with self._lock:
-            plan = base.with_ops(**{op: ch for op, (ch, _) in self.best_ops.items()})
-            needed = [self.kernels[f"{op}/{ch.impl}"] for op, (ch, _) in sorted(self.best_ops.items())
+            ops = {op: ch for op, (ch, _) in self.best_ops.items()}
+            if fusions_first and self.fusions:
+                wanted = dict.fromkeys(self._fusion_set(list(self.fusions)), True)
+                ops = {op: ch for op, ch in ops.items()
+                       if not set(fusion_blockers(base.with_ops(**{op: ch}).model_copy(
+                           update={"fusions": wanted}))) & set(wanted)}
+            plan = base.with_ops(**ops)
+            needed = [self.kernels[f"{op}/{ch.impl}"] for op, ch in sorted(ops.items())
                       if f"{op}/{ch.impl}" in self.kernels]
             upd: dict[str, Any] = {"name": "composite", "kernels": [*base.kernels, *needed]}
             if self.scheduler is not None:

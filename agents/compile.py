@@ -306,6 +306,12 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     if comp.hash not in seen:
         seen.add(comp.hash)
         cands.append(Candidate(plan=comp, agent="composite", note="tuned ops + graphs + scheduler"))
+    # where tuned ops rule out kept fusions, the other way round too: the slow tier decides
+    fused = board.composite(baseline, fusions_first=True).model_copy(update={"name": None})
+    if fused.hash not in seen:
+        seen.add(fused.hash)
+        cands.append(Candidate(plan=fused, agent="composite",
+                               note="fusions + graphs + scheduler, tuned ops that rule them out left at the base"))
     for ms, plan, agent in board.top_plans(settings.top_k):
         if plan.hash not in seen:
             seen.add(plan.hash)

@@ -334,6 +334,35 @@ def test_of_two_kept_fusions_that_exclude_each_other_the_composite_carries_the_f
         assert board.composite(Plan()).fusions == {"norm_stats": True, "lm_head_argmax": True}
 
 
+def test_the_composite_takes_the_set_of_fusions_whose_gains_compound_most_and_a_second_keeps_them():
+    """Session 26's 30-minute chat compile: four fusions kept, x0.981-0.985 each, two pairs of them
+    exclusive. Taking the fastest trial first gave norm_stats + gate_up_silu (x0.966); the best set
+    is rope_attention + folded_norm (x0.964). Its tuned o_proj then ruled out folded_norm, and the
+    composite (x0.95 the baseline on the slow tier) lost the fusions: a second composite keeps them
+    and leaves such ops at the base, while ops that rule out nothing stay tuned."""
+    from anneal.engine.plan import Plan
+
+    base = Plan().with_ops(attention_decode=OpChoice(impl="triton_splitk"))
+    board = Board()
+    for name, ratio in (("norm_stats", 0.981), ("rope_attention", 0.9812), ("folded_norm", 0.983),
+                        ("gate_up_silu", 0.985)):
+        board.keep_fusion(name, ratio)
+    assert board.composite(base).fusions == {"rope_attention": True, "folded_norm": True}
+    gemv = OpChoice(impl="triton_gemv_splitk")
+    board.best_ops["o_proj"] = (gemv, 0.03)
+    board.best_ops["qkv_proj"] = (gemv, 0.04)
+    ops_first = board.composite(base)
+    assert ops_first.choice("o_proj").impl == "triton_gemv_splitk"
+    assert ops_first.fusions == {"norm_stats": True, "gate_up_silu": True}  # the best set folded_norm allows
+    fused = board.composite(base, fusions_first=True)
+    assert fused.fusions == {"rope_attention": True, "folded_norm": True}
+    assert fused.choice("o_proj").impl == base.choice("o_proj").impl == "reference"
+    assert fused.choice("qkv_proj").impl == "triton_gemv_splitk"
+    # nothing ruled out: one composite
+    del board.best_ops["o_proj"]
+    assert board.composite(base).hash == board.composite(base, fusions_first=True).hash
+
+
 @pytest.mark.parametrize("drift", [0.0, 0.01, -0.01])
 def test_plan_search_tries_each_fusion_beside_the_base_and_the_composite_keeps_the_winner(tmp_path, drift):
     """One fusion makes every step 3% faster, one 2% slower, the rest change nothing; the fast
