@@ -14,7 +14,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import KernelSource, OpChoice, Plan, SchedulerKnobs, fusion_blockers, fusion_conflicts
+from anneal.engine.plan import (
+    KernelSource, OpChoice, Plan, SchedulerKnobs, fusion_blockers, fusion_conflicts, retiled_fusions,
+)
 from anneal.agents.space import CandidateSpace, normalized
 from anneal.agents.types import BenchSpec, LatencyObjective
 
@@ -144,25 +146,33 @@ class Board:
                     best, best_ratio = list(combo), ratio
         return best
 
-    def _compatible_fusions(self, plan: Plan) -> list[str]:
-        """The best set (``_fusion_set``) of the kept fusions that ``plan``'s ops allow."""
+    def _compatible_fusions(self, plan: Plan, base: Plan) -> list[str]:
+        """The best set (``_fusion_set``) of the kept fusions that ``plan``'s ops allow and leave as
+        their trials ran them (a fusion whose GEMV the tuned projections retile is another kernel)."""
         blocked = fusion_blockers(plan.model_copy(update={"fusions": dict.fromkeys(self.fusions, True)}))
-        return self._fusion_set([f for f in self.fusions if f not in blocked])
+        changed = retiled_fusions(plan, base)
+        return self._fusion_set([f for f in self.fusions if f not in blocked and f not in changed])
 
     def composite(self, base: Plan, fusions_first: bool = False) -> Plan:
         """The base plan with every tuned op, the fitted graph buckets, the token graphs and the
         best set of the fusions whose trials won, and the chosen scheduler. A tuned op can rule out
-        a fusion (a Triton o_proj rules out folded_norm): by default the op stays and the fusion
-        goes; ``fusions_first`` keeps the fusions and leaves such ops at the base's choice. Session
-        26's compile had only the first: its tuned projections took folded_norm and rope_attention
-        out of the composite, which replayed x0.95 the baseline on the slow tier."""
+        a fusion (a Triton o_proj rules out folded_norm) or retile it (the fused GEMVs take their
+        projections' params): by default the op stays and the fusion goes; ``fusions_first`` keeps
+        the fusions and leaves such ops at the base's choice. Session 26's compile had only the
+        first, and fused GEMVs on the tuned projections' tiles: its composite replayed x0.95 the
+        baseline on the slow tier."""
         with self._lock:
             ops = {op: ch for op, (ch, _) in self.best_ops.items()}
             if fusions_first and self.fusions:
-                wanted = dict.fromkeys(self._fusion_set(list(self.fusions)), True)
-                ops = {op: ch for op, ch in ops.items()
-                       if not set(fusion_blockers(base.with_ops(**{op: ch}).model_copy(
-                           update={"fusions": wanted}))) & set(wanted)}
+                wanted = self._fusion_set(list(self.fusions))
+                on = {"fusions": dict.fromkeys(wanted, True)}
+
+                def spoils(op: str, ch: OpChoice) -> bool:
+                    alone = base.with_ops(**{op: ch})
+                    return bool(set(wanted) & (set(fusion_blockers(alone.model_copy(update=on)))
+                                               | set(retiled_fusions(alone, base))))
+
+                ops = {op: ch for op, ch in ops.items() if not spoils(op, ch)}
             plan = base.with_ops(**ops)
             needed = [self.kernels[f"{op}/{ch.impl}"] for op, ch in sorted(ops.items())
                       if f"{op}/{ch.impl}" in self.kernels]
@@ -174,7 +184,7 @@ class Board:
             if self.token_graph_sizes is not None:
                 upd["cuda_graph_token_sizes"] = list(self.token_graph_sizes)
             if self.fusions:
-                upd["fusions"] = {**base.fusions, **{f: True for f in self._compatible_fusions(plan)}}
+                upd["fusions"] = {**base.fusions, **{f: True for f in self._compatible_fusions(plan, base)}}
         return normalized(plan.model_copy(update=upd))
 
     @property

@@ -114,6 +114,16 @@ def fused_gemv_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any]
     return p, p.pop("max_m", GEMV_MAX_M) or 1 << 30
 
 
+def retiled_fusions(plan: "Plan", base: "Plan") -> list[str]:
+    """The GEMV fusions that would run with other tiles in ``plan`` than in ``base``: each takes its
+    projections' GEMV params (``fused_gemv_params``), so a projection tuned unfused changes a fused
+    kernel that was never timed with them (session 23: `gemv-m16-alldot`'s tiles in the compiled
+    chat plan's fused GEMVs, 10-12% slower decode steps)."""
+    return [f for f, projs in GEMV_FUSION_PROJECTIONS.items()
+            if any(fused_gemv_params(plan.choice(p).impl, plan.choice(p).params)
+                   != fused_gemv_params(base.choice(p).impl, base.choice(p).params) for p in projs)]
+
+
 def rope_fusable(block_n: int, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     """Whether the qkv GEMV's RoPE epilogue can tile these heads: whole heads per tile, no tile
     across q | k | v."""

@@ -337,9 +337,11 @@ def test_of_two_kept_fusions_that_exclude_each_other_the_composite_carries_the_f
 def test_the_composite_takes_the_set_of_fusions_whose_gains_compound_most_and_a_second_keeps_them():
     """Session 26's 30-minute chat compile: four fusions kept, x0.981-0.985 each, two pairs of them
     exclusive. Taking the fastest trial first gave norm_stats + gate_up_silu (x0.966); the best set
-    is rope_attention + folded_norm (x0.964). Its tuned o_proj then ruled out folded_norm, and the
-    composite (x0.95 the baseline on the slow tier) lost the fusions: a second composite keeps them
-    and leaves such ops at the base, while ops that rule out nothing stay tuned."""
+    is rope_attention + folded_norm (x0.964). Its tuned projections then ruled out folded_norm
+    (o_proj) and retiled norm_stats' and gate_up_silu's fused GEMVs: the composite (x0.95 the
+    baseline on the slow tier) ran fusions never timed so. The first composite now drops what the
+    tuned ops rule out or retile; a second keeps the best set and leaves those ops at the base,
+    while ops that touch none of its fusions stay tuned."""
     from anneal.engine.plan import Plan
 
     base = Plan().with_ops(attention_decode=OpChoice(impl="triton_splitk"))
@@ -348,18 +350,24 @@ def test_the_composite_takes_the_set_of_fusions_whose_gains_compound_most_and_a_
                         ("gate_up_silu", 0.985)):
         board.keep_fusion(name, ratio)
     assert board.composite(base).fusions == {"rope_attention": True, "folded_norm": True}
-    gemv = OpChoice(impl="triton_gemv_splitk")
-    board.best_ops["o_proj"] = (gemv, 0.03)
-    board.best_ops["qkv_proj"] = (gemv, 0.04)
+    # at the GEMV's default tiles a Triton projection leaves the fused kernels as they were timed
+    board.best_ops["qkv_proj"] = (OpChoice(impl="triton_gemv_splitk"), 0.04)
+    assert board.composite(base).fusions == {"rope_attention": True, "folded_norm": True}
+    tuned = OpChoice(impl="triton_gemv_splitk", params={"block_m": 16, "block_n": 16, "max_m": 8})
+    board.best_ops["o_proj"] = (tuned, 0.03)
     ops_first = board.composite(base)
-    assert ops_first.choice("o_proj").impl == "triton_gemv_splitk"
-    assert ops_first.fusions == {"norm_stats": True, "gate_up_silu": True}  # the best set folded_norm allows
+    assert ops_first.choice("o_proj") == tuned
+    # folded_norm ruled out by the Triton o_proj, norm_stats retiled by its tiles
+    assert ops_first.fusions == {"rope_attention": True, "gate_up_silu": True}
+    board.best_ops["gate_up_proj"] = (tuned, 0.1)  # retiles gate_up_silu too
+    assert board.composite(base).fusions == {"rope_attention": True}
     fused = board.composite(base, fusions_first=True)
     assert fused.fusions == {"rope_attention": True, "folded_norm": True}
     assert fused.choice("o_proj").impl == base.choice("o_proj").impl == "reference"
+    assert fused.choice("gate_up_proj") == tuned  # folded_norm neither needs nor retiles gate_up
     assert fused.choice("qkv_proj").impl == "triton_gemv_splitk"
-    # nothing ruled out: one composite
-    del board.best_ops["o_proj"]
+    # nothing ruled out or retiled: one composite
+    del board.best_ops["o_proj"], board.best_ops["gate_up_proj"]
     assert board.composite(base).hash == board.composite(base, fusions_first=True).hash
 
 
