@@ -206,6 +206,46 @@ def test_promotion_gain_comes_from_fresh_request_samples_only():
     assert (tps.baseline, tps.candidate) == (100.0, 102.0)  # and each side's median
 
 
+def test_promotion_judges_latency_bounds_on_the_fresh_samples_not_the_ranking_one():
+    """Session 26: two plans rejected at TTFT p90 164.0 / 163.6 ms against a bound of 163.0 (1.05x
+    the baseline's on the ranking sample), while the promoted one, 162.9 there, read x0.99-1.02 the
+    baseline's on three fresh samples. The ranking sample now screens at 1.10x the bound; the fresh
+    samples' median of per-sample ratios decides."""
+    from types import SimpleNamespace
+
+    from anneal.agents.types import Measurement, Verdict
+    from anneal.engine.plan import OpChoice, Plan
+
+    base = Plan()
+    near, slow, far = (Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": k}))
+                       for k in (2, 4, 8))
+    ttft = {base.hash: [155.0, 139.0, 187.0, 116.0],
+            near.hash: [164.0, 137.5, 187.8, 118.1],  # x1.058 on the ranking sample, ~x1.0 after
+            slow.hash: [164.0, 150.0, 202.0, 125.0],  # x1.058, then x1.08 on every fresh sample
+            far.hash: [180.0, 139.0, 187.0, 116.0]}   # x1.16 on the ranking sample: screened out
+    tokens = {base.hash: 100.0, near.hash: 110.0, slow.hash: 115.0, far.hash: 120.0}
+
+    class SampleLab:
+        def measure(self, cand, spec, tier, **kw):
+            h = cand.plan.hash
+            m = Measurement(median_ms=1.0, tokens_per_s=tokens[h], itl_p90_ms=5.0, ttft_p90_ms=ttft[h][spec.seed])
+            return SimpleNamespace(measurement=m, verdict=Verdict(status="measured"))
+
+        def ensure_kernels(self, cand, tier):
+            return None
+
+        def verify(self, cand, tier, **kw):
+            return SimpleNamespace(passed=True), None
+
+    spec = BenchSpec(mode="workload", num_requests=4)
+    cands = [Candidate(plan=p, agent="t") for p in (near, slow, far)]
+    promo = promote(SampleLab(), cands, base, spec, rounds=3)
+    why = dict(promo.rejected)
+    assert "x1.1 on the ranking sample" in why[far.hash]
+    assert why[slow.hash].startswith("latency on fresh request samples: ttft_p90_ms x1.079")
+    assert promo.winner == near  # the 1.05x bound on the ranking sample alone rejected it
+
+
 def test_the_reported_gain_pairs_each_request_sample():
     """A sample's requests move both plans alike (session 7: the baseline read 359-674 tok/s across
     four samples), so the gain is the median of per-sample ratios, as bench/plans.py computes it,
