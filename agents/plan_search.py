@@ -176,6 +176,10 @@ class PlanSearch:
                 if tuned.hash not in seen:
                     evaluate(tuned.model_copy(update={"name": None}), "kernel-tuner findings")
                     continue
+                fused = board.composite(setting.base, fusions_first=True)  # the kept fusions over tuned ops
+                if fused.hash not in seen:
+                    evaluate(fused.model_copy(update={"name": None}), "kept fusions + kernel-tuner findings they allow")
+                    continue
                 if not pop:
                     evaluate(space.random_plan(rng, setting.base), "random restart")
                     continue

@@ -371,6 +371,29 @@ def test_the_composite_takes_the_set_of_fusions_whose_gains_compound_most_and_a_
     assert board.composite(base).hash == board.composite(base, fusions_first=True).hash
 
 
+def test_plan_search_times_both_composites_when_a_tuned_op_rules_out_a_kept_fusion(tmp_path):
+    """A kept folded_norm and a tuned Triton o_proj (which rules it out): the search times the
+    tuned composite and the fusions-first one, so the population can breed from either."""
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", noise=0.0, fusion_gains={"folded_norm": 0.03},
+                                          extra_variants={"o_proj": {"reference": {}, "triton_gemv_splitk": {"max_m": [8, 64]}}}))
+    try:
+        with EngineClient(url, "tok") as client:
+            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+            led = Ledger(tmp_path / "l.sqlite")
+            board = Board()
+            board.best_ops["o_proj"] = (OpChoice(impl="triton_gemv_splitk", params={"max_m": 8}), 0.01)
+            PlanSearch(max_children=1).run(Lab(ledger=led, engines={"fast": client}), setting, board)
+            rows = {r.note: r.plan for r in led.experiments()}
+            led.close()
+    finally:
+        srv.shutdown()
+    assert board.fusions and "folded_norm" in board.fusions
+    tuned = rows["kernel-tuner findings"]
+    assert tuned.choice("o_proj").impl == "triton_gemv_splitk" and not tuned.fusions.get("folded_norm")
+    fused = rows["kept fusions + kernel-tuner findings they allow"]
+    assert fused.choice("o_proj").impl == "reference" and fused.fusions.get("folded_norm")
+
+
 @pytest.mark.parametrize("drift", [0.0, 0.01, -0.01])
 def test_plan_search_tries_each_fusion_beside_the_base_and_the_composite_keeps_the_winner(tmp_path, drift):
     """One fusion makes every step 3% faster, one 2% slower, the rest change nothing; the fast
