@@ -44,6 +44,7 @@ AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner"
 ENGINE_STOP_GRACE_S = 20.0  # a finished compile's engines: time to exit cleanly
 INTERRUPTED_STOP_GRACE_S = 3.0  # a failed or interrupted one's: their work is abandoned
 SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
+PROMOTION_SHARE = 0.85  # no further slow-tier candidate once one is measured; the winner's rounds run on
 
 
 class CompileError(RuntimeError):
@@ -325,7 +326,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     _say(progress, f"promoting {len(cands)} candidates on the slow tier (baseline measured in the same run) ...")
     promo = promote(lab, cands, baseline, wspec, objective=setting.objective,
                     max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification),
-                    deadline=t0 + settings.budget_s * 0.85, rounds=settings.rounds or (1 if quick else 2))
+                    deadline=t0 + settings.budget_s * PROMOTION_SHARE, rounds=settings.rounds or (1 if quick else 2))
 
     # The tensor-parallel degree is the cost model's recommendation (NVLink all-reduce included),
     # reported, not written into the plan: the gains above were measured at the engines' degree,
@@ -357,12 +358,18 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     write_artifact(out, compiled)
     per_op = _per_op(ledger, baseline, promo.winner, cost, setting)
     wall = time.monotonic() - t0
+    runs = len(ledger.get_meta("run_starts", {}) or {})
+    # a compile can end before its budget (session 26: 1171 of 1800 s), and should say why
+    over = f" over {runs} runs in this folder" if runs > 1 else ""
+    budget = (f"{wall:.0f} of {settings.budget_s:.0f} s spent{over}; the search stops at {SEARCH_SHARE:.0%} of it, "
+              f"promotion once its candidates ({len(cands)}) are measured (or at {PROMOTION_SHARE:.0%}); the "
+              f"winner's checks and re-measurements, and the other shape's replays, run past that")
     write_report(
         out, compiled, baseline, ledger.experiments(), t0=t0_wall, wall_s=wall,
         spec_key=setting.decode_spec.key(), per_op=per_op, base_m=promo.baseline_m, win_m=promo.winner_m,
         rejected=promo.rejected, notes=board.notes, calibration=cost.calibrations() if cost else {},
         tp_choice=tp_choice, cross=cross, roofline=_slow_roofline(slow_state), paired=promo.paired,
-        ranked_on=promo.ranked_on,
+        ranked_on=promo.ranked_on, budget=budget,
     )
     gain = next((g.ratio for g in promo.gains if g.metric == "tokens_per_s"), None)
     publish_result(settings.report_to, compiled)

@@ -250,7 +250,7 @@ def write_report(
     base_m: list[Measurement], win_m: list[Measurement], rejected: list[tuple[str, str]],
     notes: list[str], calibration: dict[str, Any], tp_choice: tuple[int, dict[int, float]] | None,
     cross: dict[str, Any] | None = None, roofline: CostModel | None = None, paired: list[float] | None = None,
-    ranked_on: float | None = None,
+    ranked_on: float | None = None, budget: str | None = None,
 ) -> Path:
     plot_progress(out / "search_progress.png", exps, spec_key, t0)
     if per_op:
@@ -270,6 +270,7 @@ def write_report(
         f"- plan hash `{compiled.plan.hash}` (baseline `{baseline.hash}`)",
         f"- {len(exps)} experiments in {wall_s:.0f} s ({per_hour:.0f} measured experiments/hour); "
         + ", ".join(f"{k}: {v}" for k, v in sorted(by_status.items())),
+        *([f"- budget: {budget}"] if budget else []),
         "",
         "## Gain against the baseline (slow tier, traffic replay, same run)",
         "",
