@@ -58,7 +58,8 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     p.add_argument("--traffic", required=True, help="preset (chat, rag, agentic, batch) or a YAML/JSON TrafficShape")
     p.add_argument("--budget", type=float, default=120.0,
                    help="seconds of search and promotion once the engines are up (default 120), over all "
-                        "the runs in one --out: a rerun there spends what the earlier runs left")
+                        "the runs in one --out: a rerun there spends what the earlier runs left; the "
+                        "winner's checks and re-measurements run past it (the report says how long)")
     p.add_argument("--out", default="anneal-out",
                    help="output folder (plan.json, report.md + PNGs, ledger.sqlite); an existing ledger "
                         "there is resumed: experiments it holds are reused, not run again, and the time "
