@@ -314,7 +314,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         seen.add(fused.hash)
         cands.append(Candidate(plan=fused, agent="composite",
                                note="fusions + graphs + scheduler, tuned ops that rule them out left at the base"))
-    for ms, plan, agent in board.top_plans(settings.top_k):
+    for ms, plan, agent in board.top_plans(settings.top_k, distinct_fusions=True):
         if plan.hash not in seen:
             seen.add(plan.hash)
             cands.append(Candidate(plan=plan, agent=agent, note=f"fast-tier {ms:.3f} ms"))

@@ -371,6 +371,25 @@ def test_the_composite_takes_the_set_of_fusions_whose_gains_compound_most_and_a_
     assert board.composite(base).hash == board.composite(base, fusions_first=True).hash
 
 
+def test_promotion_takes_the_fastest_plan_of_each_fusion_set_among_the_tied_ones():
+    """Session 26 promoted three plans with one fusion set, 0.551-0.554 ms apart on the fast tier.
+    Among the plans within 3% of the fastest, each fusion set's fastest goes first; a plan further
+    behind is not promoted for its structure alone."""
+    from anneal.engine.plan import Plan
+
+    def plan(fusions, warps):
+        return Plan().with_ops(rmsnorm=OpChoice(impl="triton", params={"num_warps": warps})).model_copy(
+            update={"fusions": dict.fromkeys(fusions, True)})
+
+    board = Board()
+    a, b, c = plan(["norm_stats"], 1), plan(["norm_stats"], 2), plan(["norm_stats"], 4)
+    d, far = plan(["folded_norm", "rope_attention"], 1), plan(["gate_up_silu"], 1)
+    for ms, p in ((0.551, a), (0.552, b), (0.553, c), (0.560, d), (0.600, far)):
+        board.offer_plan(ms, p, "plan-search")
+    assert [p.hash for _, p, _ in board.top_plans(3)] == [a.hash, b.hash, c.hash]
+    assert [p.hash for _, p, _ in board.top_plans(3, distinct_fusions=True)] == [a.hash, d.hash, b.hash]
+
+
 def test_plan_search_times_both_composites_when_a_tuned_op_rules_out_a_kept_fusion(tmp_path):
     """A kept folded_norm and a tuned Triton o_proj (which rules it out): the search times the
     tuned composite and the fusions-first one, so the population can breed from either."""
