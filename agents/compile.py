@@ -45,6 +45,7 @@ ENGINE_STOP_GRACE_S = 20.0  # a finished compile's engines: time to exit cleanly
 INTERRUPTED_STOP_GRACE_S = 3.0  # a failed or interrupted one's: their work is abandoned
 SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
 PROMOTION_SHARE = 0.85  # no further slow-tier candidate once one is measured; the winner's rounds run on
+EXTRA_PROMOTED = 12  # more fast-tier plans replayed on the slow tier while the promotion deadline allows
 
 
 class CompileError(RuntimeError):
@@ -323,11 +324,20 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         if alt.hash not in seen:
             seen.add(alt.hash)
             cands.append(Candidate(plan=alt, agent="composite", note="tuned ops + runner-up scheduler"))
+    # then the next fast-tier plans, as long as the promotion deadline allows (a 30-minute budget
+    # left 360 s of it unused in session 26, with 7 candidates measured)
+    extra = []
+    for ms, plan, agent in board.top_plans(settings.top_k + EXTRA_PROMOTED, distinct_fusions=True):
+        if plan.hash not in seen:
+            seen.add(plan.hash)
+            extra.append(Candidate(plan=plan, agent=agent, note=f"fast-tier {ms:.3f} ms (while the budget allows)"))
     wspec = setting.workload_spec().model_copy(update={"seed": settings.seed})
-    _say(progress, f"promoting {len(cands)} candidates on the slow tier (baseline measured in the same run) ...")
+    _say(progress, f"promoting {len(cands)} candidates on the slow tier (baseline measured in the same run), "
+                   f"then up to {len(extra)} more while the budget allows ...")
     promo = promote(lab, cands, baseline, wspec, objective=setting.objective,
                     max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification),
-                    deadline=t0 + settings.budget_s * PROMOTION_SHARE, rounds=settings.rounds or (1 if quick else 2))
+                    deadline=t0 + settings.budget_s * PROMOTION_SHARE, rounds=settings.rounds or (1 if quick else 2),
+                    extra=extra)
 
     # The tensor-parallel degree is the cost model's recommendation (NVLink all-reduce included),
     # reported, not written into the plan: the gains above were measured at the engines' degree,
@@ -363,8 +373,9 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     # a compile can end before its budget (session 26: 1171 of 1800 s), and should say why
     over = f" over {runs} runs in this folder" if runs > 1 else ""
     budget = (f"{wall:.0f} of {settings.budget_s:.0f} s spent{over}; the search stops at {SEARCH_SHARE:.0%} of it, "
-              f"promotion once its candidates ({len(cands)}) are measured (or at {PROMOTION_SHARE:.0%}); the "
-              f"winner's checks and re-measurements, and the other shape's replays, run past that")
+              f"promotion once its candidates ({len(cands)}, then up to {len(extra)} more) are measured or at "
+              f"{PROMOTION_SHARE:.0%}; the winner's checks and re-measurements, and the other shape's replays, "
+              f"run past that")
     write_report(
         out, compiled, baseline, ledger.experiments(), t0=t0_wall, wall_s=wall,
         spec_key=setting.decode_spec.key(), per_op=per_op, base_m=promo.baseline_m, win_m=promo.winner_m,

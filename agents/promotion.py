@@ -66,11 +66,14 @@ def promote(
     lab: Lab, candidates: list[Candidate], baseline: Plan, spec: BenchSpec, *,
     objective: LatencyObjective | None = None, latency_slack: float = 1.05, max_spread: float = 0.5,
     rounds: int = 2, verify_kwargs: dict[str, Any] | None = None, deadline: float = math.inf,
+    extra: list[Candidate] | None = None,
 ) -> Promotion:
     """Pick the verified, consistently timed winner among ``candidates`` on the slow tier.
 
     Candidates come best-first; past ``deadline`` (time.monotonic) no further candidate is
-    measured once one has been, so the budget holds even when slow-tier replays are slow.
+    measured once one has been, so the budget holds even when slow-tier replays are slow. The
+    ``extra`` ones follow while the deadline allows and are passed over silently after it: what a
+    long budget buys is more plans judged where the fast tier cannot judge them.
     """
     base_cand = Candidate(plan=baseline, agent="baseline", note="baseline (same run)")
     base_exp = lab.measure(base_cand, spec, "slow", prune=False, budgeted=False)
@@ -115,6 +118,11 @@ def promote(
             continue
         entry = measured(cand)
         if entry is not None:
+            ranked.append(entry)
+    for cand in extra or ():
+        if time.monotonic() > deadline:
+            break
+        if cand.hash != baseline.hash and (entry := measured(cand)) is not None:
             ranked.append(entry)
     ranked.sort(key=lambda t: -t[0])
     tried = {c.hash for _, c, _ in ranked} | {baseline.hash}

@@ -246,6 +246,44 @@ def test_promotion_judges_latency_bounds_on_the_fresh_samples_not_the_ranking_on
     assert promo.winner == near  # the 1.05x bound on the ranking sample alone rejected it
 
 
+def test_extra_candidates_are_replayed_while_the_deadline_allows_and_passed_over_silently_after():
+    """A long budget buys more plans judged on the slow tier (session 26 left 360 s of its promotion
+    time unused); a short one measures its candidates as before and says nothing of the extras."""
+    import time
+    from types import SimpleNamespace
+
+    from anneal.agents.types import Measurement, Verdict
+    from anneal.engine.plan import OpChoice, Plan
+
+    base = Plan()
+    first, more, best = (Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": k}))
+                         for k in (2, 4, 8))
+    tokens = {base.hash: 100.0, first.hash: 105.0, more.hash: 104.0, best.hash: 112.0}
+    measured = []
+
+    class SampleLab:
+        def measure(self, cand, spec, tier, **kw):
+            measured.append(cand.plan.hash)
+            m = Measurement(median_ms=1.0, tokens_per_s=tokens[cand.plan.hash])
+            return SimpleNamespace(measurement=m, verdict=Verdict(status="measured"))
+
+        def ensure_kernels(self, cand, tier):
+            return None
+
+        def verify(self, cand, tier, **kw):
+            return SimpleNamespace(passed=True), None
+
+    spec = BenchSpec(mode="workload", num_requests=4)
+    extra = [Candidate(plan=p, agent="t") for p in (more, best)]
+    promo = promote(SampleLab(), [Candidate(plan=first, agent="t")], base, spec, rounds=1, extra=extra)
+    assert promo.winner == best
+    measured.clear()
+    promo = promote(SampleLab(), [Candidate(plan=first, agent="t")], base, spec, rounds=1, extra=extra,
+                    deadline=time.monotonic() - 1)
+    assert promo.winner == first and more.hash not in measured and best.hash not in measured
+    assert not any(h in (more.hash, best.hash) for h, _ in promo.rejected)
+
+
 def test_the_reported_gain_pairs_each_request_sample():
     """A sample's requests move both plans alike (session 7: the baseline read 359-674 tok/s across
     four samples), so the gain is the median of per-sample ratios, as bench/plans.py computes it,
