@@ -332,8 +332,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
             seen.add(plan.hash)
             extra.append(Candidate(plan=plan, agent=agent, note=f"fast-tier {ms:.3f} ms (while the budget allows)"))
     wspec = setting.workload_spec().model_copy(update={"seed": settings.seed})
-    _say(progress, f"promoting {len(cands)} candidates on the slow tier (baseline measured in the same run), "
-                   f"then up to {len(extra)} more while the budget allows ...")
+    more = f", then up to {len(extra)} more while the budget allows" if extra else ""
+    _say(progress, f"promoting {len(cands)} candidates{more} on the slow tier (baseline measured in the same run) ...")
     promo = promote(lab, cands, baseline, wspec, objective=setting.objective,
                     max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification),
                     deadline=t0 + settings.budget_s * PROMOTION_SHARE, rounds=settings.rounds or (1 if quick else 2),
@@ -373,9 +373,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     # a compile can end before its budget (session 26: 1171 of 1800 s), and should say why
     over = f" over {runs} runs in this folder" if runs > 1 else ""
     budget = (f"{wall:.0f} of {settings.budget_s:.0f} s spent{over}; the search stops at {SEARCH_SHARE:.0%} of it, "
-              f"promotion once its candidates ({len(cands)}, then up to {len(extra)} more) are measured or at "
-              f"{PROMOTION_SHARE:.0%}; the winner's checks and re-measurements, and the other shape's replays, "
-              f"run past that")
+              f"promotion once its {len(cands)} candidates{more} are measured or at {PROMOTION_SHARE:.0%}; the "
+              f"winner's checks and re-measurements, and the other shape's replays, run past that")
     write_report(
         out, compiled, baseline, ledger.experiments(), t0=t0_wall, wall_s=wall,
         spec_key=setting.decode_spec.key(), per_op=per_op, base_m=promo.baseline_m, win_m=promo.winner_m,
