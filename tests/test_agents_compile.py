@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,7 +20,26 @@ from anneal.agents.engine_client import EngineClient
 from anneal.agents.lab import Lab
 from anneal.agents.ledger import Ledger
 from anneal.agents.promotion import promote
-from anneal.agents.types import BenchSpec, Candidate
+from anneal.agents.types import BenchSpec, Candidate, Verdict
+
+
+class SampleLab:
+    """A slow tier without an engine for promote(): ``measurement(plan_hash, seed)`` gives each replay
+    (seed = the request sample), every candidate verifies; ``order`` collects (seed, plan hash)."""
+
+    def __init__(self, measurement, order: list | None = None):
+        self.measurement, self.order = measurement, order if order is not None else []
+
+    def measure(self, cand, spec, tier, **kw):
+        self.order.append((spec.seed, cand.plan.hash))
+        return SimpleNamespace(measurement=self.measurement(cand.plan.hash, spec.seed),
+                               verdict=Verdict(status="measured"))
+
+    def ensure_kernels(self, cand, tier):
+        return None
+
+    def verify(self, cand, tier, **kw):
+        return SimpleNamespace(passed=True), None
 
 
 @pytest.fixture
@@ -167,9 +187,7 @@ def test_promotion_gain_comes_from_fresh_request_samples_only():
     """The sample the candidates were ranked on favours the winner (the best of several noisy
     readings): a plan x1.30 there and x0.98-1.02 on fresh samples is no gain. Counting the ranked
     sample, the median of four was x1.005 and it was promoted."""
-    from types import SimpleNamespace
-
-    from anneal.agents.types import Measurement, Verdict
+    from anneal.agents.types import Measurement
     from anneal.engine.plan import OpChoice, Plan
 
     lucky = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4}))
@@ -178,24 +196,15 @@ def test_promotion_gain_comes_from_fresh_request_samples_only():
 
     order = []
 
-    class SampleLab:
-        def measure(self, cand, spec, tier, **kw):
-            order.append((spec.seed, cand.plan.hash))
-            m = Measurement(median_ms=1.0, tokens_per_s=tokens[(cand.plan.hash, spec.seed)])
-            return SimpleNamespace(measurement=m, verdict=Verdict(status="measured"))
-
-        def ensure_kernels(self, cand, tier):
-            return None
-
-        def verify(self, cand, tier, **kw):
-            return SimpleNamespace(passed=True), None
+    def lab():
+        return SampleLab(lambda h, seed: Measurement(median_ms=1.0, tokens_per_s=tokens[(h, seed)]), order)
 
     spec = BenchSpec(mode="workload", num_requests=4)
-    promo = promote(SampleLab(), [Candidate(plan=lucky, agent="t")], Plan(), spec, rounds=3)
+    promo = promote(lab(), [Candidate(plan=lucky, agent="t")], Plan(), spec, rounds=3)
     assert promo.is_baseline
     assert any("no gain over the baseline on fresh request samples" in why for _, why in promo.rejected)
     tokens[(lucky.hash, 2)] = 104.0  # now the fresh samples agree on a gain: x1.02, x1.04, x0.99
-    promo = promote(SampleLab(), [Candidate(plan=lucky, agent="t")], Plan(), spec, rounds=3)
+    promo = promote(lab(), [Candidate(plan=lucky, agent="t")], Plan(), spec, rounds=3)
     assert promo.winner == lucky and promo.paired == pytest.approx([1.02, 1.04, 0.99])
     assert promo.ranked_on == pytest.approx(1.3)
     # the fresh rounds alternate who is replayed first (the first slot read ~3% low on the H200)
@@ -211,9 +220,7 @@ def test_promotion_judges_latency_bounds_on_the_fresh_samples_not_the_ranking_on
     the baseline's on the ranking sample), while the promoted one, 162.9 there, read x0.99-1.02 the
     baseline's on three fresh samples. The ranking sample now screens at 1.10x the bound; the fresh
     samples' median of per-sample ratios decides."""
-    from types import SimpleNamespace
-
-    from anneal.agents.types import Measurement, Verdict
+    from anneal.agents.types import Measurement
     from anneal.engine.plan import OpChoice, Plan
 
     base = Plan()
@@ -225,21 +232,11 @@ def test_promotion_judges_latency_bounds_on_the_fresh_samples_not_the_ranking_on
             far.hash: [180.0, 139.0, 187.0, 116.0]}   # x1.16 on the ranking sample: screened out
     tokens = {base.hash: 100.0, near.hash: 110.0, slow.hash: 115.0, far.hash: 120.0}
 
-    class SampleLab:
-        def measure(self, cand, spec, tier, **kw):
-            h = cand.plan.hash
-            m = Measurement(median_ms=1.0, tokens_per_s=tokens[h], itl_p90_ms=5.0, ttft_p90_ms=ttft[h][spec.seed])
-            return SimpleNamespace(measurement=m, verdict=Verdict(status="measured"))
-
-        def ensure_kernels(self, cand, tier):
-            return None
-
-        def verify(self, cand, tier, **kw):
-            return SimpleNamespace(passed=True), None
-
+    lab = SampleLab(lambda h, seed: Measurement(median_ms=1.0, tokens_per_s=tokens[h], itl_p90_ms=5.0,
+                                                ttft_p90_ms=ttft[h][seed]))
     spec = BenchSpec(mode="workload", num_requests=4)
     cands = [Candidate(plan=p, agent="t") for p in (near, slow, far)]
-    promo = promote(SampleLab(), cands, base, spec, rounds=3)
+    promo = promote(lab, cands, base, spec, rounds=3)
     why = dict(promo.rejected)
     assert "x1.1 on the ranking sample" in why[far.hash]
     assert why[slow.hash].startswith("latency on fresh request samples: ttft_p90_ms x1.079")
@@ -250,36 +247,23 @@ def test_extra_candidates_are_replayed_while_the_deadline_allows_and_passed_over
     """A long budget buys more plans judged on the slow tier (session 26 left 360 s of its promotion
     time unused); a short one measures its candidates as before and says nothing of the extras."""
     import time
-    from types import SimpleNamespace
-
-    from anneal.agents.types import Measurement, Verdict
+    from anneal.agents.types import Measurement
     from anneal.engine.plan import OpChoice, Plan
 
     base = Plan()
     first, more, best = (Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": k}))
                          for k in (2, 4, 8))
     tokens = {base.hash: 100.0, first.hash: 105.0, more.hash: 104.0, best.hash: 112.0}
-    measured = []
-
-    class SampleLab:
-        def measure(self, cand, spec, tier, **kw):
-            measured.append(cand.plan.hash)
-            m = Measurement(median_ms=1.0, tokens_per_s=tokens[cand.plan.hash])
-            return SimpleNamespace(measurement=m, verdict=Verdict(status="measured"))
-
-        def ensure_kernels(self, cand, tier):
-            return None
-
-        def verify(self, cand, tier, **kw):
-            return SimpleNamespace(passed=True), None
-
+    order = []
+    lab = SampleLab(lambda h, seed: Measurement(median_ms=1.0, tokens_per_s=tokens[h]), order)
     spec = BenchSpec(mode="workload", num_requests=4)
     extra = [Candidate(plan=p, agent="t") for p in (more, best)]
-    promo = promote(SampleLab(), [Candidate(plan=first, agent="t")], base, spec, rounds=1, extra=extra)
+    promo = promote(lab, [Candidate(plan=first, agent="t")], base, spec, rounds=1, extra=extra)
     assert promo.winner == best
-    measured.clear()
-    promo = promote(SampleLab(), [Candidate(plan=first, agent="t")], base, spec, rounds=1, extra=extra,
+    order.clear()
+    promo = promote(lab, [Candidate(plan=first, agent="t")], base, spec, rounds=1, extra=extra,
                     deadline=time.monotonic() - 1)
+    measured = {h for _, h in order}
     assert promo.winner == first and more.hash not in measured and best.hash not in measured
     assert not any(h in (more.hash, best.hash) for h, _ in promo.rejected)
 
