@@ -304,33 +304,29 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     # measured (session 19, call 6: three single-fusion plans took the slow tier's time, the
     # composite of all three was never measured).
     cands: list[Candidate] = []
+    extra: list[Candidate] = []  # measured after them, only while the promotion deadline allows
     seen = {baseline.hash}
+
+    def offer(into: list[Candidate], plan: Plan, agent: str, note: str) -> None:
+        if plan.hash not in seen:
+            seen.add(plan.hash)
+            into.append(Candidate(plan=plan, agent=agent, note=note))
+
     comp = board.composite(baseline).model_copy(update={"name": None})
-    if comp.hash not in seen:
-        seen.add(comp.hash)
-        cands.append(Candidate(plan=comp, agent="composite", note="tuned ops + graphs + scheduler"))
+    offer(cands, comp, "composite", "tuned ops + graphs + scheduler")
     # where tuned ops rule out kept fusions, the other way round too: the slow tier decides
-    fused = board.composite(baseline, fusions_first=True).model_copy(update={"name": None})
-    if fused.hash not in seen:
-        seen.add(fused.hash)
-        cands.append(Candidate(plan=fused, agent="composite",
-                               note="fusions + graphs + scheduler, tuned ops that rule them out left at the base"))
-    for ms, plan, agent in board.top_plans(settings.top_k, distinct_fusions=True):
-        if plan.hash not in seen:
-            seen.add(plan.hash)
-            cands.append(Candidate(plan=plan, agent=agent, note=f"fast-tier {ms:.3f} ms"))
+    offer(cands, board.composite(baseline, fusions_first=True).model_copy(update={"name": None}), "composite",
+          "fusions + graphs + scheduler, tuned ops that rule them out left at the base")
+    tops = board.top_plans(settings.top_k + EXTRA_PROMOTED, distinct_fusions=True)
+    for ms, plan, agent in tops[:settings.top_k]:
+        offer(cands, plan, agent, f"fast-tier {ms:.3f} ms")
     for knobs in board.scheduler_runners_up:
-        alt = normalized(comp.model_copy(update={"scheduler": knobs}))
-        if alt.hash not in seen:
-            seen.add(alt.hash)
-            cands.append(Candidate(plan=alt, agent="composite", note="tuned ops + runner-up scheduler"))
-    # then the next fast-tier plans, as long as the promotion deadline allows (a 30-minute budget
-    # left 360 s of it unused in session 26, with 7 candidates measured)
-    extra = []
-    for ms, plan, agent in board.top_plans(settings.top_k + EXTRA_PROMOTED, distinct_fusions=True):
-        if plan.hash not in seen:
-            seen.add(plan.hash)
-            extra.append(Candidate(plan=plan, agent=agent, note=f"fast-tier {ms:.3f} ms (while the budget allows)"))
+        offer(cands, normalized(comp.model_copy(update={"scheduler": knobs})), "composite",
+              "tuned ops + runner-up scheduler")
+    # then the next fast-tier plans (a 30-minute budget left 360 s of promotion unused in session
+    # 26, with 7 candidates measured)
+    for ms, plan, agent in tops[settings.top_k:]:
+        offer(extra, plan, agent, f"fast-tier {ms:.3f} ms (while the budget allows)")
     wspec = setting.workload_spec().model_copy(update={"seed": settings.seed})
     more = f", then up to {len(extra)} more while the budget allows" if extra else ""
     _say(progress, f"promoting {len(cands)} candidates{more} on the slow tier (baseline measured in the same run) ...")
