@@ -12,7 +12,7 @@ import math
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from anneal.engine.plan import (
     KernelSource, OpChoice, Plan, SchedulerKnobs, fusion_blockers, fusion_conflicts, retiled_fusions,
@@ -125,17 +125,26 @@ class Board:
         with self._lock:
             self.notes.append(text)
 
-    def top_plans(self, k: int, distinct_fusions: bool = False) -> list[tuple[float, Plan, str]]:
-        """The ``k`` fastest plans. With ``distinct_fusions``, of the plans within ``TIED_SHARE`` of
-        the fastest, the fastest of each set of enabled fusions first: the slow tier then chooses
-        between structures, not between tile tweaks of one. Session 26's 30-minute compile promoted
-        three plans with the same fusions, 0.551-0.554 ms on the fast tier, which replayed 1937-2055
-        tok/s; a 2-layer step is no finer a judge than that."""
+    def top_plans(self, k: int, distinct_fusions: bool = False,
+                  rank: Callable[[float, Plan], float] | None = None) -> list[tuple[float, Plan, str]]:
+        """The ``k`` fastest plans, by ``rank(ms, plan)`` when given (the step projected to the whole
+        model: ``CostModel.whole_model_ms``), else by their fast-tier ms. With ``distinct_fusions``,
+        of the plans within ``TIED_SHARE`` of the fastest, the fastest of each set of enabled
+        fusions first: the slow tier then chooses between structures, not between tile tweaks of
+        one. Session 26's 30-minute compile promoted three plans with the same fusions, 0.551-0.554
+        ms on the fast tier, which replayed 1937-2055 tok/s; a 2-layer step is no finer a judge
+        than that."""
         with self._lock:
             plans = list(self.plans)
+        if rank is not None:
+            keys = {id(e): rank(e[0], e[1]) for e in plans}
+            plans.sort(key=lambda e: keys[id(e)])
+        else:
+            keys = {id(e): e[0] for e in plans}
         if not distinct_fusions or not plans:
             return plans[:k]
-        tied = [e for e in plans if e[0] <= plans[0][0] * (1 + TIED_SHARE)]
+        fastest = keys[id(plans[0])]
+        tied = [e for e in plans if keys[id(e)] <= fastest * (1 + TIED_SHARE)]
         firsts, seen = [], set()
         for entry in tied:
             key = frozenset(f for f, on in entry[1].fusions.items() if on)

@@ -317,16 +317,23 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     # where tuned ops rule out kept fusions, the other way round too: the slow tier decides
     offer(cands, board.composite(baseline, fusions_first=True).model_copy(update={"name": None}), "composite",
           "fusions + graphs + scheduler, tuned ops that rule them out left at the base")
-    tops = board.top_plans(settings.top_k + EXTRA_PROMOTED, distinct_fusions=True)
+    # ranked as the whole model would run them: the fast tier's step is half lm_head on the 8B
+    whole = None if cost is None else (lambda ms, plan: cost.whole_model_ms(plan, setting.decode_spec, ms))
+    tops = board.top_plans(settings.top_k + EXTRA_PROMOTED, distinct_fusions=True, rank=whole)
+
+    def fast_note(ms: float, plan: Plan) -> str:
+        projected = "" if whole is None or whole(ms, plan) == ms else f", {whole(ms, plan):.3f} ms projected to every layer"
+        return f"fast-tier {ms:.3f} ms{projected}"
+
     for ms, plan, agent in tops[:settings.top_k]:
-        offer(cands, plan, agent, f"fast-tier {ms:.3f} ms")
+        offer(cands, plan, agent, fast_note(ms, plan))
     for knobs in board.scheduler_runners_up:
         offer(cands, normalized(comp.model_copy(update={"scheduler": knobs})), "composite",
               "tuned ops + runner-up scheduler")
     # then the next fast-tier plans (a 30-minute budget left 360 s of promotion unused in session
     # 26, with 7 candidates measured)
     for ms, plan, agent in tops[settings.top_k:]:
-        offer(extra, plan, agent, f"fast-tier {ms:.3f} ms (while the budget allows)")
+        offer(extra, plan, agent, f"{fast_note(ms, plan)} (while the budget allows)")
     wspec = setting.workload_spec().model_copy(update={"seed": settings.seed})
     more = f", then up to {len(extra)} more while the budget allows" if extra else ""
     _say(progress, f"promoting {len(cands)} candidates{more} on the slow tier (baseline measured in the same run) ...")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,29 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2,
 PER_LAYER_OPS = ("add_rmsnorm", "qkv_proj", "qk_rope_store", "attention", "o_proj",
                  "gate_up_proj", "silu_and_mul", "down_proj")
 ONCE_OPS = ("embedding", "rmsnorm", "lm_head", "sample")
+# The plan ops behind what a decode step runs once, whatever its layer count.
+HEAD_OPS = ("embedding", "lm_head", "argmax")
+
+
+def once_a_step_ms(per_op_ms: dict[str, float]) -> float | None:
+    """What a decode step runs once, from the engine's per-op timing of it: the embedding and the
+    head. A plan with the fused lm_head + argmax runs that in its graph in place of lm_head and
+    argmax (the engine times it beside its eager steps, which still call the two). None when the
+    timing has no head (a prompt step's, a fake engine's)."""
+    if "lm_head_argmax" in per_op_ms:
+        head = per_op_ms["lm_head_argmax"]
+    elif "lm_head" in per_op_ms:
+        head = per_op_ms["lm_head"] + per_op_ms.get("argmax", 0.0)
+    else:
+        return None
+    return head + per_op_ms.get("embedding", 0.0)
+
+
+def _head_key(plan: Plan, spec: BenchSpec) -> tuple[int, str]:
+    """What the once-a-step part of a decode step depends on: the batch and the head's choices."""
+    head = {op: plan.choice(op).model_dump(mode="json") for op in HEAD_OPS}
+    head["lm_head_argmax"] = bool(plan.fusions.get("lm_head_argmax"))
+    return spec.batch_size, json.dumps(head, sort_keys=True)
 
 
 def shape_from_state(state: EngineState) -> ModelShape:
@@ -200,6 +224,7 @@ class CostModel:
     hw: HardwareSpec
     layers: int | None = None  # layers the engine runs (fast tier loads a few)
     _fits: dict[str, _Fit] = field(default_factory=dict)
+    _once: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # _head_key -> once_a_step_ms
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -272,6 +297,24 @@ class CostModel:
         per_layer = op in PER_LAYER_OPS or op.startswith("attention")
         return self.shape.num_layers / self.layers if per_layer and self.layers else 1.0
 
+    def whole_model_ms(self, plan: Plan, spec: BenchSpec, step_ms: float) -> float:
+        """A fast-tier decode step of ``plan`` as the whole model would run it: the part run once a
+        step as measured, the layers' part scaled to the model's layer count. What plans are ranked
+        by: on the 8B's 2-layer fast tier lm_head is ~43% of the step (0.25 of 0.58 ms) against ~5%
+        of the whole model's, so on the raw step a few µs of lm_head outweighed 16 times as many of
+        the layers' (session 26's top fast-tier plans differed mostly there). The once-a-step part
+        is the median of the per-op timings of the plans with the same head choices at this batch
+        (any head's when none was timed; none when nothing was). On an engine with every layer, the
+        step itself."""
+        if not self.layers or self.layers >= self.shape.num_layers:
+            return step_ms
+        key = _head_key(plan, spec)
+        with self._lock:
+            seen = self._once.get(key) or [x for k, xs in self._once.items() if k[0] == key[0] for x in xs]
+            once = statistics.median(seen) if seen else 0.0
+        once = min(once, step_ms)
+        return once + (step_ms - once) * self.shape.num_layers / self.layers
+
     def roofline_step_ms(self, tokens: float, rows: float, keys: float) -> float:
         """One step of ``tokens`` from ``rows`` sequences, each token attending ``keys`` positions,
         at the roofline alone: every op at the larger of its bytes / copy bandwidth and FLOPs /
@@ -296,6 +339,10 @@ class CostModel:
     def observe(self, plan: Plan, spec: BenchSpec, m: Measurement) -> None:
         """Fit the corrections from one measurement (per op when the engine reports per-op times)."""
         raw = self.predict(plan, spec, calibrated=False)
+        once = once_a_step_ms(m.per_op_ms) if m.per_op_ms and spec.mode == "decode" else None
+        if once is not None:
+            with self._lock:
+                self._once.setdefault(_head_key(plan, spec), []).append(once)
         if m.per_op_ms:
             with self._lock:
                 for op, ms in m.per_op_ms.items():

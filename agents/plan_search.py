@@ -156,7 +156,8 @@ class PlanSearch:
             exp = lab.measure(Candidate(plan=plan, agent=self.name, note=note, parent=parent), spec)
             if exp.verdict.status == "measured" and exp.measurement is not None:
                 ms = exp.measurement.median_ms
-                pop.append((ms, plan))
+                # parents chosen as the whole model would rank them, not by the head-heavy fast step
+                pop.append((ms if lab.cost_model is None else lab.cost_model.whole_model_ms(plan, spec, ms), plan))
                 pop.sort(key=lambda t: t[0])
                 del pop[self.population:]
                 board.offer_plan(ms, plan, self.name)

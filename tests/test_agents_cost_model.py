@@ -246,3 +246,45 @@ def test_a_fusion_trial_on_two_layers_is_projected_to_the_whole_model():
     whole = CostModel.from_state(H200)  # every layer loaded: the measured ratio
     assert full_model_ratio(whole, "folded_norm", Plan(), spec, 5.0, 4.9) == pytest.approx(0.98)
     assert full_model_ratio(None, "folded_norm", Plan(), spec, 0.6, 0.594) == pytest.approx(0.99)
+
+
+def test_fast_tier_plans_are_ranked_by_their_step_projected_to_every_layer():
+    """Session 26: on the 8B's 2-layer fast tier lm_head is ~43% of a decode step, so the raw step
+    ranks a plan that saves 10 µs of lm_head and loses 2 µs in each layer above one that saves 2 µs
+    in each layer (64 µs on the whole model). The projection takes the once-a-step part from the per-op timings (the median of
+    the plans with the same head at that batch) and scales the rest by 32/2."""
+    fast = CostModel.from_state(H200.model_copy(update={"num_layers_loaded": 2}))
+    spec = BenchSpec(batch_size=12, context_len=800, per_op=True)
+    gemv_head = OpChoice(impl="triton_gemv_splitk", params={"block_n": 64})
+    cublas, gemv = Plan(), Plan().with_ops(lm_head=gemv_head)
+    assert fast.whole_model_ms(cublas, spec, 0.58) == pytest.approx(0.58 * 16)  # nothing timed: all scaled
+
+    def timed(plan: Plan, lm_head: float, step: float) -> None:
+        per_op = {"embedding": 0.004, "lm_head": lm_head, "argmax": 0.006, "qkv_proj": 0.03}
+        fast.observe(plan, spec, Measurement(median_ms=step, p10_ms=step, p90_ms=step, per_op_ms=per_op))
+
+    for lm in (0.250, 0.251, 0.900):  # the median: one stalled reading moves nothing
+        timed(cublas, lm, 0.58)
+    for lm in (0.240, 0.241):
+        timed(gemv, lm, 0.573)
+    once, gemv_once = 0.004 + 0.251 + 0.006, 0.004 + 0.2405 + 0.006
+    # the better lm_head, 2 µs a layer slower: faster on the fast tier, slower on the whole model
+    head_win, layer_win = 0.58 - 0.0105 + 2 * 0.002, 0.58 - 2 * 0.002
+    assert head_win < layer_win
+    ranked = fast.whole_model_ms(gemv, spec, head_win), fast.whole_model_ms(cublas, spec, layer_win)
+    assert ranked[0] == pytest.approx(gemv_once + (head_win - gemv_once) * 16)
+    assert ranked[1] == pytest.approx(once + (layer_win - once) * 16)
+    assert ranked[1] < ranked[0]
+    # the fused lm_head + argmax is its own head: its timing, not lm_head's and argmax's
+    fused = cublas.model_copy(update={"fusions": {"lm_head_argmax": True}})
+    fast.observe(fused, spec, Measurement(median_ms=0.57, p10_ms=0.57, p90_ms=0.57, per_op_ms={
+        "embedding": 0.004, "lm_head": 0.25, "argmax": 0.006, "lm_head_argmax": 0.243}))
+    assert fast.whole_model_ms(fused, spec, 0.57) == pytest.approx(0.247 + (0.57 - 0.247) * 16)
+    # a head never timed at this batch takes the others' median; another batch's timings do not count
+    other = Plan().with_ops(lm_head=OpChoice(impl="triton_gemv_splitk", params={"block_n": 128}))
+    pooled = (0.004 + 0.241 + 0.006 + 0.004 + 0.250 + 0.006) / 2  # the six readings at batch 12: the middle two
+    assert fast.whole_model_ms(other, spec, 0.58) == pytest.approx(pooled + (0.58 - pooled) * 16)
+    assert fast.whole_model_ms(cublas, spec.model_copy(update={"batch_size": 4}), 0.5) == pytest.approx(8.0)
+    # prompt steps' timings are not decode heads; an engine with every layer ranks on the step
+    whole = CostModel.from_state(H200)
+    assert whole.whole_model_ms(cublas, spec, 4.9) == 4.9

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from fakes.fake_engine import FakeEngine, serve_in_thread
-from anneal.engine.plan import OpChoice
+from anneal.engine.plan import OpChoice, Plan
 from anneal.engine.traffic import load_traffic
 from anneal.agents.board import Board
 from anneal.agents.setting import make_setting
@@ -551,3 +551,16 @@ def test_fusion_trials_skip_a_fusion_that_runs_nothing_on_the_model_and_say_why(
         if skipped:
             note = next(n for n in board.notes if n.startswith("fusion qkv_rope:"))
             assert note.startswith("fusion qkv_rope: not tried, it runs nothing on this model"), note
+
+
+def test_top_plans_rank_by_the_given_projection_and_tie_on_it():
+    """The board keeps fast-tier ms; promotion ranks them as the whole model would run them."""
+    board = Board()
+    head, layers = Plan(name="head"), Plan(name="layers", fusions={"folded_norm": True})
+    board.offer_plan(0.570, head, "t")
+    board.offer_plan(0.575, layers, "t")
+    assert [p.name for _, p, _ in board.top_plans(2)] == ["head", "layers"]
+    whole = {"head": 9.0, "layers": 8.5}
+    ranked = board.top_plans(2, rank=lambda ms, plan: whole[plan.name])
+    assert [(ms, p.name) for ms, p, _ in ranked] == [(0.575, "layers"), (0.570, "head")]  # ms kept raw
+    assert [p.name for _, p, _ in board.top_plans(1, distinct_fusions=True, rank=lambda ms, p: whole[p.name])] == ["layers"]

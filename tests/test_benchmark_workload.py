@@ -271,3 +271,31 @@ def test_per_op_times_are_the_median_step_so_one_stalled_step_moves_nothing(eng)
             eng.blocks.free(s)
     assert len(calls) == 4
     assert per_op["lm_head"] < 50.0, per_op  # the mean of the three read >= 100 ms
+
+
+def test_per_op_times_the_fused_head_a_decode_graph_runs_beside_the_eager_steps(eng):
+    """The fused lm_head + argmax runs only in decode graphs, never in the eager steps per-op timing
+    runs: it is timed beside each of them, so every plan's once-a-step part has a time (the cost
+    model ranks plans on it); prompt steps do not run it."""
+    import random
+
+    from anneal.engine.benchmark import _per_op, _sequences
+
+    ops, shapes = eng.runner.ops, []
+
+    def fused(h, w):
+        shapes.append(tuple(h.shape))
+        return (h @ w.T).argmax(-1)
+
+    items = [(s, 1) for s in _sequences(eng, 3, 16, 15, random.Random(0))]
+    ops.lm_head_argmax = fused
+    try:
+        per_op = _per_op(eng, items, True, steps=3)
+        prompt = _per_op(eng, items, False, steps=3)
+    finally:
+        ops.lm_head_argmax = None
+        for s, _ in items:
+            eng.blocks.free(s)
+    assert shapes == [(3, eng.config.hidden_size)] * 4  # one warm-up and three timed steps
+    assert per_op["lm_head_argmax"] > 0 and {"lm_head", "argmax"} <= set(per_op)
+    assert "lm_head_argmax" not in prompt

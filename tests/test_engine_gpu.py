@@ -375,3 +375,10 @@ def test_per_op_times_are_kernel_times_not_launch_times(cuda):
     # 2 layers: the norms are a few µs each in a graph, not tens (launch-bound, they read 12x4096)
     assert per_op["add_rmsnorm"] < 0.03 and per_op["rmsnorm"] < 0.03
     assert 0.8 * res.median_ms < sum(per_op.values()) < 1.3 * res.median_ms
+    # the fused lm_head + argmax, which only decode graphs run, is timed beside the eager steps:
+    # one pass over the same 1 GB of weights as lm_head's
+    fused = run_benchmark(eng, BenchmarkRequest(
+        plan=Plan(ops=TRITON, fusions={"lm_head_argmax": True}), mode="decode", batch_size=12, context_len=800,
+        steps=20, per_op=True)).per_op_ms
+    print("fused head", fused["lm_head_argmax"], "ms; lm_head + argmax", fused["lm_head"] + fused["argmax"])
+    assert 0.6 * fused["lm_head"] < fused["lm_head_argmax"] < 1.5 * (fused["lm_head"] + fused["argmax"])
