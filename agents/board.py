@@ -109,6 +109,11 @@ class Board:
             if op not in self.best_ops or ms < self.best_ops[op][1]:
                 self.best_ops[op] = (choice, ms)
 
+    def drop_op(self, op: str) -> None:
+        """``op``'s tuned choice lost its step trial (``op_trials``): the composite leaves it at the base."""
+        with self._lock:
+            self.best_ops.pop(op, None)
+
     def offer_plan(self, ms: float, plan: Plan, agent: str) -> None:
         with self._lock:
             if any(p.hash == plan.hash for _, p, _ in self.plans):

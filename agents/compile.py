@@ -31,6 +31,7 @@ from anneal.agents.lab import Lab
 from anneal.agents.ledger import Ledger
 from anneal.agents.llm_writer import maybe_writer
 from anneal.agents.local_engines import LocalEngines, exit_on_sigterm
+from anneal.agents.op_trials import op_trials
 from anneal.agents.plan_search import PlanSearch
 from anneal.agents.promotion import Promotion, promote
 from anneal.agents.report import now_iso, write_artifact, write_report
@@ -296,6 +297,11 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     if gone:
         raise CompileError(f"{gone[0].removeprefix('error: EngineUnavailable: ')}; the ledger keeps what "
                            f"was measured: rerun with the same --out to resume")
+
+    # The kernel tuner's findings, each alone on the decode step, before the composites carry them.
+    if board.best_ops:
+        _say(progress, "op trials: each tuned op alone on the base's decode step ...")
+        op_trials(lab, setting, board)
 
     # Promotion on the slow tier.
     report_progress(settings.report_to, phase="Verifying", experiments=len(ledger), message="promoting on the slow tier")

@@ -303,14 +303,18 @@ class CostModel:
         by: on the 8B's 2-layer fast tier lm_head is ~43% of the step (0.25 of 0.58 ms) against ~5%
         of the whole model's, so on the raw step a few µs of lm_head outweighed 16 times as many of
         the layers' (session 26's top fast-tier plans differed mostly there). The once-a-step part
-        is the median of the per-op timings of the plans with the same head choices at this batch
-        (any head's when none was timed; none when nothing was). On an engine with every layer, the
-        step itself."""
+        is the median of the per-op timings of the plans with the same head choices at this batch;
+        untimed there, the same head's at other batches (lm_head reads its weights once, whatever
+        the batch), then any head's at this batch, then any. None timed: the whole step scaled. On
+        an engine with every layer, the step itself."""
         if not self.layers or self.layers >= self.shape.num_layers:
             return step_ms
-        key = _head_key(plan, spec)
+        batch, head = _head_key(plan, spec)
         with self._lock:
-            seen = self._once.get(key) or [x for k, xs in self._once.items() if k[0] == key[0] for x in xs]
+            seen = (self._once.get((batch, head))
+                    or [x for (b, h), xs in self._once.items() if h == head for x in xs]
+                    or [x for (b, h), xs in self._once.items() if b == batch for x in xs]
+                    or [x for xs in self._once.values() for x in xs])
             once = statistics.median(seen) if seen else 0.0
         once = min(once, step_ms)
         return once + (step_ms - once) * self.shape.num_layers / self.layers

@@ -280,11 +280,15 @@ def test_fast_tier_plans_are_ranked_by_their_step_projected_to_every_layer():
     fast.observe(fused, spec, Measurement(median_ms=0.57, p10_ms=0.57, p90_ms=0.57, per_op_ms={
         "embedding": 0.004, "lm_head": 0.25, "argmax": 0.006, "lm_head_argmax": 0.243}))
     assert fast.whole_model_ms(fused, spec, 0.57) == pytest.approx(0.247 + (0.57 - 0.247) * 16)
-    # a head never timed at this batch takes the others' median; another batch's timings do not count
+    # a head never timed takes the others' median at this batch; at a batch never timed, the same
+    # head's from other batches (lm_head reads its weights once whatever the batch)
     other = Plan().with_ops(lm_head=OpChoice(impl="triton_gemv_splitk", params={"block_n": 128}))
     pooled = (0.004 + 0.241 + 0.006 + 0.004 + 0.250 + 0.006) / 2  # the six readings at batch 12: the middle two
     assert fast.whole_model_ms(other, spec, 0.58) == pytest.approx(pooled + (0.58 - pooled) * 16)
-    assert fast.whole_model_ms(cublas, spec.model_copy(update={"batch_size": 4}), 0.5) == pytest.approx(8.0)
+    at_4 = spec.model_copy(update={"batch_size": 4})
+    assert fast.whole_model_ms(gemv, at_4, 0.5) == pytest.approx(gemv_once + (0.5 - gemv_once) * 16)
+    fast.observe(gemv, at_4, Measurement(median_ms=0.5, p10_ms=0.5, p90_ms=0.5, per_op_ms={"lm_head": 0.2}))  # its own
+    assert fast.whole_model_ms(gemv, at_4, 0.5) == pytest.approx(0.2 + 0.3 * 16)
     # prompt steps' timings are not decode heads; an engine with every layer ranks on the step
     whole = CostModel.from_state(H200)
     assert whole.whole_model_ms(cublas, spec, 4.9) == 4.9

@@ -564,3 +564,48 @@ def test_top_plans_rank_by_the_given_projection_and_tie_on_it():
     ranked = board.top_plans(2, rank=lambda ms, plan: whole[plan.name])
     assert [(ms, p.name) for ms, p, _ in ranked] == [(0.575, "layers"), (0.570, "head")]  # ms kept raw
     assert [p.name for _, p, _ in board.top_plans(1, distinct_fusions=True, rank=lambda ms, p: whole[p.name])] == ["layers"]
+
+
+def test_op_trials_drop_a_tuned_op_whose_own_time_wins_and_whose_step_loses(tmp_path):
+    """Session 27: the tuner's decode attention (ticket merge) was faster alone and made the whole
+    model's decode steps 2-3% slower. Each tuned op runs alone on the base, its decode step between
+    two of the base's at the typical batch and in the drain below it; the composite keeps the ones
+    whose steps win."""
+    from anneal.agents.op_trials import OP_TRIAL_SEED, op_trials, trial_batches
+
+    srv, url = serve_in_thread(FakeEngine(token="tok", step_penalties={("attention_decode", "splitk"): 1.5}))
+    client = EngineClient(url, "tok")
+    ledger = Ledger(tmp_path / "l.sqlite")
+    try:
+        state = client.state()
+        setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+        lab = Lab(ledger=ledger, engines={"fast": client}, cost_model=CostModel.from_state(state))
+        board = Board()
+        KernelTuner().run(lab, setting, board)
+        assert board.best_ops["attention_decode"][0].impl == "splitk"  # its own time: half the reference's
+        tuned = {op for op, (ch, _) in board.best_ops.items() if ch != setting.base.choice(op)}
+        assert {"attention_decode", "rmsnorm", "silu_and_mul"} <= tuned
+        batches = trial_batches(setting)
+        typical = setting.decode_spec.batch_size
+        assert batches[typical] == pytest.approx(2 / 3) and 1 in batches and sum(batches.values()) == pytest.approx(1)
+        lab.deadline = 0.0  # the search is over: the trials run past its deadline
+        op_trials(lab, setting, board)
+        assert "attention_decode" not in board.best_ops and {"rmsnorm", "silu_and_mul"} <= set(board.best_ops)
+        assert "splitk" not in board.composite(setting.base).choice("attention_decode").impl
+        note = next(n for n in board.notes if n.startswith("op trial attention_decode:"))
+        assert note.endswith("left at the base's choice") and f"b={typical} x1." in note
+        assert any(n.startswith("op trial rmsnorm:") and n.endswith("kept") for n in board.notes)
+        trials = [e for e in ledger.experiments() if e.agent == "kernel-tuner" and e.note.startswith("op tria")]
+        assert len(trials) == len(tuned) * 2 * len(batches) + len(batches)  # B T B, the B before shared
+        assert min(e.spec.seed for e in trials) == OP_TRIAL_SEED
+        # a resumed compile reuses every trial
+        again = Board()
+        again.best_ops = {op: v for op, v in board.best_ops.items()}
+        again.offer_op("attention_decode", OpChoice(impl="splitk", params={"block_n": 32, "split_k": 4}), 0.1)
+        run = lab.run
+        op_trials(lab, setting, again)
+        assert lab.run == run and "attention_decode" not in again.best_ops
+    finally:
+        ledger.close()
+        client.close()
+        srv.shutdown()

@@ -53,7 +53,8 @@ class FakeEngine:
                  bad_impls: tuple[str, ...] = ("splitk_bad",), delay_s: float = 0.0, device: str = "cpu",
                  per_op: bool = True, sample_spread: float = 0.0, token_graph_gain: float = 0.0,
                  extra_variants: dict | None = None, drift: float = 0.0, fusion_gains: dict[str, float] | None = None,
-                 decode_drift: float = 0.0, bad_fusions: tuple[str, ...] = (), token_plan_decode_noise: float = 0.0):
+                 decode_drift: float = 0.0, bad_fusions: tuple[str, ...] = (), token_plan_decode_noise: float = 0.0,
+                 step_penalties: dict[tuple[str, str], float] | None = None):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
@@ -68,6 +69,9 @@ class FakeEngine:
         self.fusion_gains = fusion_gains or {}  # fusion -> how much faster every step runs with it
         self.decode_drift = decode_drift  # the same drift for decode-step benchmarks
         self.bad_fusions = set(bad_fusions)  # fusions whose plans fail verification (quality)
+        # (op, impl) -> ms each layer's step loses with it, which its own per-op time does not show
+        # (session 27: a ticket merge faster alone, slower inside the graph)
+        self.step_penalties = step_penalties or {}
         self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
         self.per_op = per_op  # False: an engine that cannot time ops even when asked
         self.plan = Plan()
@@ -111,6 +115,7 @@ class FakeEngine:
             batch = min(padded) if padded else int(batch * 1.5) + 1
         per_op = fake_per_op(plan, batch)
         step = sum(per_op.values()) * self.layers + 0.1
+        step += self.layers * sum(ms for (op, impl), ms in self.step_penalties.items() if plan.choice(op).impl == impl)
         for f in plan.fusions:
             step *= 1 - self.fusion_gains.get(f, 0.0)
         if body.get("mode") == "decode":

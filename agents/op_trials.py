@@ -1,0 +1,89 @@
+"""The kernel tuner's findings confirmed on the decode step, before the composite carries them.
+
+Why: the tuner ranks an op's configurations by the op's own time in eager steps (a 2-layer step
+moves ~1% run to run, more than most single-op changes), at the traffic's typical batch and at 1.
+Session 26's 30-minute chat compile kept three such findings; replayed one at a time on the hand-set
+best plan (session 27, H200, two rounds), the decode attention it chose (ticket merge, 2 stages)
+made the whole model's decode steps 2.1-2.7% slower and the Triton gate_up (up to 8 rows) 0.9-2.1%:
+the ticket merge wins alone and loses inside a graph beside cuBLAS (session 22), and the GEMV's
+batch limit of 8 put it at batches 2-8, where the tuner never timed it. So each finding runs alone
+on the base plan, its decode step (graph replay) timed between two of the base's, at the typical
+batch and in the drain below it, and the composite keeps it only when that step, projected to the
+whole model, is faster.
+"""
+
+from __future__ import annotations
+
+from anneal.engine.plan import Plan
+from anneal.agents.board import Board, SearchSetting
+from anneal.agents.types import Candidate
+
+OP_TRIAL_SEED = 7300  # decode-step seeds of the op trials (7300, 7301, ...), none a search's own
+# A replay's decode steps by batch: most at the typical batch, about a third in the drain from it to
+# one row (session 10, chat on the H200), where a batch limit (the GEMVs' max_m) switches kernels.
+TYPICAL_SHARE = 2 / 3
+
+
+def trial_batches(setting: SearchSetting) -> dict[int, float]:
+    """Batch -> weight: the typical batch, and the drain's 1 and geometric middle sharing the rest."""
+    typical = setting.decode_spec.batch_size
+    drain = sorted({1, max(1, round(typical ** 0.5))} - {typical})
+    if not drain:
+        return {typical: 1.0}
+    return {typical: TYPICAL_SHARE, **{b: (1 - TYPICAL_SHARE) / len(drain) for b in drain}}
+
+
+def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tuner") -> None:
+    """Each op the board holds a tuned choice for, alone on the base, its decode step timed B T B
+    at each of ``trial_batches`` (the B before a reading shared with the last one). A choice whose
+    weighted step ratio, projected to the whole model, is not below 1 leaves the board with a note;
+    so does one the trials could not time. Runs after the search (its own seeds, so a resumed
+    compile reuses them); each reading is offered as a plan like any other step."""
+    base = setting.base
+    changed = sorted((op, ch) for op, (ch, _) in board.best_ops.items() if ch != base.choice(op))
+    decode_ops = [(op, ch) for op, ch in changed if setting.spec_for(op, 1).mode == "decode"]
+    if not decode_ops:
+        return
+    cm = lab.cost_model
+    spec = setting.decode_spec.model_copy(update={"per_op": False})
+    batches = trial_batches(setting)
+    seeds = iter(range(OP_TRIAL_SEED, OP_TRIAL_SEED + 1000))
+    prev: dict[int, float | None] = {}
+
+    def step_ms(plan: Plan, batch: int, seed: int, note: str) -> float | None:
+        exp = lab.measure(Candidate(plan=plan, agent=agent, note=note),
+                          spec.model_copy(update={"batch_size": batch, "seed": seed}), prune=False, budgeted=False)
+        return exp.measurement.median_ms if exp.measurement is not None else None
+
+    for op, choice in decode_ops:
+        kernel = board.kernels.get(f"{op}/{choice.impl}")
+        plan = base.with_ops(**{op: choice}).model_copy(
+            update={"name": None, "kernels": [*base.kernels, *([kernel] if kernel else [])]})
+        ratio, readings = 0.0, []
+        for batch, weight in batches.items():
+            if prev.get(batch) is None:
+                prev[batch] = step_ms(base, batch, next(seeds), "op trials: the base")
+            seed = next(seeds)
+            before = prev[batch]
+            ms = step_ms(plan, batch, seed, f"op trial: {op}={choice.impl} b={batch}")
+            after = prev[batch] = step_ms(base, batch, seed, "op trials: the base")
+            if before is None or ms is None or after is None:
+                ratio = float("inf")
+                break
+            base_ms = (before + after) / 2
+            whole = cm.whole_model_ms(base, spec.model_copy(update={"batch_size": batch}), base_ms) if cm else base_ms
+            factor = cm.full_model_factor(op) if cm else 1.0
+            r = 1.0 + (ms - base_ms) * factor / whole
+            readings.append(f"b={batch} x{r:.3f}")
+            ratio += weight * r
+            if batch == setting.decode_spec.batch_size:
+                board.offer_plan(ms, plan, agent)
+        detail = ", ".join(readings)
+        if ratio < 1.0:
+            board.note(f"op trial {op}: {choice.impl} {choice.params} x{ratio:.3f} on the whole model's decode "
+                       f"step ({detail}); kept")
+        else:
+            board.drop_op(op)
+            why = f"x{ratio:.3f} on the whole model's decode step ({detail})" if ratio != float("inf") \
+                else f"its step could not be timed ({detail or 'no reading'})"
+            board.note(f"op trial {op}: {choice.impl} {choice.params} {why}; left at the base's choice")
