@@ -71,9 +71,8 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
                 ratio = float("inf")
                 break
             base_ms = (before + after) / 2
-            whole = cm.whole_model_ms(base, spec.model_copy(update={"batch_size": batch}), base_ms) if cm else base_ms
-            factor = cm.full_model_factor(op) if cm else 1.0
-            r = 1.0 + (ms - base_ms) * factor / whole
+            r = cm.whole_model_ratio(base, spec.model_copy(update={"batch_size": batch}), base_ms, ms,
+                                     per_layer=cm.full_model_factor(op) != 1.0) if cm else ms / base_ms
             readings.append(f"b={batch} x{r:.3f}")
             ratio += weight * r
             if batch == setting.decode_spec.batch_size:

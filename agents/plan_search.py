@@ -34,21 +34,12 @@ FUSION_TRIAL_SEED = 7100  # decode-step seeds of the fusion trials (7100, 7101, 
 
 def full_model_ratio(cm: CostModel | None, fusion: str, base: Plan, spec: BenchSpec, base_ms: float,
                      fused_ms: float) -> float:
-    """A fusion's fast-tier step ratio as the whole model would see it. The fast tier's step is its
-    few layers plus what runs once a step (embedding, final norm, lm_head: half of a 2-layer 8B
-    step), so a per-layer fusion's saving there is diluted: session 20's trial read ``folded_norm``
-    at x1.004 on 2 layers, x0.976 on the 8B. The once-a-step part is the cost model's calibrated
-    prediction, the layers' part the rest of the measured base step; both are scaled to the model's
-    layer count. Without a cost model, or on an engine with every layer, the measured ratio."""
-    ratio = fused_ms / base_ms
+    """A fusion's fast-tier step ratio as the whole model would see it (``CostModel.whole_model_ratio``:
+    a per-layer fusion's saving counted in every layer, ``lm_head_argmax``'s once). Without a cost
+    model, or on an engine with every layer, the measured ratio."""
     if cm is None or not cm.layers or cm.layers >= cm.shape.num_layers:
-        return ratio
-    once = sum(ms for op, ms in cm.predict(base, spec).per_op_ms.items() if cm.full_model_factor(op) == 1.0)
-    scale = cm.shape.num_layers / cm.layers
-    once = min(once, base_ms)
-    full_base = once + (base_ms - once) * scale
-    delta = (fused_ms - base_ms) * (1.0 if fusion in STEP_FUSIONS else scale)
-    return 1.0 + delta / full_base
+        return fused_ms / base_ms
+    return cm.whole_model_ratio(base, spec, base_ms, fused_ms, per_layer=fusion not in STEP_FUSIONS)
 
 
 # A fusion whose whole-model ratio lands this close to the keep bar gets a second reading (a fresh
