@@ -33,12 +33,13 @@ def trial_batches(setting: SearchSetting) -> dict[int, float]:
     return {typical: TYPICAL_SHARE, **{b: (1 - TYPICAL_SHARE) / len(drain) for b in drain}}
 
 
-def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tuner") -> None:
+def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tuner", seed: int = OP_TRIAL_SEED) -> None:
     """Each op the board holds a tuned choice for, alone on the base, its decode step timed B T B
     at each of ``trial_batches`` (the B before a reading shared with the last one). A choice whose
     weighted step ratio, projected to the whole model, is not below 1 leaves the board with a note;
     so does one the trials could not time. Runs after the search (its own seeds, so a resumed
-    compile reuses them); each reading is offered as a plan like any other step."""
+    compile reuses them; ``seed`` the first, for a second independent reading); each reading is
+    offered as a plan like any other step."""
     base = setting.base
     changed = sorted((op, ch) for op, (ch, _) in board.best_ops.items() if ch != base.choice(op))
     decode_ops = [(op, ch) for op, ch in changed if setting.spec_for(op, 1).mode == "decode"]
@@ -47,7 +48,7 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
     cm = lab.cost_model
     spec = setting.decode_spec.model_copy(update={"per_op": False})
     batches = trial_batches(setting)
-    seeds = iter(range(OP_TRIAL_SEED, OP_TRIAL_SEED + 1000))
+    seeds = iter(range(seed, seed + 1000))
     prev: dict[int, float | None] = {}
 
     def step_ms(plan: Plan, batch: int, seed: int, note: str) -> float | None:
