@@ -22,7 +22,7 @@ def test_the_probe_tries_each_op_the_tuned_plan_changes(tmp_path, monkeypatch, c
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["ops"] == ["rmsnorm"] and len(out["kept"]) == 1
-    assert out["trials"] == 2 * 3 + 3  # B T B at three batches, the B before shared
+    assert out["trials"] in (2 * 3 + 3, 2 * 2 * 3 + 3)  # B T B at three batches, the B before shared; a near-tie twice
     same = tmp_path / "same.json"
     same.write_text(Plan().model_dump_json())
     assert op_trials.main(["--device", "cpu", "--base", str(base), "--tuned", str(same)]) == 1
