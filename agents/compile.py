@@ -2,10 +2,11 @@
 
 The loop: connect to (or start) the fast- and slow-tier engines; read the search space and the
 hardware from the fast tier; run the proposer agents concurrently until the search share of the
-budget is spent; promote the best candidates on the slow tier (traffic replay, verification,
-consistent re-measurement, baseline in the same run); write ``plan.json``, ``report.md`` + plots
-and ``ledger.sqlite``. Re-running with the same ``--out`` resumes: finished experiments are reused,
-and the budget is what the earlier runs there left of it (``budget_spent``).
+budget is spent; try each op the kernel tuner tuned alone on the fast tier's decode step, keeping
+only those whose step wins (``op_trials``); promote the best candidates on the slow tier (traffic
+replay, verification, consistent re-measurement, baseline in the same run); write ``plan.json``,
+``report.md`` + plots and ``ledger.sqlite``. Re-running with the same ``--out`` resumes: finished
+experiments are reused, and the budget is what the earlier runs there left of it (``budget_spent``).
 """
 
 from __future__ import annotations
