@@ -219,6 +219,20 @@ class Board:
                 upd["fusions"] = {**base.fusions, **{f: True for f in self._compatible_fusions(plan, base)}}
         return normalized(plan.model_copy(update=upd))
 
+    def serving(self, plan: Plan, base: Plan) -> Plan:
+        """``plan`` as it would serve: the scheduler and the token graphs this board chose, where
+        ``plan`` keeps the base's. The plan search moves neither (they do not change a decode step),
+        so its fast-tier winners reached the slow tier on the base's scheduler and lost there to
+        the composite by overlap scheduling alone (session 27: two at 10237-10458 ms a replay
+        against the composite's 8942), which said nothing about their decode steps."""
+        with self._lock:
+            upd: dict[str, Any] = {}
+            if self.scheduler is not None and plan.scheduler == base.scheduler:
+                upd["scheduler"] = self.scheduler
+            if self.token_graph_sizes is not None and plan.cuda_graph_token_sizes == base.cuda_graph_token_sizes:
+                upd["cuda_graph_token_sizes"] = list(self.token_graph_sizes)
+        return normalized(plan.model_copy(update=upd)) if upd else plan
+
     @property
     def best_ms(self) -> float:
         with self._lock:

@@ -332,15 +332,21 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         projected = "" if whole is None or whole(ms, plan) == ms else f", {whole(ms, plan):.3f} ms projected to every layer"
         return f"fast-tier {ms:.3f} ms{projected}"
 
+    def served(into: list[Candidate], ms: float, plan: Plan, agent: str, more_note: str = "") -> None:
+        """A fast-tier plan with the serving knobs the board chose (they leave its decode step as timed)."""
+        as_served = board.serving(plan, baseline)
+        knobs = "" if as_served.hash == plan.hash else " + the chosen scheduler and token graphs"
+        offer(into, as_served, agent, f"{fast_note(ms, plan)}{knobs}{more_note}")
+
     for ms, plan, agent in tops[:settings.top_k]:
-        offer(cands, plan, agent, fast_note(ms, plan))
+        served(cands, ms, plan, agent)
     for knobs in board.scheduler_runners_up:
         offer(cands, normalized(comp.model_copy(update={"scheduler": knobs})), "composite",
               "tuned ops + runner-up scheduler")
     # then the next fast-tier plans (a 30-minute budget left 360 s of promotion unused in session
     # 26, with 7 candidates measured)
     for ms, plan, agent in tops[settings.top_k:]:
-        offer(extra, plan, agent, f"{fast_note(ms, plan)} (while the budget allows)")
+        served(extra, ms, plan, agent, " (while the budget allows)")
     wspec = setting.workload_spec().model_copy(update={"seed": settings.seed})
     more = f", then up to {len(extra)} more while the budget allows" if extra else ""
     _say(progress, f"promoting {len(cands)} candidates{more} on the slow tier (baseline measured in the same run) ...")

@@ -611,3 +611,22 @@ def test_op_trials_drop_a_tuned_op_whose_own_time_wins_and_whose_step_loses(tmp_
         ledger.close()
         client.close()
         srv.shutdown()
+
+
+def test_a_fast_tier_plan_goes_to_the_slow_tier_with_the_chosen_serving_knobs():
+    """The plan search never moves the scheduler or the token graphs (they do not change a decode
+    step), so its winners replayed on the base's scheduler and lost to the composite by overlap
+    alone (session 27). Promotion replays them with the board's choices; a plan that chose its own
+    (a seed's) keeps them."""
+    from anneal.engine.plan import SchedulerKnobs
+
+    base = Plan().with_ops(attention_prefill=OpChoice(impl="triton"))  # token graphs need it
+    board = Board()
+    fast = base.model_copy(update={"fusions": {"folded_norm": True}})
+    assert board.serving(fast, base) is fast  # nothing chosen: the plan as timed
+    board.set(scheduler=SchedulerKnobs(overlap=True, max_num_seqs=32), token_graph_sizes=[64, 128])
+    served = board.serving(fast, base)
+    assert served.scheduler.overlap and served.scheduler.max_num_seqs == 32
+    assert served.cuda_graph_token_sizes == [64, 128] and served.fusions == fast.fusions
+    own = fast.model_copy(update={"scheduler": SchedulerKnobs(max_num_seqs=128), "cuda_graph_token_sizes": [256]})
+    assert board.serving(own, base) == own
