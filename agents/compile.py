@@ -46,6 +46,7 @@ AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner"
 ENGINE_STOP_GRACE_S = 20.0  # a finished compile's engines: time to exit cleanly
 INTERRUPTED_STOP_GRACE_S = 3.0  # a failed or interrupted one's: their work is abandoned
 SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
+OP_TRIALS_SHARE = 0.1  # of the budget, after the search: the op trials' readings (op_trials)
 PROMOTION_SHARE = 0.85  # no further slow-tier candidate once one is measured; the winner's rounds run on
 EXTRA_PROMOTED = 12  # more fast-tier plans replayed on the slow tier while the promotion deadline allows
 
@@ -302,7 +303,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     # The kernel tuner's findings, each alone on the decode step, before the composites carry them.
     if board.best_ops:
         _say(progress, "op trials: each tuned op alone on the base's decode step ...")
-        op_trials(lab, setting, board)
+        # up to a third of the time between the search's end and promotion's: the slow tier needs the rest
+        op_trials(lab, setting, board, deadline=t0 + settings.budget_s * (SEARCH_SHARE + OP_TRIALS_SHARE))
 
     # Promotion on the slow tier.
     report_progress(settings.report_to, phase="Verifying", experiments=len(ledger), message="promoting on the slow tier")

@@ -71,8 +71,10 @@ class Lab:
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def check_budget(self) -> None:
-        if self.time_left() <= 0:
+    def check_budget(self, deadline: float | None = None) -> None:
+        """BudgetExhausted past the search's deadline, or past ``deadline`` (a later phase's own)
+        when given; always once the run is stopped."""
+        if self.stopped or (self.deadline if deadline is None else deadline) <= time.monotonic():
             raise BudgetExhausted()
 
     def stop(self) -> None:
@@ -90,7 +92,7 @@ class Lab:
 
     def measure(
         self, cand: Candidate, spec: BenchSpec, tier: Tier = "fast", *, prune: bool = True,
-        traffic: dict[str, Any] | None = None, budgeted: bool = True,
+        traffic: dict[str, Any] | None = None, budgeted: bool = True, deadline: float | None = None,
     ) -> Experiment:
         """Measure one candidate (or reuse its finished experiment) and record it.
 
@@ -105,13 +107,13 @@ class Lab:
                     break
             ev.wait()
         try:
-            return self._measure(key, cand, spec, tier, prune, traffic, budgeted)
+            return self._measure(key, cand, spec, tier, prune, traffic, budgeted, deadline)
         finally:
             with self._state_lock:
                 self._inflight.pop(key).set()
 
     def _measure(self, key: str, cand: Candidate, spec: BenchSpec, tier: Tier, prune: bool,
-                 traffic: dict[str, Any] | None, budgeted: bool) -> Experiment:
+                 traffic: dict[str, Any] | None, budgeted: bool, deadline: float | None = None) -> Experiment:
         old = self.ledger.lookup(key)
         if old is not None and _transient(old):
             old = None  # the engine crashed or was unreachable that time: worth another try
@@ -124,8 +126,8 @@ class Lab:
                 self._learn_delta(old.plan, spec, old.measurement.median_ms)
             self._note_best(old, spec)
             return old
-        if budgeted:
-            self.check_budget()
+        if budgeted:  # a finished experiment above is reused whatever the time
+            self.check_budget(deadline)
         pred = self._predict(cand.plan, spec)
         exp = Experiment(
             run_id=self.run_id, key=key, plan=cand.plan, plan_hash=cand.hash, tier=tier,

@@ -14,8 +14,11 @@ whole model, is faster.
 
 from __future__ import annotations
 
+import math
+
 from anneal.engine.plan import Plan
 from anneal.agents.board import Board, SearchSetting
+from anneal.agents.lab import BudgetExhausted
 from anneal.agents.types import Candidate
 
 OP_TRIAL_SEED = 7300  # decode-step seeds of the op trials (7300, 7301, ...), none a search's own
@@ -37,14 +40,17 @@ def trial_batches(setting: SearchSetting) -> dict[int, float]:
     return {typical: TYPICAL_SHARE, **{b: (1 - TYPICAL_SHARE) / len(drain) for b in drain}}
 
 
-def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tuner", seed: int = OP_TRIAL_SEED) -> None:
+def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tuner", seed: int = OP_TRIAL_SEED,
+              deadline: float = math.inf) -> None:
     """Each op the board holds a tuned choice for, alone on the base, its decode step timed B T B
     at each of ``trial_batches`` (the B before a reading shared with the last one); one within
     ``OP_REREAD_BAND`` of 1 is read again and the mean decides. A choice whose weighted step ratio,
     projected to the whole model, is not below 1 leaves the board with a note;
     so does one the trials could not time. Runs after the search (its own seeds, so a resumed
     compile reuses them; ``seed`` the first, for a second independent reading); each reading is
-    offered as a plan like any other step."""
+    offered as a plan like any other step. No new reading starts after ``deadline``
+    (``time.monotonic``; the ledger's are reused whatever the time): an op not tried by then is left
+    at the base's choice too, as untried findings were what lost in session 26's composite."""
     base = setting.base
     changed = sorted((op, ch) for op, (ch, _) in board.best_ops.items() if ch != base.choice(op))
     decode_ops = [(op, ch) for op, ch in changed if setting.spec_for(op, 1).mode == "decode"]
@@ -58,7 +64,7 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
 
     def step_ms(plan: Plan, batch: int, seed: int, note: str) -> float | None:
         exp = lab.measure(Candidate(plan=plan, agent=agent, note=note),
-                          spec.model_copy(update={"batch_size": batch, "seed": seed}), prune=False, budgeted=False)
+                          spec.model_copy(update={"batch_size": batch, "seed": seed}), prune=False, deadline=deadline)
         return exp.measurement.median_ms if exp.measurement is not None else None
 
     def read(op: str, choice, plan: Plan) -> tuple[float, str]:
@@ -88,12 +94,25 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
         kernel = board.kernels.get(f"{op}/{choice.impl}")
         plans[op] = base.with_ops(**{op: choice}).model_copy(
             update={"name": None, "kernels": [*base.kernels, *([kernel] if kernel else [])]})
-    first = {op: read(op, choice, plans[op]) for op, choice in decode_ops}
+    late = (math.nan, "not tried: the trials' share of the budget was spent")
+    first = {}
+    for op, choice in decode_ops:
+        try:
+            first[op] = read(op, choice, plans[op])
+        except BudgetExhausted:
+            first[op] = late
     for op, choice in decode_ops:
         ratio, detail = first[op]
-        if abs(ratio - 1.0) < OP_REREAD_BAND:  # near a tie: a second reading, and the mean decides
-            again, detail2 = read(op, choice, plans[op])
-            ratio, detail = (ratio + again) / 2, f"{detail}; again {detail2}: the mean"
+        if math.isnan(ratio):
+            board.drop_op(op)
+            board.note(f"op trial {op}: {choice.impl} {choice.params} {detail}; left at the base's choice")
+            continue
+        if abs(ratio - 1.0) < OP_REREAD_BAND:  # a near-tie: the mean of two readings decides
+            try:
+                again, detail2 = read(op, choice, plans[op])
+                ratio, detail = (ratio + again) / 2, f"{detail}; again {detail2}: the mean"
+            except BudgetExhausted:
+                detail = f"{detail}; not read again: the trials' share of the budget was spent"
         if ratio < 1.0:
             board.note(f"op trial {op}: {choice.impl} {choice.params} x{ratio:.3f} on the whole model's decode "
                        f"step ({detail}); kept")

@@ -584,6 +584,7 @@ def test_op_trials_drop_a_tuned_op_whose_own_time_wins_and_whose_step_loses(tmp_
         KernelTuner().run(lab, setting, board)
         assert board.best_ops["attention_decode"][0].impl == "splitk"  # its own time: half the reference's
         tuned = {op for op, (ch, _) in board.best_ops.items() if ch != setting.base.choice(op)}
+        tuned_choices = {op: ch for op, (ch, _) in board.best_ops.items()}
         assert {"attention_decode", "rmsnorm", "silu_and_mul"} <= tuned
         batches = trial_batches(setting)
         typical = setting.decode_spec.batch_size
@@ -607,6 +608,14 @@ def test_op_trials_drop_a_tuned_op_whose_own_time_wins_and_whose_step_loses(tmp_
         run = lab.run
         op_trials(lab, setting, again)
         assert lab.run == run and "attention_decode" not in again.best_ops
+        # past the trials' deadline: what the ledger holds is reused, an op never tried is left out
+        late = Board()
+        for op in ("attention_decode", "rmsnorm"):
+            late.offer_op(op, tuned_choices[op], 0.1)
+        late.offer_op("silu_and_mul", OpChoice(impl="triton", params={"block": 256}), 0.1)
+        op_trials(lab, setting, late, deadline=0.0)
+        assert lab.run == run and set(late.best_ops) == {"rmsnorm"}
+        assert any(n.startswith("op trial silu_and_mul:") and "not tried" in n for n in late.notes)
     finally:
         ledger.close()
         client.close()
