@@ -331,8 +331,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     tops = board.top_plans(settings.top_k + EXTRA_PROMOTED, distinct_fusions=True, rank=whole)
 
     def fast_note(ms: float, plan: Plan) -> str:
-        projected = "" if whole is None or whole(ms, plan) == ms else f", {whole(ms, plan):.3f} ms projected to every layer"
-        return f"fast-tier {ms:.3f} ms{projected}"
+        projected = ms if whole is None else whole(ms, plan)
+        return f"fast-tier {ms:.3f} ms" + ("" if projected == ms else f", {projected:.3f} ms projected to every layer")
 
     def served(into: list[Candidate], ms: float, plan: Plan, agent: str, more_note: str = "") -> None:
         """A fast-tier plan with the serving knobs the board chose (they leave its decode step as timed)."""

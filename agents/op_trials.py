@@ -94,19 +94,19 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
         kernel = board.kernels.get(f"{op}/{choice.impl}")
         plans[op] = base.with_ops(**{op: choice}).model_copy(
             update={"name": None, "kernels": [*base.kernels, *([kernel] if kernel else [])]})
-    late = (math.nan, "not tried: the trials' share of the budget was spent")
-    first = {}
+    first: dict[str, tuple[float, str] | None] = {}  # None: not tried before the deadline
     for op, choice in decode_ops:
         try:
             first[op] = read(op, choice, plans[op])
         except BudgetExhausted:
-            first[op] = late
+            first[op] = None
     for op, choice in decode_ops:
-        ratio, detail = first[op]
-        if math.isnan(ratio):
+        if first[op] is None:
             board.drop_op(op)
-            board.note(f"op trial {op}: {choice.impl} {choice.params} {detail}; left at the base's choice")
+            board.note(f"op trial {op}: {choice.impl} {choice.params} not tried: the trials' share of the "
+                       f"budget was spent; left at the base's choice")
             continue
+        ratio, detail = first[op]
         if abs(ratio - 1.0) < OP_REREAD_BAND:  # a near-tie: the mean of two readings decides
             try:
                 again, detail2 = read(op, choice, plans[op])

@@ -35,9 +35,9 @@ FUSION_TRIAL_SEED = 7100  # decode-step seeds of the fusion trials (7100, 7101, 
 def full_model_ratio(cm: CostModel | None, fusion: str, base: Plan, spec: BenchSpec, base_ms: float,
                      fused_ms: float) -> float:
     """A fusion's fast-tier step ratio as the whole model would see it (``CostModel.whole_model_ratio``:
-    a per-layer fusion's saving counted in every layer, ``lm_head_argmax``'s once). Without a cost
-    model, or on an engine with every layer, the measured ratio."""
-    if cm is None or not cm.layers or cm.layers >= cm.shape.num_layers:
+    a per-layer fusion's saving counted in every layer, ``lm_head_argmax``'s once; on an engine with
+    every layer, the measured ratio). Without a cost model, the measured ratio."""
+    if cm is None:
         return fused_ms / base_ms
     return cm.whole_model_ratio(base, spec, base_ms, fused_ms, per_layer=fusion not in STEP_FUSIONS)
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from anneal.engine.plan import OP_NAMES, Plan
+from anneal.engine.plan import OP_NAMES, load_plan
 from anneal.engine.traffic import load_traffic
 from anneal.agents.board import Board
 from anneal.agents.cost_model import CostModel
@@ -51,11 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    def plan_of(path: str) -> Plan:
-        data = json.loads(Path(path).read_text())
-        return Plan.model_validate(data.get("plan", data))
-
-    base, tuned = plan_of(args.base), plan_of(args.tuned)
+    base, tuned = (load_plan(Path(p).read_text()) for p in (args.base, args.tuned))
     ops = [op for op in OP_NAMES if tuned.choice(op) != base.choice(op)]
     if not ops:
         print(f"{args.tuned} chooses every op as {args.base} does: nothing to try", file=sys.stderr)
