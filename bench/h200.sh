@@ -180,7 +180,7 @@ for s in "$@"; do
         --name profile-step-8b-bs1 --out "$OUT"
       ;;
     decode-batch)  # issue 5: the 8B decode step at the chat replay's batches (context 800), plans side by side
-      stage decode-batch 300 $py bench/decode.py --shapes llama-3.1-8b --batch-sizes "${BATCH_SIZES:-1,4,8,12,16}" \
+      stage decode-batch "${DECODE_LIMIT:-300}" $py bench/decode.py --shapes llama-3.1-8b --batch-sizes "${BATCH_SIZES:-1,4,8,12,16}" \
         --context 800 --plans "${DECODE_PLANS:-triton,bench/plans/gemv-m16.json,bench/plans/gemv-m16-stats.json,bench/plans/gemv-m16-silu.json}" \
         --no-hf --steps 50 --greedy-check 0 --name decode-batch --out "$OUT"
       ;;
