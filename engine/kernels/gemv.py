@@ -220,13 +220,11 @@ def _gemv_kernel(
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
 
-    if BLOCK_M == 1 or AHEAD >= 2:
+    if BLOCK_M == 1:
         # W does not depend on the previous kernel: its first AHEAD tiles are requested before the
         # PDL wait (under PDL they stream while the predecessors finish, when the bus is otherwise
         # idle), and every later tile AHEAD steps ahead of its use (AHEAD + 1 tiles in flight per
-        # program, in registers). The FMA path (one row) always streams W so; the dot path (M > 1)
-        # does from AHEAD 2, in place of the compiler's shared-memory pipeline, which requests
-        # nothing before the wait.
+        # program, in registers).
         k = k_lo + tl.arange(0, BLOCK_K)
         w_cur = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
         if AHEAD >= 2:
@@ -270,7 +268,7 @@ def _gemv_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < k_hi
-        if BLOCK_M == 1 or AHEAD >= 2:
+        if BLOCK_M == 1:
             w = w_cur
             kn = k + AHEAD * BLOCK_K
             w_new = tl.load(w_rows + kn[None, :], mask=nm[:, None] & (kn < k_hi)[None, :], other=0.0)
@@ -531,7 +529,7 @@ KERNEL_PARAMS = (
     Param("m1", ("dot", "fma"), "dot"),  # M == 1: pipelined tl.dot (M padded to 16) or register FMA
     Param("reduce", ("kernel", "ticket"), "kernel"),  # split-K sum: second kernel, or last split adds
     Param("pdl", (False, True), False),
-    Param("ahead", (1, 2, 3), 1),  # W tiles requested before the PDL wait / in flight ahead (any M from 2)
+    Param("ahead", (1, 2, 3), 1),  # M == 1 FMA path: W tiles requested before the PDL wait / in flight ahead
 )
 GEMV_PARAMS = KERNEL_PARAMS + (
     Param("max_m", (0, 1, 8, 16, 32, 64, 128, 256), GEMV_MAX_M),  # above this many rows use torch's GEMM; 0 = never

@@ -88,9 +88,8 @@ def specs():
         yield gemv._gemv_kernel, GEMV_PTRS, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, SILU_MUL=False, NORM=0,
                                           ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=True, HEAD_D=64,
                                           ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False), 4
-    for bm, ahead, rope in ((1, 2, False), (1, 3, False), (1, 2, True), (16, 2, False), (16, 3, True)):
-        # more W tiles in flight, in registers (M == 1's FMA path; the dot path's ring from ahead 2)
-        yield gemv._gemv_kernel, GEMV_PTRS, dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=8, SILU_MUL=False, NORM=0,
+    for ahead, rope in ((2, False), (3, False), (2, True)):  # M == 1 with more W tiles in flight
+        yield gemv._gemv_kernel, GEMV_PTRS, dict(BLOCK_M=1, BLOCK_N=128, BLOCK_K=64, SPLIT_K=8, SILU_MUL=False, NORM=0,
                                           ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=rope,
                                           HEAD_D=64 if rope else 1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False,
                                           AHEAD=ahead), 4

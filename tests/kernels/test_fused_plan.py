@@ -107,28 +107,6 @@ def test_the_prompt_warmup_runs_a_fused_plan_at_every_row_tile(device):
     assert torch.equal(eng.runner.kv, before)
 
 
-@pytest.mark.parametrize("device,dtype", [("cpu", "float32"), pytest.param("cuda", "float32", marks=pytest.mark.gpu),
-                                          pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)])
-def test_dot_path_gemvs_with_a_weight_ring_pass_verification(device, dtype):
-    """The chat plans' all-GEMV layer (``norm_stats`` + ``gate_up_silu``) with the dot path's W tiles
-    in a register ring (``ahead`` 2 and 3, the first requested before the PDL wait on the GPU) passes
-    verification at decode batches above one row (on the GPU the whole suite, with CUDA graphs; on the
-    CPU output quality through the interpreter)."""
-    from anneal.engine.verify import VerifyRequest, verify
-
-    eng = Engine(EngineArgs(model="random:tiny", device=device, dtype=dtype, num_kv_blocks=128, max_model_len=256))
-    cpu = device == "cpu"
-    for ahead in (2, 3):
-        plan = fused_plan(device, ("norm_stats", "gate_up_silu"))
-        gemv = {"reduce": "ticket", "pdl": not cpu, "ahead": ahead, "block_k": 64 if cpu else 128}
-        ops = {**plan.ops, **{op: OpChoice(impl="triton_gemv_splitk", params=gemv)
-                              for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}}
-        plan = plan.model_copy(update={"ops": ops})
-        rep = verify(eng, VerifyRequest(plan=plan, checks=["quality"] if cpu else None, num_prompts=3 if cpu else 4,
-                                        steps=4 if cpu else 24, max_prompt_len=24 if cpu else 120))
-        assert rep.passed, (ahead, [c for c in rep.checks if not c.passed])
-
-
 def folded_plan(device: str) -> Plan:
     """Projections on the reference GEMM (cuBLAS on the GPU), the norms folded around them. On the
     CPU attention stays the reference (the interpreter's Triton attention would cost minutes here and

@@ -21,9 +21,6 @@ PARAMS_CPU = [
     {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "reduce": "ticket", "block_m": 16},
     {"split_k": 1, "block_n": 16, "block_k": 64, "max_m": 0, "m1": "fma", "ahead": 2},  # K 37: fewer tiles than ahead
     {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "m1": "fma", "ahead": 3, "reduce": "ticket"},
-    # the dot path (M > 1, and M == 1 padded) with W tiles in a register ring instead of the pipeline
-    {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "block_m": 16, "ahead": 2, "reduce": "ticket"},
-    {"split_k": 1, "block_n": 16, "block_k": 64, "max_m": 0, "block_m": 16, "ahead": 3},  # K 37: fewer tiles than ahead
 ]
 PARAMS_GPU = [
     {"max_m": 0},
@@ -35,8 +32,6 @@ PARAMS_GPU = [
     {"split_k": 4, "max_m": 0, "reduce": "ticket", "pdl": True, "m1": "fma"},
     {"split_k": 8, "block_n": 128, "block_k": 64, "max_m": 0, "reduce": "ticket", "pdl": True, "m1": "fma", "ahead": 2},
     {"split_k": 16, "block_n": 128, "block_k": 64, "max_m": 0, "reduce": "ticket", "pdl": True, "m1": "fma", "ahead": 3},
-    {"split_k": 4, "max_m": 0, "reduce": "ticket", "pdl": True, "ahead": 2},
-    {"block_n": 32, "block_k": 256, "max_m": 0, "block_m": 16, "pdl": True, "ahead": 3},
 ]
 
 
@@ -252,11 +247,11 @@ def test_gate_up_silu(device, dtype):
     if device == "cpu":
         shapes = [(1, 40, 48), (3, 36, 32)]  # M, I, K
         params = [{"block_n": 16, "block_k": 16, "m1": "fma", "split_k": 2},
-                  {"block_n": 32, "block_k": 32, "split_k": 1}, {"block_n": 16, "block_k": 16, "ahead": 2}]
+                  {"block_n": 32, "block_k": 32, "split_k": 1}]
     else:
         shapes = [(1, 8192, 2048), (1, 14336, 4096), (5, 1000, 512)]
         params = [{"block_n": 32, "block_k": 256, "split_k": 1, "reduce": "ticket", "pdl": True},
-                  {"block_n": 128, "block_k": 64, "m1": "fma", "pdl": True}, {"pdl": True, "ahead": 2}]
+                  {"block_n": 128, "block_k": 64, "m1": "fma", "pdl": True}]
     for pi, p in enumerate(params):
         for i, (M, I, K) in enumerate(shapes):
             g = gen(8000 + 10 * pi + i, device)
@@ -280,8 +275,6 @@ def test_norm_stats_pair(device, dtype):
         producer = [{"block_n": 16, "block_k": 16, "m1": "fma", "split_k": 2},
                     {"block_n": 32, "block_k": 32, "split_k": 1}]
         consumer = [{"block_n": 16, "block_k": 16, "m1": "fma", "split_k": 2}, {"block_n": 32, "block_k": 16}]
-        producer.append({"block_n": 16, "block_k": 16, "split_k": 2, "ahead": 2})
-        consumer.append({"block_n": 32, "block_k": 16, "split_k": 2, "ahead": 3})
         H, Hkv, D = 2, 1, 16
     else:
         shapes = [(1, 4096, 4096), (12, 2048, 8192), (5, 4096, 14336)]
@@ -289,8 +282,6 @@ def test_norm_stats_pair(device, dtype):
                     {"split_k": 1, "block_n": 64, "pdl": True}]
         consumer = [{"block_n": 128, "block_k": 64, "m1": "fma", "reduce": "ticket", "pdl": True},
                     {"split_k": 1, "block_n": 32, "block_k": 256, "pdl": True}]
-        producer.append({"pdl": True, "ahead": 2})
-        consumer.append({"pdl": True, "ahead": 2})
         H, Hkv, D = 16, 8, 128
     for pi, (pp, cp) in enumerate(zip(producer, consumer)):
         for i, (M, N, K) in enumerate(shapes):
