@@ -120,9 +120,34 @@ def pdl_prologue(PDL: tl.constexpr):
     pdl_wait(PDL)
 
 
-def pdl_enabled(pdl: bool) -> bool:
+def pdl_enabled(pdl: bool | str) -> bool:
     """PDL only in compiled kernels (the interpreter has no grid-dependency control)."""
     return bool(pdl) and not interpreting()
+
+
+PDL_CHOICES = (False, True, "late")
+
+
+def pdl_mode(pdl: bool | str) -> int:
+    """The ``PDL`` constexpr of kernels that can trigger their dependents late: 0 no PDL; 1 the next
+    kernel may launch as soon as every program of this one has started (the trigger first thing);
+    2 (``"late"``) only once every program is past its main loop. An early trigger lets the next
+    kernels' programs take SM slots and wait in them while this one still has programs to run (at
+    the 8B's bs 12 every kernel triggering first made the all-GEMV step 9% slower, session 28); a
+    late one overlaps only this kernel's tail (its split-K reduce, its last wave) with the next
+    one's prologue."""
+    if not pdl_enabled(pdl):
+        return 0
+    return 2 if pdl == "late" else 1
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask L2 for the 128-byte lines holding ``ptrs`` where ``mask`` (a hint: nothing returned, no
+    register held until the line arrives). For weights requested before a PDL wait."""
+    tl.inline_asm_elementwise(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}",
+        "=r,l,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def launch_opts(pdl: bool) -> dict:

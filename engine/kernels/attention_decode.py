@@ -51,8 +51,8 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts,
-    mma, pdl_enabled, pdl_launch_dependents, pdl_prologue, pdl_wait, pow2, pow2_split, rms_operand, row_rstd,
-    sm_count, tile_counters,
+    mma, pdl_enabled, pdl_launch_dependents, pdl_mode, pdl_prologue, pdl_wait, pow2, pow2_split, rms_operand, row_rstd,
+    sm_count, tile_counters, PDL_CHOICES,
 )
 from anneal.engine.kernels.rope import check_rope_operands, rope_heads
 from anneal.engine.ops.registry import Param, variant
@@ -100,7 +100,7 @@ def _decode_split_kernel(
 ):
     # ROPE: q_ptr is the step's qkv [B, (H + 2 Hkv) D] (stride_qb its row stride), rotated here;
     # the launch never sets PREFETCH with it.
-    pdl_launch_dependents(PDL)
+    pdl_launch_dependents(PDL == 1)
     if not PREFETCH:
         pdl_wait(PDL)
     b = tl.program_id(0)
@@ -193,6 +193,7 @@ def _decode_split_kernel(
         v = tl.load(vc_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=kmask, other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, tm, m_i, l_i, acc, scale_log2, PREC, UPCAST, PV_F32)
+    pdl_launch_dependents(PDL == 2)  # "late": the merge / next kernel launches once the K/V loops are done
 
     if SPLIT_K == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -358,6 +359,8 @@ def _launch(
     context_lens = context_lens.contiguous()  # read as a flat array (no copy when it already is)
     if pv_precision not in ("bf16", "tf32") or merge not in ("kernel", "ticket"):
         raise KernelInputError(f"{name}: pv_precision must be 'bf16' or 'tf32', merge 'kernel' or 'ticket'")
+    if pdl not in PDL_CHOICES:
+        raise KernelInputError(f"{name}: pdl must be one of {PDL_CHOICES}, got {pdl!r}")
     G = H // Hkv
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     if B == 0:
@@ -392,7 +395,7 @@ def _launch(
         rope_args[0], rope_args[1], H, block_tables.shape[1] * BS, rope_args[2], rope_args[3], rope_args[4],
         G=G, BLOCK_G=pow2(G, 16), D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, BS=BS, SPLIT_K=split_k,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(), PV_F32=pv_precision == "tf32", TICKET=ticket,
-        PDL=pdl_enabled(pdl), PREFETCH=rope is None and B <= prefetch, ROPE=rope is not None,
+        PDL=pdl_mode(pdl), PREFETCH=rope is None and B <= prefetch, ROPE=rope is not None,
         HAS_NORM=rope is not None and rope.q_norm is not None, RMS=rope is not None and rope.rms_on,
         BLOCK_HID=16 if rope is None else rope.block_hid, num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl),
@@ -417,7 +420,7 @@ def _launch(
         Param("num_stages", (1, 2, 3, 4, 5, 7), 2),
         Param("pv_precision", ("bf16", "tf32"), "bf16"),  # softmax probabilities in the PV MMA
         Param("merge", ("kernel", "ticket"), "kernel"),  # split merge: second kernel, or last split
-        Param("pdl", (False, True), False),
+        Param("pdl", PDL_CHOICES, False),  # "late": the next kernel launches once the K/V loops are done
         # batches up to this size request each split's first K/V tile before the PDL wait (all but
         # the step's own token); 0 = never. It pays at bs=1 and costs from bs 8 (H200, session 9)
         Param("prefetch", (0, 1, 2, 4, 8, 16), 0),

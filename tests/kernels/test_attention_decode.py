@@ -42,6 +42,8 @@ PARAMS_GPU = [
     {"split_k": 0, "pdl": True, "prefetch": 16},
     {"split_k": 1, "block_n": 32, "pdl": True, "prefetch": 4},
     {"split_k": 8, "merge": "ticket", "pdl": True, "prefetch": 16},
+    {"split_k": 0, "pdl": "late"},  # the merge launched once the K/V loops are done
+    {"split_k": 4, "merge": "ticket", "pdl": "late", "prefetch": 16},
 ]
 
 
