@@ -132,25 +132,17 @@ def pdl_mode(pdl: bool | str) -> int:
     """The ``PDL`` constexpr of kernels that can trigger their dependents late: 0 no PDL; 1 the next
     kernel may launch as soon as every program of this one has started (the trigger first thing);
     2 (``"late"``) only once every program is past its main loop. An early trigger lets the next
-    kernels' programs take SM slots and wait in them while this one still has programs to run (at
-    the 8B's bs 12 every kernel triggering first made the all-GEMV step 9% slower, session 28); a
-    late one overlaps only this kernel's tail (its split-K reduce, its last wave) with the next
-    one's prologue."""
+    kernels' programs take SM slots and wait in them while this one still has programs to run; a
+    late one overlaps only this kernel's tail (its split-K reduce) with the next one's prologue.
+    H200, 8B decode at ctx 800 (session 28): with every kernel of the all-GEMV step on PDL, the
+    early trigger is 5-9% slower than no PDL at batches 4-16 and the late one within -1.4..+0.8%
+    of it; at bs=1 (one wave a kernel) the early trigger is the faster by 1-4%."""
     if not pdl_enabled(pdl):
         return 0
     return 2 if pdl == "late" else 1
 
 
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask L2 for the 128-byte lines holding ``ptrs`` where ``mask`` (a hint: nothing returned, no
-    register held until the line arrives). For weights requested before a PDL wait."""
-    tl.inline_asm_elementwise(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}",
-        "=r,l,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def launch_opts(pdl: bool) -> dict:
+def launch_opts(pdl: bool | str) -> dict:
     """Extra launch keyword arguments: ``launch_pdl`` where PDL is on."""
     return {"launch_pdl": True} if pdl_enabled(pdl) else {}
 

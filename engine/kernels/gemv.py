@@ -49,8 +49,7 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
-    pdl_launch_dependents, pdl_mode, pdl_prologue, pdl_wait, pow2, pow2_split, prefetch_l2, sm_count, tile_counters,
-    PDL_CHOICES,
+    pdl_launch_dependents, pdl_mode, pdl_prologue, pdl_wait, pow2, pow2_split, sm_count, tile_counters, PDL_CHOICES,
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.kernels.argmax import argmax_merge_kernel
@@ -187,7 +186,7 @@ def _gemv_kernel(
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
     HEAD_D: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1,
     SILU_OUT: tl.constexpr = False, ADD_SS: tl.constexpr = False, BLOCK_SS: tl.constexpr = 1,
-    AHEAD: tl.constexpr = 1, L2_AHEAD: tl.constexpr = 0, LINE: tl.constexpr = 64, LINES: tl.constexpr = 1,
+    AHEAD: tl.constexpr = 1,
 ):
     pdl_launch_dependents(PDL == 1)
     pid_n = tl.program_id(0)
@@ -234,11 +233,6 @@ def _gemv_kernel(
         if AHEAD >= 3:
             k = k + BLOCK_K
             w_far = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
-    # The dot path's first L2_AHEAD W tiles asked of L2 before the wait (its pipeline's own loads
-    # come after it): LINES 128-byte lines of LINE elements per row of a tile.
-    for t in tl.static_range(L2_AHEAD):
-        kl = k_lo + t * BLOCK_K + tl.arange(0, LINES) * LINE
-        prefetch_l2(w_rows + kl[None, :], nm[:, None] & (kl < k_hi)[None, :])
     pdl_wait(PDL)
 
     # NORM 1: x -> rmsnorm(x); NORM 2: x -> rmsnorm(x + residual), and x + residual is written out
@@ -373,16 +367,6 @@ def _splitk_sum_kernel(ws_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, 
     tl.store(out_ptr + row.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-def _l2_ahead(tiles: int, block_m: int, block_k: int, elt: int, pdl) -> dict:
-    """The L2 prefetch constexprs of the dot path (none on the FMA path, which holds its first tiles
-    in registers, nor without PDL, where nothing runs before the loop's own loads, nor in the
-    interpreter, which runs no inline assembly)."""
-    if block_m == 1 or not tiles or not pdl_enabled(pdl):
-        return {"L2_AHEAD": 0}
-    line = 128 // elt
-    return {"L2_AHEAD": tiles, "LINE": line, "LINES": max(1, block_k // line)}
-
-
 def auto_split_k(tiles: int, K: int, block_k: int, device: torch.device) -> int:
     """Splits so that about four programs per SM stream W (enough loads in flight to reach full
     bandwidth), from static shapes only."""
@@ -428,7 +412,7 @@ def small_m_gemm(
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
     norm_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None, add_stats: torch.Tensor | None = None,
-    ahead: int = 1, l2_ahead: int = 0,
+    ahead: int = 1,
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
@@ -491,9 +475,8 @@ def small_m_gemm(
         if summed is not None and M > 0:
             summed.copy_(x + residual)  # no N tile writes it
         return out if residual is None else (out, summed)
-    if reduce not in ("kernel", "ticket") or m1 not in ("dot", "fma") or ahead not in (1, 2, 3) or l2_ahead < 0:
-        raise KernelInputError(f"{name}: reduce must be 'kernel' or 'ticket', m1 'dot' or 'fma', ahead 1-3, "
-                               f"l2_ahead >= 0")
+    if reduce not in ("kernel", "ticket") or m1 not in ("dot", "fma") or ahead not in (1, 2, 3):
+        raise KernelInputError(f"{name}: reduce must be 'kernel' or 'ticket', m1 'dot' or 'fma', ahead 1-3")
     BLOCK_M = _block_m(M, block_m, m1)
     n_tiles = cdiv(N // 2, block_n // 2) if silu_out else cdiv(N, block_n)
     tiles = n_tiles * cdiv(M, BLOCK_M)
@@ -525,7 +508,7 @@ def small_m_gemm(
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
         BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
         ADD_SS=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
-        **_l2_ahead(l2_ahead, BLOCK_M, block_k, weight.element_size(), pdl), num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
+        num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if add_norm is not None:
         return h, summed
@@ -550,7 +533,6 @@ KERNEL_PARAMS = (
     Param("reduce", ("kernel", "ticket"), "kernel"),  # split-K sum: second kernel, or last split adds
     Param("pdl", PDL_CHOICES, False),  # "late": the next kernel launches once every program is past its loop
     Param("ahead", (1, 2, 3), 1),  # M == 1 FMA path: W tiles requested before the PDL wait / in flight ahead
-    Param("l2_ahead", (0, 1, 2, 4), 0),  # dot path: a program's first W tiles asked of L2 before the PDL wait
 )
 GEMV_PARAMS = KERNEL_PARAMS + (
     Param("max_m", (0, 1, 8, 16, 32, 64, 128, 256), GEMV_MAX_M),  # above this many rows use torch's GEMM; 0 = never

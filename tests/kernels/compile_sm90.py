@@ -93,11 +93,6 @@ def specs():
                                           ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False, ROPE=rope,
                                           HEAD_D=64 if rope else 1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False,
                                           AHEAD=ahead), 4
-    for norm, silu_out, add_ss in ((0, False, False), (3, True, False), (0, False, True)):  # W asked of L2 first
-        yield gemv._gemv_kernel, GEMV_PTRS, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, SILU_MUL=False,
-                                          NORM=norm, ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False,
-                                          ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=silu_out,
-                                          ADD_SS=add_ss, BLOCK_SS=64, L2_AHEAD=2, LINE=64, LINES=2), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import persistent_chain  # bench/: the persistent GEMV chain experiment (session 18)
@@ -121,9 +116,6 @@ def all_specs():
     late = (gemv._gemv_kernel, attention_decode._decode_split_kernel)
     seen = set()
     for kernel, ptr_types, constexprs, warps in specs():
-        if constexprs.get("L2_AHEAD"):  # only ever launched with PDL
-            yield kernel, ptr_types, dict(constexprs, PDL=2), warps
-            continue
         yield kernel, ptr_types, dict(constexprs, PDL=False), warps
         if kernel not in seen or constexprs.get("PREFETCH") or constexprs.get("AHEAD", 1) > 1:
             seen.add(kernel)
