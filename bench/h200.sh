@@ -133,7 +133,7 @@ for s in "$@"; do
         --plans reference,triton --no-hf --steps 10 --greedy-check 0 --name decode-8k-8b --out "$OUT"
       ;;
     kernels-bs1)
-      stage kernels-bs1 240 $py bench/kernels.py --models "${MODELS:-llama-3.2-1b}" --batches 1 --budget 170 --deadline 200 \
+      stage kernels-bs1 240 $py bench/kernel_sweep.py --models "${MODELS:-llama-3.2-1b}" --batches 1 --budget 170 --deadline 200 \
         --only qkv_proj,o_proj,gate_up_proj,down_proj,silu_mul_down_proj,add_rmsnorm_qkv_proj --out "$OUT/kernels-bs1.json"
       ;;
     decode-bs1)

@@ -1,4 +1,4 @@
-"""bench/kernels.py runs its CPU-side logic (cases, sweeps, checks, JSON) under the interpreter."""
+"""bench/kernel_sweep.py runs its CPU-side logic (cases, sweeps, checks, JSON) under the interpreter."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_bench_kernels_tiny_cpu(tmp_path):
     out = tmp_path / "k.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "kernels.py"), "--device", "cpu", "--tiny",
+        [sys.executable, str(ROOT / "bench" / "kernel_sweep.py"), "--device", "cpu", "--tiny",
          "--only", "attention_decode,lm_head_argmax,rmsnorm", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
     )

@@ -2,10 +2,10 @@
 """Kernel benchmark: every Triton variant against its reference (and torch where relevant) at
 Llama-3.2-1B and Llama-3.1-8B decode shapes, in GB/s and % of the measured copy-bandwidth roofline.
 
-    python bench/kernels.py                     # CUDA, full run (< 4 min on an H200), JSON to bench/results/
-    python bench/kernels.py --budget 120        # stop sweeping after 120 s (defaults still measured)
-    python bench/kernels.py --only attention_decode,lm_head
-    python bench/kernels.py --device cpu --tiny # CPU, Triton interpreter, tiny shapes: checks the logic only
+    python bench/kernel_sweep.py                     # CUDA, full run (< 4 min on an H200), JSON to bench/results/
+    python bench/kernel_sweep.py --budget 120        # stop sweeping after 120 s (defaults still measured)
+    python bench/kernel_sweep.py --only attention_decode,lm_head
+    python bench/kernel_sweep.py --device cpu --tiny # CPU, Triton interpreter, tiny shapes: checks the logic only
 
 Timing (CUDA): each case is captured in a CUDA graph that calls the function once on each of R
 rotating input sets (R chosen so they do not all fit in L2), and ``triton.testing.do_bench`` times
