@@ -31,6 +31,6 @@ def test_a_transformers_model_runs_with_bench_first_on_the_path():
 
 def test_no_bench_module_is_named_like_an_importable_module():
     """A bench script named like the standard library or an installed package would shadow it."""
-    taken = [p.stem for p in BENCH.glob("*.py") if importlib.util.find_spec(p.stem) is not None
-             and not str(importlib.util.find_spec(p.stem).origin or "").startswith(str(BENCH))]
+    specs = {p.stem: importlib.util.find_spec(p.stem) for p in BENCH.glob("*.py")}
+    taken = [name for name, spec in specs.items() if spec is not None and not str(spec.origin).startswith(str(BENCH))]
     assert not taken, f"bench modules shadowing importable modules: {taken}"

@@ -128,6 +128,13 @@ def pdl_enabled(pdl: bool | str) -> bool:
 PDL_CHOICES = (False, True, "late")
 
 
+def check_pdl(name: str, pdl) -> None:
+    """A kernel's ``pdl`` argument is one of ``PDL_CHOICES`` (plans are checked by the registry;
+    this is for direct calls)."""
+    if pdl not in PDL_CHOICES:
+        raise KernelInputError(f"{name}: pdl must be one of {PDL_CHOICES}, got {pdl!r}")
+
+
 def pdl_mode(pdl: bool | str) -> int:
     """The ``PDL`` constexpr of kernels that can trigger their dependents late: 0 no PDL; 1 the next
     kernel may launch as soon as every program of this one has started (the trigger first thing);

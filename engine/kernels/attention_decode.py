@@ -52,7 +52,7 @@ import triton.language as tl
 from anneal.engine.kernels._common import (
     KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts,
     mma, pdl_enabled, pdl_launch_dependents, pdl_mode, pdl_prologue, pdl_wait, pow2, pow2_split, rms_operand, row_rstd,
-    sm_count, tile_counters, PDL_CHOICES,
+    sm_count, tile_counters, PDL_CHOICES, check_pdl,
 )
 from anneal.engine.kernels.rope import check_rope_operands, rope_heads
 from anneal.engine.ops.registry import Param, variant
@@ -359,8 +359,7 @@ def _launch(
     context_lens = context_lens.contiguous()  # read as a flat array (no copy when it already is)
     if pv_precision not in ("bf16", "tf32") or merge not in ("kernel", "ticket"):
         raise KernelInputError(f"{name}: pv_precision must be 'bf16' or 'tf32', merge 'kernel' or 'ticket'")
-    if pdl not in PDL_CHOICES:
-        raise KernelInputError(f"{name}: pdl must be one of {PDL_CHOICES}, got {pdl!r}")
+    check_pdl(name, pdl)
     G = H // Hkv
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     if B == 0:

@@ -49,7 +49,8 @@ import triton.language as tl
 
 from anneal.engine.kernels._common import (
     KernelInputError, cdiv, check_device, dot_precision, dot_upcast, fit_stages, launch_opts, mma, pdl_enabled,
-    pdl_launch_dependents, pdl_mode, pdl_prologue, pdl_wait, pow2, pow2_split, sm_count, tile_counters, PDL_CHOICES,
+    pdl_launch_dependents, pdl_mode, pdl_prologue, pdl_wait, pow2, pow2_split, sm_count, tile_counters, check_pdl,
+    PDL_CHOICES,
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.kernels.argmax import argmax_merge_kernel
@@ -422,8 +423,7 @@ def small_m_gemm(
     norm_weight, eps)`` normalises x (such a sum) with them as it loads it."""
     name = ("silu_mul_down_proj" if silu_mul_input else "norm_linear" if norm is not None or norm_stats is not None
             else "linear_add_stats" if add_stats is not None else "linear")
-    if pdl not in PDL_CHOICES:
-        raise KernelInputError(f"{name}: pdl must be one of {PDL_CHOICES}, got {pdl!r}")
+    check_pdl(name, pdl)
     M = x.shape[0]
     K = weight.shape[1] if weight.dim() == 2 else -1
     if silu_mul_input and (x.dim() != 2 or x.shape[1] != 2 * K):
