@@ -7,6 +7,7 @@
 #   plans                           issue 5: reference vs hand-set vs compiled plans, both shapes
 #   overlap                         issue 5: hand-set plan with and without scheduler.overlap (8B, 1B)
 #   l2-prefetch                     issue 4: o_proj weights streamed into L2 during attention (bench/l2_prefetch.py)
+#   pdl-batch                       issue 5: the layer's GEMVs at M 1 / 12 with PDL off / early / late (bench/pdl_batch.py)
 #   attention-layout                issue 5: decode attention on an NHD vs an HND KV cache (bench/attention_layout.py)
 #   attention-stages                issue 5: decode attention at pipeline depths 1-3 (bench/attention_stages.py)
 #   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)
@@ -98,6 +99,9 @@ for s in "$@"; do
       ;;
     l2-prefetch)  # issue 4: can o_proj read its weights from L2, streamed in during attention?
       stage l2-prefetch 120 $py bench/l2_prefetch.py --out "$OUT"
+      ;;
+    pdl-batch)  # issue 5: why the early PDL trigger helps the bs=1 GEMV chain and costs 5-9% at batch 4-16
+      stage pdl-batch 240 $py bench/pdl_batch.py --out "$OUT"
       ;;
     attention-layout)  # issue 5: is decode attention at 50% of its roofline because of the cache layout?
       stage attention-layout 180 $py bench/attention_layout.py --out "$OUT"
