@@ -101,7 +101,7 @@ for s in "$@"; do
       stage l2-prefetch 120 $py bench/l2_prefetch.py --out "$OUT"
       ;;
     pdl-batch)  # issue 5: why the early PDL trigger helps the bs=1 GEMV chain and costs 5-9% at batch 4-16
-      stage pdl-batch 240 $py bench/pdl_batch.py --out "$OUT"
+      stage pdl-batch 240 $py bench/pdl_batch.py --out "$OUT" ${PDL_BATCH_ARGS:-}
       ;;
     attention-layout)  # issue 5: is decode attention at 50% of its roofline because of the cache layout?
       stage attention-layout 180 $py bench/attention_layout.py --out "$OUT"

@@ -7,13 +7,15 @@ projections (qkv, o, gate_up, down), each reading the previous output's first K 
 its own weights, all layers in one CUDA graph, timed by CUDA events over graph replays, at M rows:
 
   cublas              F.linear per projection (no PDL)
-  dot-{none,early,late}   small_m_gemm on the tl.dot path with chat-s23-pdl's params (ticket split-K,
-                      the default tiles), PDL off / triggered first thing / after the main loop
-  fma-early           (M=1 only) the 8B bs=1 best plan's params: the FMA path with W requested
-                      before the wait, where the early trigger is known to win
+  dot-{none,early,late,after_wait}   small_m_gemm on the tl.dot path with chat-s23-pdl's params
+                      (ticket split-K, the default tiles), PDL off / triggered first thing / after
+                      the main loop / after the kernel's own wait (the previous kernel done)
+  fma-{early,late,after_wait}   (M=1 only) the 8B bs=1 best plan's params: the FMA path with W
+                      requested before the wait, where the early trigger is known to win
 
-and the o_proj shape alone (32 launches of 4096 x 4096, each its own weight) at split_k 1-16 and
-block_n 32-128, PDL off against early: the grid's size against what fits on the SMs at once.
+the same at M=12 with per-projection tiles whose grids let two consecutive kernels share the SMs
+(``LAYER_TILES``), PDL off against after_wait; and the o_proj shape alone (32 launches of 4096 x 4096, each its own weight) at split_k 1-16 and
+block_n 32-128, PDL off / early / after_wait: the grid's size against what fits on the SMs at once.
 
 The hypothesis (session 29): an early trigger launches the next kernel's programs while the
 current kernel's last ones still run, so they land on whichever SMs are free; a grid smaller than the
@@ -44,6 +46,22 @@ from persistent_chain import layer_dims, resident_per_sm  # noqa: E402
 DOT = {"reduce": "ticket"}  # chat-s23-pdl's projections: the default tiles, ticket split-K
 FMA_8B = Path(__file__).resolve().parent / "plans" / "gemv-pdl-rope-gu-prefetch-downdot-o8-s1.json"
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Per-projection tiles (qkv, o, gate_up, down) for the M=12 layer chain: grids sized so that two
+# consecutive kernels fit on the SMs together (what an after_wait trigger needs, session 29's o sweep)
+# -- programs at the 8B: n32 tiles 40 registers / 24.5 KB, 9 an SM; n64 5; n128 3.
+LAYER_TILES = {
+    "n32-x4": [{"block_n": 32, "split_k": 2}, {"block_n": 32, "split_k": 4}, {"block_n": 32, "split_k": 1},
+               {"block_n": 32, "split_k": 4}],
+    "n32-x2": [{"block_n": 32, "split_k": 2}, {"block_n": 32, "split_k": 2}, {"block_n": 64, "split_k": 1},
+               {"block_n": 32, "split_k": 2}],
+    "n32-x4-st2": [{"block_n": 32, "split_k": 2, "num_stages": 2}, {"block_n": 32, "split_k": 4, "num_stages": 2},
+                   {"block_n": 32, "split_k": 1, "num_stages": 2}, {"block_n": 32, "split_k": 4, "num_stages": 2}],
+    "n64-x2": [{"block_n": 64, "split_k": 2}, {"block_n": 64, "split_k": 4}, {"block_n": 128, "split_k": 1},
+               {"block_n": 64, "split_k": 4}],
+    "n128-x1": [{"block_n": 128, "split_k": 2}, {"block_n": 128, "split_k": 4}, {"block_n": 128, "split_k": 1},
+                {"block_n": 128, "split_k": 4}],
+}
+MODES = (("none", False), ("early", True), ("late", "late"), ("after_wait", "after_wait"))
 
 
 def fma_params() -> list[dict]:
@@ -110,16 +128,22 @@ def main() -> int:
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, dims[0][1], generator=g).to(dtype=dtype, device=dev)
         variants.append((f"layers-m{m}-cublas", x, None, layers, layer_bytes))
-        for mode, pdl in (("none", False), ("early", True), ("late", "late")):
+        for mode, pdl in MODES:
             variants.append((f"layers-m{m}-dot-{mode}", x, [{**DOT, "pdl": pdl}], layers, layer_bytes))
+        if m > 1:
+            for tiles, per_op in LAYER_TILES.items():
+                for mode, pdl in (MODES[0], MODES[3]):
+                    variants.append((f"layers-m{m}-{tiles}-{mode}", x, [{**DOT, **p, "pdl": pdl} for p in per_op],
+                                     layers, layer_bytes))
         if m == 1:
-            variants.append(("layers-m1-fma-early", x, [{**p, "pdl": True} for p in fma], layers, layer_bytes))
+            for mode, pdl in MODES[1:]:
+                variants.append((f"layers-m1-fma-{mode}", x, [{**p, "pdl": pdl} for p in fma], layers, layer_bytes))
     xo = torch.randn(args.o_rows, o_dims[1], generator=g).to(dtype=dtype, device=dev)
     o_layers = [[w] for w in o_ws]
     variants.append((f"o-m{args.o_rows}-cublas", xo, None, o_layers, o_bytes))
     for block_n in (32, 64, 128):
         for split in (1, 2, 4, 8, 16):
-            for mode, pdl in (("none", False), ("early", True)):
+            for mode, pdl in (MODES[0], MODES[1], MODES[3]):
                 p = {**DOT, "pdl": pdl, "block_n": block_n, "split_k": split}
                 grid = -(-o_dims[0] // block_n) * split
                 variants.append((f"o-m{args.o_rows}-n{block_n}-s{split}-{mode}", xo, [p], o_layers, o_bytes, grid))

@@ -125,7 +125,7 @@ def pdl_enabled(pdl: bool | str) -> bool:
     return bool(pdl) and not interpreting()
 
 
-PDL_CHOICES = (False, True, "late")
+PDL_CHOICES = (False, True, "late", "after_wait")
 
 
 def check_pdl(name: str, pdl) -> None:
@@ -138,15 +138,20 @@ def check_pdl(name: str, pdl) -> None:
 def pdl_mode(pdl: bool | str) -> int:
     """The ``PDL`` constexpr of kernels that can trigger their dependents late: 0 no PDL; 1 the next
     kernel may launch as soon as every program of this one has started (the trigger first thing);
-    2 (``"late"``) only once every program is past its main loop. An early trigger lets the next
-    kernels' programs take SM slots and wait in them while this one still has programs to run; a
-    late one overlaps only this kernel's tail (its split-K reduce) with the next one's prologue.
-    H200, 8B decode at ctx 800 (session 28): with every kernel of the all-GEMV step on PDL, the
-    early trigger is 5-9% slower than no PDL at batches 4-16 and the late one within -1.4..+0.8%
-    of it; at bs=1 (one wave a kernel) the early trigger is the faster by 1-4%."""
+    2 (``"late"``) only once every program is past its main loop; 3 (``"after_wait"``) once every
+    program is past its own wait, i.e. once the previous kernel has finished.
+    An early trigger cascades: the next kernel triggers as its programs start, so the one after it
+    launches too, and several kernels' programs take SM slots and wait in them while this one runs;
+    each kernel's programs then sit wherever slots were free, unevenly. ``after_wait`` lets only
+    the next kernel in (its launch and prologue overlap this one's run). H200, 8B decode at ctx 800
+    (session 28): with every kernel of the all-GEMV step on PDL, the early trigger is 5-9% slower
+    than no PDL at batches 4-16 and the late one within -1.4..+0.8% of it; at bs=1 (one wave a
+    kernel) the early trigger is the faster by 1-4%. Session 29 (``bench/pdl_batch.py``): the dot
+    path loses 20% to the early trigger at M=1 as at M=12, most where a grid holds more than one
+    program an SM but fits in one wave."""
     if not pdl_enabled(pdl):
         return 0
-    return 2 if pdl == "late" else 1
+    return {"late": 2, "after_wait": 3}.get(pdl, 1)
 
 
 def launch_opts(pdl: bool | str) -> dict:

@@ -103,6 +103,7 @@ def _decode_split_kernel(
     pdl_launch_dependents(PDL == 1)
     if not PREFETCH:
         pdl_wait(PDL)
+        pdl_launch_dependents(PDL == 3)  # "after_wait": only the merge / next kernel launches while this runs
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -171,6 +172,7 @@ def _decode_split_kernel(
         k = tl.load(k_ptrs, mask=old, other=0.0)
         v = tl.load(v_ptrs, mask=old, other=0.0)
         pdl_wait(PDL)
+        pdl_launch_dependents(PDL == 3)
         new = (tm & (t == ctx - 1))[:, None] & dm[None, :]
         k = tl.load(k_ptrs, mask=new, other=k)
         v = tl.load(v_ptrs, mask=new, other=v)
@@ -419,7 +421,7 @@ def _launch(
         Param("num_stages", (1, 2, 3, 4, 5, 7), 2),
         Param("pv_precision", ("bf16", "tf32"), "bf16"),  # softmax probabilities in the PV MMA
         Param("merge", ("kernel", "ticket"), "kernel"),  # split merge: second kernel, or last split
-        Param("pdl", PDL_CHOICES, False),  # "late": the next kernel launches once the K/V loops are done
+        Param("pdl", PDL_CHOICES, False),  # "late" / "after_wait": the next kernel launches once the K/V loops / the wait are done
         # batches up to this size request each split's first K/V tile before the PDL wait (all but
         # the step's own token); 0 = never. It pays at bs=1 and costs from bs 8 (H200, session 9)
         Param("prefetch", (0, 1, 2, 4, 8, 16), 0),

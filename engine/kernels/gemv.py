@@ -235,6 +235,7 @@ def _gemv_kernel(
             k = k + BLOCK_K
             w_far = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0.0)
     pdl_wait(PDL)
+    pdl_launch_dependents(PDL == 3)  # "after_wait": only the next kernel launches while this one runs
 
     # NORM 1: x -> rmsnorm(x); NORM 2: x -> rmsnorm(x + residual), and x + residual is written out
     # (by the programs of the first N tile, each for its K range). Every program first computes
@@ -531,7 +532,7 @@ KERNEL_PARAMS = (
     Param("num_stages", (1, 2, 3, 4), 3),
     Param("m1", ("dot", "fma"), "dot"),  # M == 1: pipelined tl.dot (M padded to 16) or register FMA
     Param("reduce", ("kernel", "ticket"), "kernel"),  # split-K sum: second kernel, or last split adds
-    Param("pdl", PDL_CHOICES, False),  # "late": the next kernel launches once every program is past its loop
+    Param("pdl", PDL_CHOICES, False),  # "late" / "after_wait": the next kernel launches once every program is past its loop / its wait
     Param("ahead", (1, 2, 3), 1),  # M == 1 FMA path: W tiles requested before the PDL wait / in flight ahead
 )
 GEMV_PARAMS = KERNEL_PARAMS + (

@@ -110,7 +110,7 @@ def specs():
 def all_specs():
     """Every spec with PDL off, and with PDL on too the first spec of each kernel and every spec that
     requests loads before the PDL wait; the kernels that can trigger their dependents late
-    (``pdl_mode`` 2) also so."""
+    (``pdl_mode`` 2) or after their wait (3) also so."""
     from anneal.engine.kernels import attention_decode, gemv
 
     late = (gemv._gemv_kernel, attention_decode._decode_split_kernel)
@@ -122,6 +122,7 @@ def all_specs():
             yield kernel, ptr_types, dict(constexprs, PDL=True), warps
             if kernel in late:
                 yield kernel, ptr_types, dict(constexprs, PDL=2), warps
+                yield kernel, ptr_types, dict(constexprs, PDL=3), warps
 
 
 def launch_options(kernel) -> dict:

@@ -44,6 +44,8 @@ PARAMS_GPU = [
     {"split_k": 8, "merge": "ticket", "pdl": True, "prefetch": 16},
     {"split_k": 0, "pdl": "late"},  # the merge launched once the K/V loops are done
     {"split_k": 4, "merge": "ticket", "pdl": "late", "prefetch": 16},
+    {"split_k": 0, "pdl": "after_wait"},  # only the merge launches while the split kernel runs
+    {"split_k": 4, "merge": "ticket", "pdl": "after_wait", "prefetch": 16},
 ]
 
 

@@ -22,6 +22,7 @@ PARAMS_CPU = [
     {"split_k": 1, "block_n": 16, "block_k": 64, "max_m": 0, "m1": "fma", "ahead": 2},  # K 37: fewer tiles than ahead
     {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "m1": "fma", "ahead": 3, "reduce": "ticket"},
     {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "pdl": "late"},  # a GPU launch option: no-op here
+    {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "pdl": "after_wait", "reduce": "ticket"},
 ]
 PARAMS_GPU = [
     {"max_m": 0},
@@ -36,6 +37,9 @@ PARAMS_GPU = [
     {"split_k": 4, "max_m": 0, "reduce": "ticket", "pdl": "late"},  # dependents launched after the main loop
     {"block_n": 32, "block_k": 256, "max_m": 0, "pdl": "late"},
     {"split_k": 8, "block_n": 128, "block_k": 64, "max_m": 0, "reduce": "ticket", "pdl": "late", "m1": "fma", "ahead": 2},
+    {"split_k": 4, "max_m": 0, "reduce": "ticket", "pdl": "after_wait"},  # only the next kernel launches early
+    {"split_k": 8, "block_n": 128, "block_k": 64, "max_m": 0, "reduce": "ticket", "pdl": "after_wait", "m1": "fma",
+     "ahead": 2},
 ]
 
 
@@ -263,7 +267,7 @@ def test_gate_up_silu(device, dtype):
     else:
         shapes = [(1, 8192, 2048), (1, 14336, 4096), (5, 1000, 512)]
         params = [{"block_n": 32, "block_k": 256, "split_k": 1, "reduce": "ticket", "pdl": True},
-                  {"block_n": 128, "block_k": 64, "m1": "fma", "pdl": True}, {"pdl": "late"}]
+                  {"block_n": 128, "block_k": 64, "m1": "fma", "pdl": True}, {"pdl": "late"}, {"pdl": "after_wait"}]
     for pi, p in enumerate(params):
         for i, (M, I, K) in enumerate(shapes):
             g = gen(8000 + 10 * pi + i, device)
@@ -294,8 +298,8 @@ def test_norm_stats_pair(device, dtype):
                     {"split_k": 1, "block_n": 64, "pdl": True}]
         consumer = [{"block_n": 128, "block_k": 64, "m1": "fma", "reduce": "ticket", "pdl": True},
                     {"split_k": 1, "block_n": 32, "block_k": 256, "pdl": True}]
-        producer.append({"pdl": "late"})
-        consumer.append({"pdl": "late"})
+        producer += [{"pdl": "late"}, {"pdl": "after_wait"}]
+        consumer += [{"pdl": "late"}, {"pdl": "after_wait"}]
         H, Hkv, D = 16, 8, 128
     for pi, (pp, cp) in enumerate(zip(producer, consumer)):
         for i, (M, N, K) in enumerate(shapes):
