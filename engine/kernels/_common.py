@@ -147,8 +147,9 @@ def pdl_mode(pdl: bool | str) -> int:
     (session 28): with every kernel of the all-GEMV step on PDL, the early trigger is 5-9% slower
     than no PDL at batches 4-16 and the late one within -1.4..+0.8% of it; at bs=1 (one wave a
     kernel) the early trigger is the faster by 1-4%. Session 29 (``bench/pdl_batch.py``): the dot
-    path loses 20% to the early trigger at M=1 as at M=12, most where a grid holds more than one
-    program an SM but fits in one wave."""
+    path loses 22% to the early trigger at M=1 as at M=12; ``after_wait`` wins 4-10% on o_proj alone
+    and 2% on a layer's GEMVs when consecutive grids fit on the SMs together, loses where they do
+    not, and lost in the whole decode step with every kernel on it (bench/NOTES.md, session 29)."""
     if not pdl_enabled(pdl):
         return 0
     return {"late": 2, "after_wait": 3}.get(pdl, 1)
