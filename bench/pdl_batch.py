@@ -172,7 +172,7 @@ def main() -> int:
         print(f"{name:<28} " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in row.items() if k != "variant"), flush=True)
     bad = [r["variant"] for r in rows if "error" in r]
-    print(f"{len(rows) - len(bad)} of {len(rows)} variants compute the fp32 chain" + (f"; failed: {bad}" if bad else ""),
+    print(f"failed: {bad}" if bad else f"every variant computes the fp32 chain ({len(rows)} of {len(rows)})",
           file=sys.stderr)
     if on_gpu:
         write_probe(f"pdl-batch-{args.shape}", args.out, dev, reps=args.reps, rows=rows, copy_gbps=bw, layers=L,
