@@ -117,6 +117,12 @@ def summarize(samples_s: list[float]) -> dict:
     }
 
 
+def print_variant_row(row: dict, width: int) -> None:
+    """One probe variant's row as a line: its name, then every measured field (floats to 4 digits)."""
+    print(f"{row['variant']:<{width}} " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                   for k, v in row.items() if k != "variant"), flush=True)
+
+
 def probe_parser(doc: str, reps: int) -> argparse.ArgumentParser:
     """The device probes' shared options (bench/attention_layout.py, blas_backend.py,
     prefill_attention.py): ``--device`` (cuda; cpu checks only the probe's premise), ``--reps``,

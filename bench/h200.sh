@@ -7,7 +7,7 @@
 #   plans                           issue 5: reference vs hand-set vs compiled plans, both shapes
 #   overlap                         issue 5: hand-set plan with and without scheduler.overlap (8B, 1B)
 #   l2-prefetch                     issue 4: o_proj weights streamed into L2 during attention (bench/l2_prefetch.py)
-#   pdl-batch                       issue 5: the layer's GEMVs at M 1 / 12 with PDL off / early / late (bench/pdl_batch.py)
+#   pdl-batch                       issue 5: the layer's GEMVs at M 1 / 12 with PDL off / early / late / after_wait (bench/pdl_batch.py)
 #   attention-layout                issue 5: decode attention on an NHD vs an HND KV cache (bench/attention_layout.py)
 #   attention-stages                issue 5: decode attention at pipeline depths 1-3 (bench/attention_stages.py)
 #   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)

@@ -40,12 +40,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, probe_parser, time_graph, write_probe  # noqa: E402
-from persistent_chain import layer_dims, resident_per_sm  # noqa: E402
+from common import copy_bandwidth_gbps, print_variant_row, probe_parser, time_graph, write_probe  # noqa: E402
+from persistent_chain import chain_params, layer_dims, resident_per_sm  # noqa: E402
 
 DOT = {"reduce": "ticket"}  # chat-s23-pdl's projections: the default tiles, ticket split-K
 FMA_8B = Path(__file__).resolve().parent / "plans" / "gemv-pdl-rope-gu-prefetch-downdot-o8-s1.json"
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Per-projection tiles (qkv, o, gate_up, down) for the M=12 layer chain: grids sized so that two
 # consecutive kernels fit on the SMs together (what an after_wait trigger needs, session 29's o sweep)
 # -- programs at the 8B: n32 tiles 40 registers / 24.5 KB, 9 an SM; n64 5; n128 3.
@@ -65,10 +64,8 @@ MODES = (("none", False), ("early", True), ("late", "late"), ("after_wait", "aft
 
 
 def fma_params() -> list[dict]:
-    import json
-
-    ops = json.loads(FMA_8B.read_text())["ops"]
-    return [{k: v for k, v in ops[op]["params"].items() if k not in ("max_m", "pdl")} for op in PROJECTIONS]
+    """The 8B bs=1 best plan's projection params (qkv, o, gate_up, down), PDL left to the variant."""
+    return [{k: v for k, v in p.items() if k != "pdl"} for p in chain_params(FMA_8B).values()]
 
 
 def compiled_gemv_kernels() -> list[dict]:
@@ -81,7 +78,7 @@ def compiled_gemv_kernels() -> list[dict]:
         for key, k in cache[0].items():
             try:
                 k._init_handles()
-                consts = {n: v for n, v in k.src.constants.items()} if hasattr(k, "src") else {}
+                consts = dict(k.src.constants) if hasattr(k, "src") else {}
                 fits = resident_per_sm(k.n_regs, k.metadata.shared, k.metadata.num_warps)
                 out.append({"n_regs": k.n_regs, "shared": k.metadata.shared, "num_warps": k.metadata.num_warps,
                             "num_stages": k.metadata.num_stages, "resident_per_sm": fits,
@@ -169,8 +166,7 @@ def main() -> int:
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         rows.append(row)
-        print(f"{name:<28} " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in row.items() if k != "variant"), flush=True)
+        print_variant_row(row, 28)
     bad = [r["variant"] for r in rows if "error" in r]
     print(f"failed: {bad}" if bad else f"every variant computes the fp32 chain ({len(rows)} of {len(rows)})",
           file=sys.stderr)

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, probe_parser, time_graph, write_probe  # noqa: E402
+from common import copy_bandwidth_gbps, print_variant_row, probe_parser, time_graph, write_probe  # noqa: E402
 
 from anneal.engine.kernels._common import (  # noqa: E402
     KernelInputError, check_device, launch_opts, pdl_enabled, pdl_launch_dependents, pdl_wait, sm_count,
@@ -360,8 +360,7 @@ def main() -> int:
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         rows.append(row)
-        print(f"{name:<26} " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in row.items() if k != "variant"), flush=True)
+        print_variant_row(row, 26)
     errs = [r["rel_err_vs_reference"] for r in rows if "rel_err_vs_reference" in r]
     print(f"every variant computes the reference chain: max rel err {max(errs):.3g} over {len(errs)}", file=sys.stderr)
     if on_gpu:
