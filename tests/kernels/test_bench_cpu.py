@@ -37,6 +37,7 @@ def test_bench_kernels_tiny_cpu(tmp_path):
 @pytest.mark.parametrize("script, says", [
     ("attention_layout.py", "NHD vs HND, same values: max |diff| 0"),
     ("attention_stages.py", "depths of one (split, block_n) against each other, same inputs: max |diff| 0"),
+    ("attention_floor.py", "every rung sums the tokens the engine kernel's splits read"),
     ("blas_backend.py", "every setting computes F.linear"),
     ("prefill_attention.py", "kernel, SDPA and reference on one shape: max |diff|"),
     ("persistent_chain.py", "every variant computes the reference chain"),

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Where does decode attention's fixed ~8 µs a call go? An experiment for issue 5 (the chat step's
+largest per-kernel gap: at batch 12, context 800, the split kernel and its merge take 17.8-20 µs for
+K/V bytes worth 9.4 µs at copy bandwidth; sessions 12, 25 and 26 fit every shape's time as ~8 µs
+plus the bytes, whatever the config, pipeline depth or cache layout).
+
+A ladder of kernels on the engine kernel's grid (``[B, Hkv, split]``, its auto split and one tile a
+program (split 16), block_n 64, 4 warps, 2 stages), each rung one step further along the split kernel's chain of dependent loads,
+each writing its program's ``[D]`` sum so nothing is optimised away:
+  0 ``empty``       store only: the grid's launch and ramp inside a CUDA graph
+  1 ``lens``        + the sequence's context length (a load every later address depends on)
+  2 ``lens_bt``     + the block-table entries of the split's first tile (the indirection)
+  3 ``first_tile``  + that tile's K and V rows (one DRAM round trip)
+  4 ``stream``      + every tile of the split, K + V summed: the engine's loop without its math
+  ``stream_contig`` rung 4 with the blocks addressed arithmetically (no table load): the indirection's share
+then the engine's kernel itself (``paged_decode_attention``) with the merge as a second kernel
+(``engine_merge_kernel``) and as the last split's ticket (``engine_ticket``). Every rung reads the
+tokens and rows the engine kernel's split reads (checked against torch on the CPU).
+
+Prediction (session 30, before the run): at 12 x 800, ``empty`` 2-3 µs, each dependent load up to
+rung 3 +0.5-1 µs, ``stream`` 10-12 µs (the bytes, with four serial tiles), the engine 17-18 µs: the
+online softmax in series with each tile's load and the merge (~2 µs) make the ~6 µs between the
+stream and the engine, not the loads. If ``stream`` is already near the engine's time, the loss is
+the chain of loads at this grid and only fusing attention with its neighbours (or a persistent
+kernel) moves it. At one tile a program (split 16) the four serial tiles are gone: ``stream`` near
+``first_tile``, the engine's cost then the merge over 13 splits.
+
+    python bench/attention_floor.py                # CUDA; JSON to bench/results/
+    python bench/attention_floor.py --device cpu   # Triton interpreter, tiny shapes: checks only
+                                                   # that every rung reads the engine's tokens
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from anneal.engine.kernels._common import cdiv
+from anneal.engine.kernels.attention_decode import _split_len, auto_split_k, paged_decode_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_layout import BLOCK, HEAD_DIM, HEADS, KV_HEADS, make_caches, shape_inputs  # noqa: E402
+from common import copy_bandwidth_gbps, print_variant_row, probe_dtype, probe_parser, time_graph, write_probe  # noqa: E402
+
+BLOCK_N = 64  # the engine kernel's default tile
+RUNGS = {"empty": (0, False), "lens": (1, False), "lens_bt": (2, False), "first_tile": (3, False),
+         "stream": (4, False), "stream_contig": (4, True)}
+
+
+@triton.jit
+def _ladder_kernel(kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, stride_bt, stride_kb, stride_kt, stride_kh, per_seq,
+                   RUNG: tl.constexpr, CONTIG: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                   D: tl.constexpr, SPLIT_K: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    row = (b * tl.num_programs(1) + kvh) * SPLIT_K + s
+    d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    if RUNG >= 1:
+        ctx = tl.load(lens_ptr + b)
+        acc += ctx.to(tl.float32)
+        split_len = _split_len(ctx, SPLIT_K, BLOCK_N)
+        start = s * split_len
+        end = tl.minimum(start + split_len, ctx)
+        stop = end
+        if RUNG < 4:
+            stop = tl.minimum(end, start + BLOCK_N)  # the first tile only
+        if RUNG >= 2:
+            for n0 in range(start, stop, BLOCK_N):
+                t = n0 + tl.arange(0, BLOCK_N)
+                tm = t < stop
+                if CONTIG:
+                    blk = (b * per_seq + t // BS).to(tl.int64)
+                else:
+                    blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + t // BS, mask=tm, other=0).to(tl.int64)
+                if RUNG == 2:
+                    acc += tl.sum(tl.where(tm, blk, 0)).to(tl.float32)
+                else:
+                    off = (blk * stride_kb + (t % BS) * stride_kt + kvh * stride_kh)[:, None] + d[None, :]
+                    k = tl.load(kc_ptr + off, mask=tm[:, None], other=0.0)
+                    v = tl.load(vc_ptr + off, mask=tm[:, None], other=0.0)
+                    acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * D + d, acc)
+
+
+def ladder(rung: int, contig: bool, k, v, bt, lens, split_k: int, out: torch.Tensor) -> torch.Tensor:
+    """One rung over every (sequence, kv head, split) of the engine kernel's grid, into ``out``
+    (``[B * Hkv * split_k, D]`` fp32); K and V share strides, as the engine's caches do."""
+    B = bt.shape[0]
+    _ladder_kernel[(B, KV_HEADS, split_k)](
+        k, v, bt, lens, out, bt.stride(0), k.stride(0), k.stride(1), k.stride(2), bt.shape[1],
+        RUNG=rung, CONTIG=contig, BLOCK_N=BLOCK_N, BS=BLOCK, D=HEAD_DIM, SPLIT_K=split_k,
+        num_warps=4, num_stages=2)
+    return out
+
+
+def ladder_reference(rung: int, contig: bool, k, v, bt, lens, split_k: int) -> torch.Tensor:
+    """What each rung's programs sum, in torch: the split ranges the engine kernel computes."""
+    B, per_seq = bt.shape
+    out = torch.zeros(B, KV_HEADS, split_k, HEAD_DIM, dtype=torch.float32)
+    for b in range(B):
+        ctx = int(lens[b])
+        split_len = max(cdiv(cdiv(ctx, split_k), BLOCK_N) * BLOCK_N, BLOCK_N)  # the kernel's _split_len
+        for h in range(KV_HEADS):
+            for s in range(split_k):
+                acc = torch.zeros(HEAD_DIM)
+                if rung >= 1:
+                    acc += ctx
+                    start, end = s * split_len, min(s * split_len + split_len, ctx)
+                    stop = end if rung >= 4 else min(end, start + BLOCK_N)
+                    for t in range(start, stop):
+                        blk = b * per_seq + t // BLOCK if contig else int(bt[b, t // BLOCK])
+                        if rung == 2:
+                            acc += blk
+                        elif rung >= 3:
+                            acc += k[blk, t % BLOCK, h].float() + v[blk, t % BLOCK, h].float()
+                out[b, h, s] = acc
+    return out.view(-1, HEAD_DIM)
+
+
+def check_rungs(device, dtype) -> float:
+    """Largest relative difference of any rung from its torch sums, on a batch of uneven lengths."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    batch, ctx = 3, 150
+    (k, v, bt), = make_caches(batch, ctx, 1, "nhd", device, dtype, gen)
+    lens = torch.tensor([ctx, 97, 1], dtype=torch.int32, device=device)
+    split_k = 2
+    worst = 0.0
+    for name, (rung, contig) in RUNGS.items():
+        out = torch.empty(batch * KV_HEADS * split_k, HEAD_DIM, dtype=torch.float32, device=device)
+        got = ladder(rung, contig, k, v, bt, lens, split_k, out).cpu()
+        want = ladder_reference(rung, contig, k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), split_k)
+        err = ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
+        worst = max(worst, err)
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = probe_parser(__doc__, reps=60)
+    ap.add_argument("--shapes", default="1x800,4x800,12x800,16x800,12x2048")
+    ap.add_argument("--splits", default="0,16", help="split counts (0: the engine's auto split; 16: one "
+                    "64-token tile a program at context 800-1024)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = probe_dtype(device)
+    worst = check_rungs(device, dtype)
+    print(f"every rung sums the tokens the engine kernel's splits read: max rel |diff| {worst:.3g}",
+          file=sys.stderr)
+    if worst > 1e-4:
+        print("a rung reads other tokens than the engine kernel: its timing would mean nothing", file=sys.stderr)
+        return 1
+    if device.type != "cuda":
+        return 0
+    bw = copy_bandwidth_gbps()
+    rows = []
+    for shape in args.shapes.split(","):
+        batch, ctx = (int(x) for x in shape.split("x"))
+        kv_bytes, copies, qs, lens, caches = shape_inputs(batch, ctx, ("nhd",), device, dtype)
+        sets = caches["nhd"]
+        floor_us = kv_bytes / (bw * 1e9) * 1e6
+        for want in dict.fromkeys(int(x) for x in args.splits.split(",")):
+            split_k = want or auto_split_k(batch, KV_HEADS, sets[0][2].shape[1] * BLOCK, BLOCK_N, device)
+            outs = [torch.empty(batch * KV_HEADS * split_k, HEAD_DIM, dtype=torch.float32, device=device)
+                    for _ in range(copies)]
+            calls = {name: (lambda i, r=rung, c=contig: ladder(r, c, *sets[i], lens, split_k, outs[i]))
+                     for name, (rung, contig) in RUNGS.items()}
+            for merge in ("kernel", "ticket"):
+                calls[f"engine_{'merge_kernel' if merge == 'kernel' else 'ticket'}"] = (
+                    lambda i, m=merge: paged_decode_attention(qs[i], *sets[i], lens, 0.088, split_k=split_k,
+                                                              block_n=BLOCK_N, merge=m))
+            for name, call in calls.items():
+                us = time_graph(call, copies, args.reps)
+                row = {"variant": f"{batch}x{ctx}-s{split_k}-{name}", "batch": batch, "context": ctx,
+                       "split_k": split_k, "auto_split": want == 0, "programs": batch * KV_HEADS * split_k,
+                       "us": round(us, 2), "floor_us": round(floor_us, 2), "of_roofline": round(floor_us / us, 3)}
+                rows.append(row)
+                print_variant_row(row, 36)
+            del outs, calls
+        del sets, qs
+        torch.cuda.empty_cache()
+    write_probe("attention-floor", args.out, device, copy_gbps=bw, reps=args.reps, rows=rows)
+    return 0
+
+if __name__ == "__main__":
+    raise SystemExit(main())
