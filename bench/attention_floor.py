@@ -88,15 +88,63 @@ def _ladder_kernel(kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, stride_bt, stride_
     tl.store(out_ptr + row.to(tl.int64) * D + d, acc)
 
 
-def ladder(rung: int, contig: bool, k, v, bt, lens, split_k: int, out: torch.Tensor) -> torch.Tensor:
+def ladder(rung: int, contig: bool, k, v, bt, lens, split_k: int, out: torch.Tensor, *, num_warps: int = 4,
+           num_stages: int = 2, block_n: int = BLOCK_N) -> torch.Tensor:
     """One rung over every (sequence, kv head, split) of the engine kernel's grid, into ``out``
     (``[B * Hkv * split_k, D]`` fp32); K and V share strides, as the engine's caches do."""
     B = bt.shape[0]
     _ladder_kernel[(B, KV_HEADS, split_k)](
         k, v, bt, lens, out, bt.stride(0), k.stride(0), k.stride(1), k.stride(2), bt.shape[1],
-        RUNG=rung, CONTIG=contig, BLOCK_N=BLOCK_N, BS=BLOCK, D=HEAD_DIM, SPLIT_K=split_k,
-        num_warps=4, num_stages=2)
+        RUNG=rung, CONTIG=contig, BLOCK_N=block_n, BS=BLOCK, D=HEAD_DIM, SPLIT_K=split_k,
+        num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+@triton.jit
+def _all_heads_kernel(kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, stride_bt, stride_kb,
+                      BS: tl.constexpr, ROW: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Rung 4 with every kv head of a token read by one program: a cache block ``[BS, Hkv, D]`` is
+    one contiguous run (32 KB for the 8B), where a per-head program reads 256-B rows 2 KB apart."""
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    ctx = tl.load(lens_ptr + b)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, SPLIT_K), BS) * BS, BS)
+    start = s * split_len
+    end = tl.minimum(start + split_len, ctx)
+    r = tl.arange(0, ROW)
+    acc = tl.zeros([ROW], tl.float32)
+    for n0 in range(start, end, BS):
+        t = n0 + tl.arange(0, BS)
+        tm = t < end
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS).to(tl.int64)
+        off = blk * stride_kb + (t % BS)[:, None] * ROW + r[None, :]
+        k = tl.load(kc_ptr + off, mask=tm[:, None], other=0.0)
+        v = tl.load(vc_ptr + off, mask=tm[:, None], other=0.0)
+        acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
+    tl.store(out_ptr + (b * SPLIT_K + s).to(tl.int64) * ROW + r, acc)
+
+
+def all_heads(k, v, bt, lens, split_k: int, out: torch.Tensor, *, num_warps: int = 8, num_stages: int = 2):
+    """The all-heads stream over ``[B, split_k]`` programs into ``out`` (``[B * split_k, Hkv * D]``);
+    needs an NHD cache (``[blocks, BS, Hkv, D]`` contiguous)."""
+    assert k.is_contiguous() and v.is_contiguous()
+    _all_heads_kernel[(bt.shape[0], split_k)](
+        k, v, bt, lens, out, bt.stride(0), k.stride(0), BS=BLOCK, ROW=KV_HEADS * HEAD_DIM, SPLIT_K=split_k,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def all_heads_reference(k, v, bt, lens, split_k: int) -> torch.Tensor:
+    B = bt.shape[0]
+    out = torch.zeros(B, split_k, KV_HEADS * HEAD_DIM, dtype=torch.float32)
+    for b in range(B):
+        ctx = int(lens[b])
+        split_len = max(cdiv(cdiv(ctx, split_k), BLOCK) * BLOCK, BLOCK)
+        for s in range(split_k):
+            for t in range(s * split_len, min(s * split_len + split_len, ctx)):
+                blk = int(bt[b, t // BLOCK])
+                out[b, s] += (k[blk, t % BLOCK].float() + v[blk, t % BLOCK].float()).reshape(-1)
+    return out.view(-1, KV_HEADS * HEAD_DIM)
 
 
 def ladder_reference(rung: int, contig: bool, k, v, bt, lens, split_k: int) -> torch.Tensor:
@@ -135,9 +183,16 @@ def check_rungs(device, dtype) -> float:
         out = torch.empty(batch * KV_HEADS * split_k, HEAD_DIM, dtype=torch.float32, device=device)
         got = ladder(rung, contig, k, v, bt, lens, split_k, out).cpu()
         want = ladder_reference(rung, contig, k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), split_k)
-        err = ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
-        worst = max(worst, err)
-    return worst
+        worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
+    (kh, vh, bth), = make_caches(batch, ctx, 1, "hnd", device, dtype, gen)  # the same rung on an HND cache
+    out = torch.empty(batch * KV_HEADS * split_k, HEAD_DIM, dtype=torch.float32, device=device)
+    got = ladder(4, False, kh, vh, bth, lens, split_k, out).cpu()
+    want = ladder_reference(4, False, kh.cpu(), vh.cpu(), bth.cpu(), lens.cpu(), split_k)
+    worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
+    out = torch.empty(batch * split_k * 4, KV_HEADS * HEAD_DIM, dtype=torch.float32, device=device)
+    got = all_heads(k, v, bt, lens, split_k * 4, out).cpu()
+    want = all_heads_reference(k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), split_k * 4)
+    return max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
-        kv_bytes, copies, qs, lens, caches = shape_inputs(batch, ctx, ("nhd",), device, dtype)
-        sets = caches["nhd"]
+        kv_bytes, copies, qs, lens, caches = shape_inputs(batch, ctx, ("nhd", "hnd"), device, dtype)
+        sets, hnd = caches["nhd"], caches["hnd"]
         floor_us = kv_bytes / (bw * 1e9) * 1e6
         for want in dict.fromkeys(int(x) for x in args.splits.split(",")):
             split_k = want or auto_split_k(batch, KV_HEADS, sets[0][2].shape[1] * BLOCK, BLOCK_N, device)
@@ -169,6 +224,17 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(copies)]
             calls = {name: (lambda i, r=rung, c=contig: ladder(r, c, *sets[i], lens, split_k, outs[i]))
                      for name, (rung, contig) in RUNGS.items()}
+            # what the stream rung needs to read at the copy roofline: a deeper / wider program, the
+            # HND layout (each head's block one 4-KB run), every kv head of a block in one program
+            calls["stream_w8_st4"] = lambda i: ladder(4, False, *sets[i], lens, split_k, outs[i], num_warps=8,
+                                                      num_stages=4)
+            calls["stream_n128_w8"] = lambda i: ladder(4, False, *sets[i], lens, split_k, outs[i], num_warps=8,
+                                                       block_n=128)
+            calls["stream_hnd"] = lambda i: ladder(4, False, *hnd[i], lens, split_k, outs[i])
+            wide = [torch.empty(batch * split_k * KV_HEADS, KV_HEADS * HEAD_DIM, dtype=torch.float32, device=device)
+                    for _ in range(copies)]
+            for mult in (1, 2, KV_HEADS):  # all-heads splits: split_k x 1 / 2 / 8 (8: as many programs as per head)
+                calls[f"all_heads_x{mult}"] = (lambda i, m=mult: all_heads(*sets[i], lens, split_k * m, wide[i]))
             for merge in ("kernel", "ticket"):
                 calls[f"engine_{'merge_kernel' if merge == 'kernel' else 'ticket'}"] = (
                     lambda i, m=merge: paged_decode_attention(qs[i], *sets[i], lens, 0.088, split_k=split_k,
@@ -176,15 +242,17 @@ def main(argv: list[str] | None = None) -> int:
             for name, call in calls.items():
                 us = time_graph(call, copies, args.reps)
                 row = {"variant": f"{batch}x{ctx}-s{split_k}-{name}", "batch": batch, "context": ctx,
-                       "split_k": split_k, "auto_split": want == 0, "programs": batch * KV_HEADS * split_k,
+                       "split_k": split_k, "auto_split": want == 0,
+                       "programs": batch * split_k * (int(name[11:]) if name.startswith("all_heads_x") else KV_HEADS),
                        "us": round(us, 2), "floor_us": round(floor_us, 2), "of_roofline": round(floor_us / us, 3)}
                 rows.append(row)
                 print_variant_row(row, 36)
-            del outs, calls
-        del sets, qs
+            del outs, wide, calls
+        del sets, hnd, qs, caches
         torch.cuda.empty_cache()
     write_probe("attention-floor", args.out, device, copy_gbps=bw, reps=args.reps, rows=rows)
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())
