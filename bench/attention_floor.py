@@ -147,6 +147,35 @@ def all_heads_reference(k, v, bt, lens, split_k: int) -> torch.Tensor:
     return out.view(-1, KV_HEADS * HEAD_DIM)
 
 
+@triton.jit
+def _flat_read_kernel(k_ptr, v_ptr, out_ptr, per_program, BLOCK: tl.constexpr):
+    """The same K and V bytes read as two flat arrays, each program one contiguous run of each: what
+    reading this many bytes in one kernel costs with no paging, no heads and no tiles."""
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * per_program
+    r = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, per_program, BLOCK):
+        acc += tl.load(k_ptr + base + off + r).to(tl.float32) + tl.load(v_ptr + base + off + r).to(tl.float32)
+    tl.store(out_ptr + pid.to(tl.int64) * BLOCK + r, acc)
+
+
+FLAT_BLOCK = 2048
+
+
+def flat_programs(numel: int, target: int) -> int:
+    """The largest program count <= ``target`` that splits ``numel`` into whole FLAT_BLOCK runs."""
+    runs = numel // FLAT_BLOCK
+    return max(p for p in range(1, min(target, runs) + 1) if runs % p == 0)
+
+
+def flat_read(k, v, programs: int, out: torch.Tensor) -> torch.Tensor:
+    """K and V summed as flat arrays over ``programs`` contiguous runs into ``out`` (``[programs, FLAT_BLOCK]``)."""
+    assert k.numel() % (FLAT_BLOCK * programs) == 0
+    _flat_read_kernel[(programs,)](k, v, out, k.numel() // programs, BLOCK=FLAT_BLOCK, num_warps=8)
+    return out
+
+
 def ladder_reference(rung: int, contig: bool, k, v, bt, lens, split_k: int) -> torch.Tensor:
     """What each rung's programs sum, in torch: the split ranges the engine kernel computes."""
     B, per_seq = bt.shape
@@ -192,6 +221,10 @@ def check_rungs(device, dtype) -> float:
     out = torch.empty(batch * split_k * 4, KV_HEADS * HEAD_DIM, dtype=torch.float32, device=device)
     got = all_heads(k, v, bt, lens, split_k * 4, out).cpu()
     want = all_heads_reference(k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), split_k * 4)
+    worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
+    p = flat_programs(k.numel(), 8)
+    got = flat_read(k, v, p, torch.empty(p, FLAT_BLOCK, dtype=torch.float32, device=device)).cpu()
+    want = (k.float() + v.float()).reshape(p, -1, FLAT_BLOCK).sum(1).cpu()
     return max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
 
 
@@ -235,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(copies)]
             for mult in (1, 2, KV_HEADS):  # all-heads splits: split_k x 1 / 2 / 8 (8: as many programs as per head)
                 calls[f"all_heads_x{mult}"] = (lambda i, m=mult: all_heads(*sets[i], lens, split_k * m, wide[i]))
+            if want == 0:  # once a shape: the bytes as flat runs over ~1, 4 and 16 programs an SM
+                for per_sm in (1, 4, 16):
+                    n = flat_programs(sets[0][0].numel(), per_sm * 132)
+                    flat = [torch.empty(n, FLAT_BLOCK, dtype=torch.float32, device=device) for _ in range(copies)]
+                    calls[f"flat_p{n}"] = lambda i, n=n, f=flat: flat_read(sets[i][0], sets[i][1], n, f[i])
             for merge in ("kernel", "ticket"):
                 calls[f"engine_{'merge_kernel' if merge == 'kernel' else 'ticket'}"] = (
                     lambda i, m=merge: paged_decode_attention(qs[i], *sets[i], lens, 0.088, split_k=split_k,
@@ -243,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 us = time_graph(call, copies, args.reps)
                 row = {"variant": f"{batch}x{ctx}-s{split_k}-{name}", "batch": batch, "context": ctx,
                        "split_k": split_k, "auto_split": want == 0,
-                       "programs": batch * split_k * (int(name[11:]) if name.startswith("all_heads_x") else KV_HEADS),
+                       "programs": (int(name[6:]) if name.startswith("flat_p") else
+                                    batch * split_k * (int(name[11:]) if name.startswith("all_heads_x") else KV_HEADS)),
                        "us": round(us, 2), "floor_us": round(floor_us, 2), "of_roofline": round(floor_us / us, 3)}
                 rows.append(row)
                 print_variant_row(row, 36)
