@@ -61,6 +61,7 @@ def _ladder_kernel(kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, stride_bt, stride_
     row = (b * tl.num_programs(1) + kvh) * SPLIT_K + s
     d = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
+    tile_acc = tl.zeros([BLOCK_N, D], tl.float32)
     if RUNG >= 1:
         ctx = tl.load(lens_ptr + b)
         acc += ctx.to(tl.float32)
@@ -80,12 +81,12 @@ def _ladder_kernel(kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, stride_bt, stride_
                     blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + t // BS, mask=tm, other=0).to(tl.int64)
                 if RUNG == 2:
                     acc += tl.sum(tl.where(tm, blk, 0)).to(tl.float32)
-                else:
+                else:  # summed row by row, across the tile's rows once at the end: no reduction in the loop
                     off = (blk * stride_kb + (t % BS) * stride_kt + kvh * stride_kh)[:, None] + d[None, :]
                     k = tl.load(kc_ptr + off, mask=tm[:, None], other=0.0)
                     v = tl.load(vc_ptr + off, mask=tm[:, None], other=0.0)
-                    acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
-    tl.store(out_ptr + row.to(tl.int64) * D + d, acc)
+                    tile_acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * D + d, acc + tl.sum(tile_acc, axis=0))
 
 
 def ladder(rung: int, contig: bool, k, v, bt, lens, split_k: int, out: torch.Tensor, *, num_warps: int = 4,
@@ -112,7 +113,7 @@ def _all_heads_kernel(kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, stride_bt, stri
     start = s * split_len
     end = tl.minimum(start + split_len, ctx)
     r = tl.arange(0, ROW)
-    acc = tl.zeros([ROW], tl.float32)
+    acc = tl.zeros([BS, ROW], tl.float32)
     for n0 in range(start, end, BS):
         t = n0 + tl.arange(0, BS)
         tm = t < end
@@ -120,8 +121,8 @@ def _all_heads_kernel(kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, stride_bt, stri
         off = blk * stride_kb + (t % BS)[:, None] * ROW + r[None, :]
         k = tl.load(kc_ptr + off, mask=tm[:, None], other=0.0)
         v = tl.load(vc_ptr + off, mask=tm[:, None], other=0.0)
-        acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
-    tl.store(out_ptr + (b * SPLIT_K + s).to(tl.int64) * ROW + r, acc)
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(out_ptr + (b * SPLIT_K + s).to(tl.int64) * ROW + r, tl.sum(acc, axis=0))
 
 
 def all_heads(k, v, bt, lens, split_k: int, out: torch.Tensor, *, num_warps: int = 8, num_stages: int = 2):
