@@ -25,6 +25,27 @@ the chain of loads at this grid and only fusing attention with its neighbours (o
 kernel) moves it. At one tile a program (split 16) the four serial tiles are gone: ``stream`` near
 ``first_tile``, the engine's cost then the merge over 13 splits.
 
+Measured (session 30, H200, bench/results/attention-floor-s30-call7.json; calls 4-6 timed a first
+version of the stream rungs that summed each tile across warps inside the loop, 19.0 µs at 12 x 800:
+the reduction, not the reads). µs a call at the auto split:
+
+| shape | empty | lens | lens_bt | first_tile | stream | stream_hnd | flat (best) | engine (merge kernel / ticket) |
+|---|---|---|---|---|---|---|---|---|
+| 4 x 800 | 1.11 | 1.24 | 1.63 | 5.34 | 7.31 | 7.36 | 6.14 (50%) | 11.31 / 13.75 |
+| 12 x 800 | 1.75 | 1.88 | 2.30 | 6.06 | 14.41 (64%) | 14.22 | 12.85 (72%) | 20.50 (45%) / 23.41 |
+| 16 x 800 | 2.06 | 2.21 | 2.65 | 9.71 | 18.54 | 18.51 | 16.07 (77%) | 23.27 / 25.67 |
+| 12 x 2048 | 2.37 | 2.48 | 2.91 | 6.34 | 28.51 | 28.38 | 27.83 (85%) | 35.10 / 37.54 |
+| 32 x 4096 | 2.26 | 2.37 | 2.78 | 9.64 | 142.58 | 141.74 | 123.74 (102%) | 132.08 / 132.47 |
+
+The length and block-table loads cost 0.5 µs together, not the ~8; the HND layout and all kv heads of
+a block in one program read no faster (session 12 again). At 12 x 800 even the bytes as flat
+contiguous runs take 12.85 µs: no single kernel reading 39 MB gets past ~72% of copy bandwidth.
+The engine is 6.1 µs over its own read pattern there and at 12 x 2048, ~0 at 32 x 4096: per call,
+the merge kernel (~3 µs in session 28's profile) and the math in series with each tile's load
+(~2 µs) are what a better decode attention could still win; the other ~6 µs over the bytes only
+fusing attention with its neighbours moves. The ticket merge is slower than the merge kernel at
+every shape here (+2.4-3 µs at the auto split, +7.6 at split 16).
+
     python bench/attention_floor.py                # CUDA; JSON to bench/results/
     python bench/attention_floor.py --device cpu   # Triton interpreter, tiny shapes: checks only
                                                    # that every rung reads the engine's tokens
