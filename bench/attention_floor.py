@@ -253,6 +253,8 @@ def check_rungs(device, dtype) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__, reps=60)
     ap.add_argument("--shapes", default="1x800,4x800,12x800,16x800,12x2048")
+    ap.add_argument("--configs", default="", help="extra engine configs, ';'-separated block_n/num_stages/num_warps "
+                    "(e.g. 32/5/4): the engine (merge kernel) and the stream rung at each, beside the defaults")
     ap.add_argument("--splits", default="0,16", help="split counts (0: the engine's auto split; 16: one "
                     "64-token tile a program at context 800-1024)")
     args = ap.parse_args(argv)
@@ -295,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
                     n = flat_programs(sets[0][0].numel(), per_sm * 132)
                     flat = [torch.empty(n, FLAT_BLOCK, dtype=torch.float32, device=device) for _ in range(copies)]
                     calls[f"flat_p{n}"] = lambda i, n=n, f=flat: flat_read(sets[i][0], sets[i][1], n, f[i])
+            for cfg in filter(None, args.configs.split(";")):  # the engine's deeper pipelines beside its reads
+                bn, st, w = (int(x) for x in cfg.split("/"))
+                calls[f"stream_{cfg}"] = lambda i, bn=bn, st=st, w=w: ladder(4, False, *sets[i], lens, split_k, outs[i],
+                                                                          num_warps=w, num_stages=st, block_n=bn)
+                calls[f"engine_{cfg}"] = lambda i, bn=bn, st=st, w=w: paged_decode_attention(
+                    qs[i], *sets[i], lens, 0.088, split_k=split_k, block_n=bn, num_stages=st, num_warps=w)
             for merge in ("kernel", "ticket"):
                 calls[f"engine_{'merge_kernel' if merge == 'kernel' else 'ticket'}"] = (
                     lambda i, m=merge: paged_decode_attention(qs[i], *sets[i], lens, 0.088, split_k=split_k,
