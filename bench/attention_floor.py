@@ -45,6 +45,9 @@ the merge kernel (~3 µs in session 28's profile) and the math in series with ea
 (~2 µs) are what a better decode attention could still win; the other ~6 µs over the bytes only
 fusing attention with its neighbours moves. The ticket merge is slower than the merge kernel at
 every shape here (+2.4-3 µs at the auto split, +7.6 at split 16).
+At the deeper pipelines (call 8, `attention-floor-s30-call8-configs.json`, 12 x 800, auto split) the
+engine at block_n 32 / 5 stages takes 17.81 µs against its stream rung's 15.48: the double buffer
+hides the math, and what is left over the reads (~2.3 µs) is about the merge kernel.
 
     python bench/attention_floor.py                # CUDA; JSON to bench/results/
     python bench/attention_floor.py --device cpu   # Triton interpreter, tiny shapes: checks only
