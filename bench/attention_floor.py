@@ -67,8 +67,9 @@ from anneal.engine.kernels._common import cdiv
 from anneal.engine.kernels.attention_decode import _split_len, auto_split_k, paged_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_layout import BLOCK, HEAD_DIM, HEADS, KV_HEADS, make_caches, shape_inputs  # noqa: E402
-from common import copy_bandwidth_gbps, print_variant_row, probe_dtype, probe_parser, time_graph, write_probe  # noqa: E402
+from attention_layout import BLOCK, HEAD_DIM, KV_HEADS, make_caches, shape_inputs  # noqa: E402
+from common import (copy_bandwidth_gbps, premise_holds, print_variant_row, probe_dtype, probe_parser,  # noqa: E402
+                    shape_pairs, time_graph, write_probe)
 
 BLOCK_N = 64  # the engine kernel's default tile
 RUNGS = {"empty": (0, False), "lens": (1, False), "lens_bt": (2, False), "first_tile": (3, False),
@@ -264,17 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = probe_dtype(device)
     worst = check_rungs(device, dtype)
-    print(f"every rung sums the tokens the engine kernel's splits read: max rel |diff| {worst:.3g}",
-          file=sys.stderr)
-    if worst > 1e-4:
-        print("a rung reads other tokens than the engine kernel: its timing would mean nothing", file=sys.stderr)
+    if not premise_holds(f"every rung sums the tokens the engine kernel's splits read: max rel |diff| {worst:.3g}",
+                         worst <= 1e-4, "a rung reads other tokens than the engine kernel: its timing would mean nothing"):
         return 1
     if device.type != "cuda":
         return 0
     bw = copy_bandwidth_gbps()
     rows = []
-    for shape in args.shapes.split(","):
-        batch, ctx = (int(x) for x in shape.split("x"))
+    for batch, ctx in shape_pairs(args.shapes):
         kv_bytes, copies, qs, lens, caches = shape_inputs(batch, ctx, ("nhd", "hnd"), device, dtype)
         sets, hnd = caches["nhd"], caches["hnd"]
         floor_us = kv_bytes / (bw * 1e9) * 1e6

@@ -36,7 +36,8 @@ import torch
 from anneal.engine.kernels.attention_decode import paged_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, probe_dtype, probe_parser, time_graph, write_probe  # noqa: E402
+from common import (copy_bandwidth_gbps, premise_holds, probe_dtype, probe_parser, shape_pairs,  # noqa: E402
+                    time_graph, write_probe)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # llama-3.1-8b, the engine's block size
 CONFIGS = [dict(split_k=0, block_n=64)] + [
@@ -96,16 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = probe_dtype(device)
     diff = same_output(device, dtype)
-    print(f"NHD vs HND, same values: max |diff| {diff:.3g}", file=sys.stderr)
-    if diff != 0.0:
-        print("the layouts disagree: the kernel does not honour the cache's strides", file=sys.stderr)
+    if not premise_holds(f"NHD vs HND, same values: max |diff| {diff:.3g}", diff == 0.0,
+                         "the layouts disagree: the kernel does not honour the cache's strides"):
         return 1
     if device.type != "cuda":
         return 0
     bw = copy_bandwidth_gbps()
     rows = []
-    for shape in args.shapes.split(","):
-        batch, ctx = (int(x) for x in shape.split("x"))
+    for batch, ctx in shape_pairs(args.shapes):
         kv_bytes, copies, qs, lens, caches = shape_inputs(batch, ctx, ("nhd", "hnd"), device, dtype)
         floor_us = kv_bytes / (bw * 1e9) * 1e6
         for cfg in CONFIGS:

@@ -43,7 +43,8 @@ from anneal.engine.kernels.attention_decode import paged_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_layout import HEAD_DIM, HEADS, make_caches, shape_inputs  # noqa: E402
-from common import copy_bandwidth_gbps, probe_dtype, probe_parser, time_graph, write_probe  # noqa: E402
+from common import (copy_bandwidth_gbps, premise_holds, probe_dtype, probe_parser, shape_pairs,  # noqa: E402
+                    time_graph, write_probe)
 
 # (block_n, num_stages) pairs around the buffer counts Triton 3.6 gives the loop (1 up to 4, 2 at 5-6,
 # 3 at 7-8), at the auto split and at two fixed ones
@@ -79,17 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     groups = {(c["split_k"], c["block_n"]) for c in cfgs}
     worst = max(same_outputs(device, dtype, [c for c in cfgs if (c["split_k"], c["block_n"]) == g])
                 for g in sorted(groups))
-    print(f"depths of one (split, block_n) against each other, same inputs: max |diff| {worst:.3g}",
-          file=sys.stderr)
-    if worst != 0.0:
-        print("pipeline depths disagree: a config changed the arithmetic", file=sys.stderr)
+    if not premise_holds(f"depths of one (split, block_n) against each other, same inputs: max |diff| {worst:.3g}",
+                         worst == 0.0, "pipeline depths disagree: a config changed the arithmetic"):
         return 1
     if device.type != "cuda":
         return 0
     bw = copy_bandwidth_gbps()
     rows = []
-    for shape in args.shapes.split(","):
-        batch, ctx = (int(x) for x in shape.split("x"))
+    for batch, ctx in shape_pairs(args.shapes):
         kv_bytes, copies, qs, lens, caches = shape_inputs(batch, ctx, ("nhd",), device, dtype)
         sets = caches["nhd"]
         floor_us = kv_bytes / (bw * 1e9) * 1e6

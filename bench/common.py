@@ -8,6 +8,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -132,6 +133,21 @@ def probe_parser(doc: str, reps: int) -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--out", default=None)
     return ap
+
+
+def premise_holds(says: str, ok: bool, otherwise: str) -> bool:
+    """A device probe's premise, checked before any timing (on the CPU it is all the probe does):
+    ``says`` is the line tests/kernels/test_bench_cpu.py looks for, ``otherwise`` why the timings
+    would mean nothing when the premise fails."""
+    print(says, file=sys.stderr)
+    if not ok:
+        print(otherwise, file=sys.stderr)
+    return ok
+
+
+def shape_pairs(spec: str) -> list[tuple[int, int]]:
+    """``"4x800,12x800"`` as ``[(4, 800), (12, 800)]``: the probes' ``--shapes``."""
+    return [tuple(int(x) for x in shape.split("x")) for shape in spec.split(",")]
 
 
 def probe_dtype(device: torch.device) -> torch.dtype:

@@ -43,7 +43,7 @@ from anneal.engine.kernels.attention_prefill import paged_prefill_attention
 from anneal.engine.ops import reference as ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import probe_dtype, probe_parser, time_graph, write_probe  # noqa: E402
+from common import premise_holds, probe_dtype, probe_parser, shape_pairs, time_graph, write_probe  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # llama-3.1-8b, the engine's block size
 CONFIGS = [dict(), dict(pack_gqa=True), dict(block_m=128, num_warps=8), dict(block_m=128, num_warps=8, pack_gqa=True),
@@ -113,15 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = probe_dtype(device)
     diff = agree(device, dtype)
-    print(f"kernel, SDPA and reference on one shape: max |diff| {diff:.3g}", file=sys.stderr)
-    if diff > (2e-2 if dtype == torch.bfloat16 else 1e-4):
-        print("they disagree: the comparison would not time the same function", file=sys.stderr)
+    if not premise_holds(f"kernel, SDPA and reference on one shape: max |diff| {diff:.3g}",
+                         diff <= (2e-2 if dtype == torch.bfloat16 else 1e-4),
+                         "they disagree: the comparison would not time the same function"):
         return 1
     if device.type != "cuda":
         return 0
     rows = []
-    for shape in args.shapes.split(","):
-        q_len, ctx = (int(x) for x in shape.split("x"))
+    for q_len, ctx in shape_pairs(args.shapes):
+        shape = f"{q_len}x{ctx}"
         gen = torch.Generator(device=device).manual_seed(q_len * 100_000 + ctx)
         paged, dense = make_inputs(q_len, ctx, device, dtype, gen)
         flop = 4 * attended_pairs(q_len, ctx) * HEAD_DIM * HEADS
