@@ -4,8 +4,9 @@ Why: an experiment costs engine time, a prediction costs nothing. Each op's time
 ``max(bytes / bandwidth, flops / matmul rate) + launch cost`` for the model's shapes at a batch
 size and context length; the bandwidth and matmul rate come from the engine's microbenchmarks at
 start (``/admin/state`` -> ``hardware``) when known, else from the GPU's data sheet. Observed
-per-op timings fit a multiplicative correction per (op, impl[, params]) as a running geometric mean,
-so the model learns what the roofline misses (launch gaps, bad tiling). The search uses it to prune
+per-op timings fit a correction per (op, impl[, params]), so the model learns what the roofline
+misses (launch gaps, ramp-up, bad tiling): a line ``fixed + slope x roofline`` per call once shapes
+with different rooflines are seen, a multiplicative factor (running geometric mean) until then. The search uses it to prune
 candidates predicted to lose and to pick the tensor-parallel degree (NVLink all-reduce included).
 """
 
@@ -199,21 +200,62 @@ def _op_key(op: str, spec: BenchSpec) -> str:
     return op
 
 
+LINE_SPREAD = 1.2  # the rooflines seen must span this ratio before a line is fitted through them
+
+
 @dataclass
 class _Fit:
-    """A running geometric mean of observed / predicted."""
+    """One (op, impl[, params])'s observed times against its roofline.
+
+    ``factor``: the running geometric mean of observed / roofline (launch cost included), the only
+    correction one shape can give. ``line``: observed ms a call = ``fixed + slope * bare roofline``
+    (no launch cost), least squares on relative errors, once the bare rooflines seen span
+    ``LINE_SPREAD``. Why a line: an op's time is a fixed part (launch, memory ramp, decode
+    attention's merge: ~8 µs a call at any size, bench/attention_floor.py) plus its bytes at a rate,
+    and one factor fitted at short contexts over-predicted decode attention at long ones by 2-3x
+    (session 30: the 30-minute chat compile's ledger replayed, 7386 per-op timings; the line's
+    median error across held-out shapes 2.5-12.8% against the factor's 9.7-14.0%)."""
 
     log_sum: float = 0.0
     n: int = 0
+    sw: float = 0.0  # weighted sums over (x = bare roofline ms a call, y = observed ms a call), w = 1/y^2
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    x_min: float = math.inf
+    x_max: float = 0.0
 
-    def add(self, ratio: float) -> None:
-        if ratio > 0 and math.isfinite(ratio):
-            self.log_sum += math.log(ratio)
-            self.n += 1
+    def add(self, ratio: float, bare: float | None = None, observed: float | None = None) -> None:
+        if not (ratio > 0 and math.isfinite(ratio)):
+            return
+        self.log_sum += math.log(ratio)
+        self.n += 1
+        if bare and observed and bare > 0 and observed > 0 and math.isfinite(bare) and math.isfinite(observed):
+            w = 1.0 / observed ** 2
+            self.sw += w
+            self.sx += w * bare
+            self.sy += w * observed
+            self.sxx += w * bare * bare
+            self.sxy += w * bare * observed
+            self.x_min, self.x_max = min(self.x_min, bare), max(self.x_max, bare)
 
     @property
     def factor(self) -> float:
         return math.exp(self.log_sum / self.n) if self.n else 1.0
+
+    @property
+    def line(self) -> tuple[float, float] | None:
+        """``(fixed ms, slope)`` a call, or None until the rooflines seen span ``LINE_SPREAD`` (or
+        when the fit is not a cost: a negative fixed part or a slope <= 0)."""
+        if self.x_max < LINE_SPREAD * self.x_min:
+            return None
+        det = self.sw * self.sxx - self.sx * self.sx
+        if det <= 0:
+            return None
+        slope = (self.sw * self.sxy - self.sx * self.sy) / det
+        fixed = (self.sy - slope * self.sx) / self.sw
+        return (fixed, slope) if fixed >= 0 and slope > 0 else None
 
 
 @dataclass
@@ -223,6 +265,7 @@ class CostModel:
     shape: ModelShape
     hw: HardwareSpec
     layers: int | None = None  # layers the engine runs (fast tier loads a few)
+    lines: bool = True  # fit fixed + slope lines where the shapes allow (False: factors only, as before session 30)
     _fits: dict[str, _Fit] = field(default_factory=dict)
     _once: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # _head_key -> once_a_step_ms
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -234,33 +277,27 @@ class CostModel:
 
     # ---- prediction ----------------------------------------------------------------------------
 
-    def roofline_ms(self, cost: OpCost, graphs: bool = False) -> float:
+    def roofline_ms(self, cost: OpCost, graphs: bool = False, launch: bool = True) -> float:
         mem_s = cost.bytes / (self.hw.mem_gbps * 1e9)
         flop_s = cost.flops / (self.hw.matmul_tflops * 1e12)
-        launch = (self.hw.graph_launch_us if graphs else self.hw.launch_us) * cost.launches
-        return 1e3 * max(mem_s, flop_s) + launch / 1e3
+        launch_us = (self.hw.graph_launch_us if graphs else self.hw.launch_us) * cost.launches if launch else 0.0
+        return 1e3 * max(mem_s, flop_s) + launch_us / 1e3
 
-    def _factor(self, op: str, plan: Plan, calibrated: bool = True) -> tuple[float, bool]:
-        if not calibrated:
-            return 1.0, False
+    def _fit(self, op: str, plan: Plan) -> _Fit | None:
+        """The op's correction: fitted for its params, else for its impl, else none."""
         ch = plan.choice(op)
         with self._lock:
             for key in (_fit_key(op, ch.impl, ch.params), _fit_key(op, ch.impl)):
                 fit = self._fits.get(key)
                 if fit and fit.n:
-                    return fit.factor, True
-        return 1.0, False
+                    return fit
+        return None
 
-    def predict(
-        self, plan: Plan, spec: BenchSpec, tp: int | None = None, *, calibrated: bool = True,
-        step_factor: bool = True,
-    ) -> Prediction:
-        """Predicted ms of one benchmark step (decode/prefill) of ``plan``.
+    def _known(self, op: str, plan: Plan) -> bool:
+        return self._fit(op, plan) is not None
 
-        ``calibrated=False`` gives the bare roofline; ``step_factor=False`` leaves out the fitted
-        whole-step overhead factor.
-        """
-        tp = tp or plan.parallelism.tensor_parallel
+    def _rooflines(self, plan: Plan, spec: BenchSpec, tp: int) -> dict[str, tuple[float, float, int]]:
+        """Per plan op of one step: (roofline ms with launch costs, bare roofline ms a call, calls)."""
         layers = self.layers or self.shape.num_layers
         gpu = self.hw.name.lower() != "cpu"
         costs = op_costs(self.shape, spec, tp)
@@ -273,14 +310,30 @@ class CostModel:
             graphs = bucket is not None
             if graphs:
                 costs = padded_costs(costs, self.shape, bucket, tp)
+        out = {}
+        for op, cost in costs.items():
+            n = layers if op in PER_LAYER_OPS else 1
+            out[_op_key(op, spec)] = (n * self.roofline_ms(cost, graphs), self.roofline_ms(cost, launch=False), n)
+        return out
+
+    def predict(
+        self, plan: Plan, spec: BenchSpec, tp: int | None = None, *, calibrated: bool = True,
+        step_factor: bool = True,
+    ) -> Prediction:
+        """Predicted ms of one benchmark step (decode/prefill) of ``plan``.
+
+        ``calibrated=False`` gives the bare roofline; ``step_factor=False`` leaves out the fitted
+        whole-step overhead factor.
+        """
+        tp = tp or plan.parallelism.tensor_parallel
+        layers = self.layers or self.shape.num_layers
         per_op: dict[str, float] = {}
         corrected = False
-        for op, cost in costs.items():
-            name = _op_key(op, spec)
-            factor, known = self._factor(name, plan, calibrated)
-            corrected |= known
-            n = layers if op in PER_LAYER_OPS else 1
-            per_op[name] = n * self.roofline_ms(cost, graphs) * factor
+        for name, (raw, bare, n) in self._rooflines(plan, spec, tp).items():
+            fit = self._fit(name, plan) if calibrated else None
+            line = fit.line if fit and self.lines else None
+            per_op[name] = n * (line[0] + line[1] * bare) if line else raw * (fit.factor if fit else 1.0)
+            corrected |= fit is not None
         total = sum(per_op.values()) + layers * self.allreduce_ms(spec, tp)
         if calibrated and step_factor:
             with self._lock:
@@ -352,7 +405,7 @@ class CostModel:
 
     def observe(self, plan: Plan, spec: BenchSpec, m: Measurement) -> None:
         """Fit the corrections from one measurement (per op when the engine reports per-op times)."""
-        raw = self.predict(plan, spec, calibrated=False)
+        rooflines = self._rooflines(plan, spec, plan.parallelism.tensor_parallel)
         once = once_a_step_ms(m.per_op_ms) if m.per_op_ms and spec.mode == "decode" else None
         if once is not None:
             with self._lock:
@@ -360,11 +413,11 @@ class CostModel:
         if m.per_op_ms:
             with self._lock:
                 for op, ms in m.per_op_ms.items():
-                    if op in raw.per_op_ms and raw.per_op_ms[op] > 0:
+                    raw, bare, n = rooflines.get(op, (0.0, 0.0, 1))
+                    if raw > 0:
                         ch = plan.choice(op)
-                        ratio = ms / raw.per_op_ms[op]
-                        self._fits.setdefault(_fit_key(op, ch.impl, ch.params), _Fit()).add(ratio)
-                        self._fits.setdefault(_fit_key(op, ch.impl), _Fit()).add(ratio)
+                        for key in (_fit_key(op, ch.impl, ch.params), _fit_key(op, ch.impl)):
+                            self._fits.setdefault(key, _Fit()).add(ms / raw, bare, ms / n)
         if spec.mode in ("decode", "prefill", "mixed"):
             # What the per-op model still misses (framework overhead between ops) as one factor.
             per_op_only = self.predict(plan, spec, step_factor=False).ms
@@ -373,8 +426,14 @@ class CostModel:
                     self._fits.setdefault(_step_key(spec.mode), _Fit()).add(m.median_ms / per_op_only)
 
     def calibrations(self) -> dict[str, dict[str, float]]:
+        """Each fit's factor and observation count, with its line's fixed µs a call and slope once it has one."""
         with self._lock:
-            return {k: {"factor": f.factor, "n": f.n} for k, f in sorted(self._fits.items())}
+            out = {}
+            for k, f in sorted(self._fits.items()):
+                out[k] = {"factor": f.factor, "n": f.n}
+                if self.lines and f.line:
+                    out[k].update(fixed_us=f.line[0] * 1e3, slope=f.line[1])
+            return out
 
     # ---- decisions -----------------------------------------------------------------------------
 
@@ -407,7 +466,7 @@ class CostModel:
         if not math.isfinite(best_ms):
             return False
         pred = self.predict(plan, spec)
-        calibrated = all(self._factor(op, plan)[1] for op in pred.per_op_ms)
+        calibrated = all(self._known(op, plan) for op in pred.per_op_ms)
         if calibrated and pred.ms > best_ms * (1.0 + margin):
             return True
         if base is not None and base_ms is not None and plan.fusions == base.fusions and (

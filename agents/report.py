@@ -322,8 +322,11 @@ def write_report(
                  + ", ".join(f"{k}: {v:.3f}" for k, v in table.items())
                  + "); the plan keeps the degree it was measured at.")
     if calibration:
-        L += ["", "| op/impl | correction | observations |", "|---|---|---|"]
-        L += [f"| {k} | {v['factor']:.3f} | {v['n']} |" for k, v in calibration.items() if k.count("/") == 1]
+        L += ["", "Each op's time a call: `fixed µs + slope x its roofline` once shapes with different rooflines "
+              "were timed, else `correction x its roofline`.", "",
+              "| op/impl | correction | fixed µs a call | slope | observations |", "|---|---|---|---|---|"]
+        L += [f"| {k} | {v['factor']:.3f} | " + (f"{v['fixed_us']:.2f} | {v['slope']:.3f}" if "fixed_us" in v else "- | -")
+              + f" | {v['n']} |" for k, v in calibration.items() if k.count("/") == 1]
     if cross:
         L += cross_shape_table(cross)
     if notes:

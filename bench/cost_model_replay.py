@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""How well does the cost model predict shapes it has not seen? A compile's ledger replayed (CPU only).
+
+The fast tier times every candidate's ops at a few decode shapes (batch 1 and 16, the traffic's
+mean context and a longer one). This feeds the per-op timings of some shapes to a fresh
+``CostModel`` (``observe``, as the compile does) and compares its per-op predictions at the other
+shapes with what the engine measured there, once with the fitted lines (``fixed + slope x
+roofline`` a call, where the shapes seen allow) and once with multiplicative factors only (the
+model before session 30). The graph-bucket agent, the kernel tuner's weighting over buckets and the
+tensor-parallel choice all predict shapes nobody timed.
+
+    python bench/cost_model_replay.py bench/results/compile-chat-s29-1800-final/ledger.sqlite.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from anneal.agents.cost_model import CostModel, shape_from_config
+from anneal.agents.ledger import Ledger
+from anneal.agents.types import HardwareSpec
+from anneal.engine.presets import PRESETS
+
+
+def timed_ops(ledger_path: Path) -> list:
+    """The ledger's fast-tier decode experiments that carry per-op timings."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = ledger_path
+        if ledger_path.suffix == ".gz":
+            path = Path(tmp) / "ledger.sqlite"
+            with gzip.open(ledger_path) as src, open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        exps = Ledger(path).experiments(tier="fast", kind="benchmark")
+    return [e for e in exps if e.spec and e.spec.mode == "decode" and e.measurement and e.measurement.per_op_ms]
+
+
+def held_out_errors(exps: list, train: set, model: str, copy_gbps: float, layers: int, lines: bool) -> dict:
+    """|predicted / measured - 1| per op at the shapes outside ``train`` ((batch, context) pairs)."""
+    hw = HardwareSpec(name="NVIDIA H200", mem_gbps=copy_gbps, matmul_tflops=780, memory_gb=141)
+    cm = CostModel(shape=shape_from_config(dict(PRESETS[model])), hw=hw, layers=layers, lines=lines)
+    shape_of = lambda e: (e.spec.batch_size, e.spec.context_len)  # noqa: E731
+    for e in exps:
+        if shape_of(e) in train:
+            cm.observe(e.plan, e.spec, e.measurement)
+    errs: dict[str, list[float]] = {}
+    for e in exps:
+        if shape_of(e) not in train:
+            pred = cm.predict(e.plan, e.spec).per_op_ms
+            for op, ms in e.measurement.per_op_ms.items():
+                if op in pred and ms > 0:
+                    errs.setdefault(op, []).append(abs(pred[op] / ms - 1))
+    return errs
+
+
+def summary(errs: dict) -> dict:
+    every = sorted(x for v in errs.values() for x in v)
+    return {"n": len(every), "median": statistics.median(every), "p90": every[int(0.9 * (len(every) - 1))],
+            "per_op_median": {op: round(statistics.median(v), 3) for op, v in sorted(errs.items())}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ledger", type=Path)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--layers", type=int, default=2, help="layers the fast tier loaded")
+    ap.add_argument("--copy-gbps", type=float, default=4037.0, help="the run's copy bandwidth (its report)")
+    args = ap.parse_args(argv)
+    exps = timed_ops(args.ledger)
+    shapes = sorted({(e.spec.batch_size, e.spec.context_len) for e in exps})
+    if len(shapes) < 2:
+        print(f"{args.ledger}: per-op timings at {len(shapes)} shape(s): nothing to hold out", file=sys.stderr)
+        return 1
+    splits = {f"hold out {s}": set(shapes) - {s} for s in shapes}
+    contexts = sorted({c for _, c in shapes})
+    if len(contexts) > 1:  # learn at the shortest context, predict the longer ones
+        splits[f"context {contexts[0]} -> longer"] = {s for s in shapes if s[1] == contexts[0]}
+    out = {"ledger": str(args.ledger), "shapes": shapes, "experiments": len(exps), "splits": {}}
+    for name, train in splits.items():
+        row = {kind: summary(held_out_errors(exps, train, args.model, args.copy_gbps, args.layers, kind == "lines"))
+               for kind in ("lines", "factors")}
+        out["splits"][name] = row
+        print(f"{name:28s} lines: median {row['lines']['median']:.3f} p90 {row['lines']['p90']:.3f}   "
+              f"factors: median {row['factors']['median']:.3f} p90 {row['factors']['p90']:.3f}   "
+              f"(n={row['lines']['n']}; decode attention {row['lines']['per_op_median'].get('attention_decode')} "
+              f"vs {row['factors']['per_op_median'].get('attention_decode')})", file=sys.stderr)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
