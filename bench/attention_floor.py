@@ -231,27 +231,21 @@ def check_rungs(device, dtype) -> float:
     gen = torch.Generator(device=device).manual_seed(0)
     batch, ctx = 3, 150
     (k, v, bt), = make_caches(batch, ctx, 1, "nhd", device, dtype, gen)
+    (kh, vh, bth), = make_caches(batch, ctx, 1, "hnd", device, dtype, gen)  # the stream rung on an HND cache
     lens = torch.tensor([ctx, 97, 1], dtype=torch.int32, device=device)
-    split_k = 2
-    worst = 0.0
-    for name, (rung, contig) in RUNGS.items():
-        out = torch.empty(batch * KV_HEADS * split_k, HEAD_DIM, dtype=torch.float32, device=device)
-        got = ladder(rung, contig, k, v, bt, lens, split_k, out).cpu()
-        want = ladder_reference(rung, contig, k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), split_k)
-        worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
-    (kh, vh, bth), = make_caches(batch, ctx, 1, "hnd", device, dtype, gen)  # the same rung on an HND cache
-    out = torch.empty(batch * KV_HEADS * split_k, HEAD_DIM, dtype=torch.float32, device=device)
-    got = ladder(4, False, kh, vh, bth, lens, split_k, out).cpu()
-    want = ladder_reference(4, False, kh.cpu(), vh.cpu(), bth.cpu(), lens.cpu(), split_k)
-    worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
-    out = torch.empty(batch * split_k * 4, KV_HEADS * HEAD_DIM, dtype=torch.float32, device=device)
-    got = all_heads(k, v, bt, lens, split_k * 4, out).cpu()
-    want = all_heads_reference(k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), split_k * 4)
-    worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
-    p = flat_programs(k.numel(), 8)
-    got = flat_read(k, v, p, torch.empty(p, FLAT_BLOCK, dtype=torch.float32, device=device)).cpu()
-    want = (k.float() + v.float()).reshape(p, -1, FLAT_BLOCK).sum(1).cpu()
-    return max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
+    split_k, p = 2, flat_programs(k.numel(), 8)
+    per_head = lambda: torch.empty(batch * KV_HEADS * split_k, HEAD_DIM, dtype=torch.float32, device=device)  # noqa: E731
+    pairs = [(ladder(rung, contig, k, v, bt, lens, split_k, per_head()),
+              ladder_reference(rung, contig, k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), split_k))
+             for rung, contig in RUNGS.values()]
+    pairs.append((ladder(4, False, kh, vh, bth, lens, split_k, per_head()),
+                  ladder_reference(4, False, kh.cpu(), vh.cpu(), bth.cpu(), lens.cpu(), split_k)))
+    pairs.append((all_heads(k, v, bt, lens, split_k * 4, torch.empty(batch * split_k * 4, KV_HEADS * HEAD_DIM,
+                                                                     dtype=torch.float32, device=device)),
+                  all_heads_reference(k.cpu(), v.cpu(), bt.cpu(), lens.cpu(), split_k * 4)))
+    pairs.append((flat_read(k, v, p, torch.empty(p, FLAT_BLOCK, dtype=torch.float32, device=device)),
+                  (k.float() + v.float()).reshape(p, -1, FLAT_BLOCK).sum(1).cpu()))
+    return max(((got.cpu() - want).abs().max() / want.abs().max().clamp(min=1.0)).item() for got, want in pairs)
 
 
 def main(argv: list[str] | None = None) -> int:

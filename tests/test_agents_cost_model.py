@@ -301,9 +301,8 @@ def _attention_timing(cm: CostModel, plan: Plan, spec: BenchSpec, fixed_us: floa
     """A decode step whose attention takes ``fixed_us`` plus ``slope`` times its bytes' time a call
     (the shape of decode attention's time, bench/attention_floor.py), every other op its roofline."""
     per_op = dict(cm.predict(plan, spec, calibrated=False).per_op_ms)
-    bare = CostModel(shape=cm.shape, hw=cm.hw.model_copy(update={"launch_us": 0.0, "graph_launch_us": 0.0}),
-                     layers=cm.layers).predict(plan, spec, calibrated=False).per_op_ms["attention_decode"]
-    per_op["attention_decode"] = bare + cm.shape.num_layers * fixed_us * 1e-3 + (slope - 1) * bare
+    _, bare, calls = cm._rooflines(plan, spec, 1)["attention_decode"]  # bare: a call's bytes at the copy rate
+    per_op["attention_decode"] = calls * (fixed_us * 1e-3 + slope * bare)
     return Measurement(median_ms=sum(per_op.values()), per_op_ms=per_op)
 
 
