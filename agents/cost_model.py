@@ -225,12 +225,14 @@ class _Fit:
     sxy: float = 0.0
     x_min: float = math.inf
     x_max: float = 0.0
+    ratios: list[float] = field(default_factory=list)  # every ratio seen, for ``median``
 
     def add(self, ratio: float, bare: float | None = None, observed: float | None = None) -> None:
         if not (ratio > 0 and math.isfinite(ratio)):
             return
         self.log_sum += math.log(ratio)
         self.n += 1
+        self.ratios.append(ratio)
         if bare is not None and observed is not None and 0 < bare < math.inf and 0 < observed < math.inf:
             w = 1.0 / observed ** 2
             self.sw += w
@@ -243,6 +245,13 @@ class _Fit:
     @property
     def factor(self) -> float:
         return math.exp(self.log_sum / self.n) if self.n else 1.0
+
+    @property
+    def median(self) -> float:
+        """The median ratio: what the whole-step factors use, so a few plans whose eager per-op
+        timings say little about their graphed step (the reference attention's: x0.3-x1.8, session
+        31's chat compile) do not move every other plan's prediction."""
+        return statistics.median(self.ratios) if self.ratios else 1.0
 
     @property
     def line(self) -> tuple[float, float] | None:
@@ -266,6 +275,7 @@ class CostModel:
     hw: HardwareSpec
     layers: int | None = None  # layers the engine runs (fast tier loads a few)
     lines: bool = True  # fit fixed + slope lines where the shapes allow (False: factors only, as before session 30)
+    fusion_steps: bool = True  # whole-step factor: median, per set of fusions (False: one geometric mean over every plan, as before session 31)
     _fits: dict[str, _Fit] = field(default_factory=dict)
     _once: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # _head_key -> once_a_step_ms
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -336,11 +346,10 @@ class CostModel:
             corrected |= fit is not None
         total = sum(per_op.values()) + layers * self.allreduce_ms(spec, tp)
         if calibrated and step_factor:
-            with self._lock:
-                step = self._fits.get(_step_key(spec.mode))
-                if step and step.n:
-                    total *= step.factor
-                    corrected = True
+            step = self._step_fit(plan, spec.mode)
+            if step is not None:
+                total *= step.median if self.fusion_steps else step.factor
+                corrected = True
         return Prediction(ms=total, per_op_ms=per_op, corrected=corrected)
 
     def full_model_factor(self, op: str) -> float:
@@ -424,13 +433,45 @@ class CostModel:
             if per_op_only > 0:
                 with self._lock:
                     self._fits.setdefault(_step_key(spec.mode), _Fit()).add(m.median_ms / per_op_only)
+                    if self.fusion_steps:
+                        self._fits.setdefault(_step_key(spec.mode, plan.fusions), _Fit()).add(
+                            m.median_ms / per_op_only)
+
+    def _step_fit(self, plan: Plan, mode: str) -> _Fit | None:
+        """The whole-step factor for ``plan``: fitted on plans with its fusions, else on the plans whose
+        fusions overlap its own most (Jaccard; the most observed on a tie), else on every plan.
+        Why per fusion set: a fused plan's engine reports its fused ops (``rope_attention``,
+        ``linear_residual_``, ...), not the op slots they replace, so its per-op prediction is the
+        unfused plan's and only the step factor can learn what the fusions save. One factor over all
+        plans put session 31's fused chat plans 6-10% high (0.611 predicted, 0.556 measured)."""
+        with self._lock:
+            if self.fusion_steps:
+                own = self._fits.get(_step_key(mode, plan.fusions))
+                if own and own.n:
+                    return own
+                mine, best, best_rank = set(plan.fusions), None, (0.0, 0)
+                prefix = _step_key(mode) + "|"
+                for key, fit in self._fits.items():
+                    if not key.startswith(prefix) or not fit.n:
+                        continue
+                    theirs = set(filter(None, key[len(prefix):].split(",")))
+                    union = mine | theirs
+                    rank = (len(mine & theirs) / len(union) if union else 1.0, fit.n)
+                    if rank[0] > 0 and rank > best_rank:
+                        best, best_rank = fit, rank
+                if best is not None:
+                    return best
+            step = self._fits.get(_step_key(mode))
+            return step if step and step.n else None
 
     def calibrations(self) -> dict[str, dict[str, float]]:
-        """Each fit's factor and observation count, with its line's fixed µs a call and slope once it has one."""
+        """Each fit's factor and observation count, with its line's fixed µs a call and slope once it has
+        one; the whole-step fits (``step/<mode>[|fusions]``) give the factor ``predict`` uses."""
         with self._lock:
             out = {}
             for k, f in sorted(self._fits.items()):
-                out[k] = {"factor": f.factor, "n": f.n}
+                step = k.startswith("step/") and self.fusion_steps
+                out[k] = {"factor": f.median if step else f.factor, "n": f.n}
                 if self.lines and f.line:
                     out[k].update(fixed_us=f.line[0] * 1e3, slope=f.line[1])
             return out
@@ -518,8 +559,11 @@ def _delta_key(op: str, plan: Plan, spec: BenchSpec) -> str:
     return f"delta/{_fit_key(op, ch.impl, ch.params)}|{spec.key()}"
 
 
-def _step_key(mode: str) -> str:
-    return f"step/{mode}"
+def _step_key(mode: str, fusions: dict[str, bool] | None = None) -> str:
+    """The whole-step factor's key: over every plan, or (``fusions`` given) over plans with those fusions."""
+    if fusions is None:
+        return f"step/{mode}"
+    return f"step/{mode}|" + ",".join(sorted(f for f, on in fusions.items() if on))
 
 
 def replay_headroom(split: dict[str, float], model: CostModel) -> dict[str, float] | None:

@@ -9,6 +9,9 @@ roofline`` a call, where the shapes seen allow) and once with multiplicative fac
 model before session 30). The graph-bucket agent, the kernel tuner's weighting over buckets and the
 tensor-parallel choice all predict shapes nobody timed.
 
+Then the whole decode step as the compile predicts it (``online_errors``): every fast-tier step in
+ledger order, predicted before it is observed, by the model of each session (``ONLINE_MODELS``).
+
     python bench/cost_model_replay.py bench/results/compile-chat-s29-1800-final/ledger.sqlite.gz
 """
 
@@ -29,8 +32,8 @@ from anneal.agents.types import HardwareSpec
 from anneal.engine.presets import PRESETS
 
 
-def timed_ops(ledger_path: Path) -> list:
-    """The ledger's fast-tier decode experiments that carry per-op timings."""
+def decode_experiments(ledger_path: Path) -> list:
+    """The ledger's measured fast-tier decode experiments, in the order they ran."""
     with tempfile.TemporaryDirectory() as tmp:
         path = ledger_path
         if ledger_path.suffix == ".gz":
@@ -38,13 +41,46 @@ def timed_ops(ledger_path: Path) -> list:
             with gzip.open(ledger_path) as src, open(path, "wb") as dst:
                 shutil.copyfileobj(src, dst)
         exps = Ledger(path).experiments(tier="fast", kind="benchmark")
-    return [e for e in exps if e.spec and e.spec.mode == "decode" and e.measurement and e.measurement.per_op_ms]
+    return sorted((e for e in exps if e.spec and e.spec.mode == "decode" and e.measurement
+                   and e.measurement.median_ms > 0), key=lambda e: e.id)
+
+
+def timed_ops(ledger_path: Path) -> list:
+    """The ledger's fast-tier decode experiments that carry per-op timings."""
+    return [e for e in decode_experiments(ledger_path) if e.measurement.per_op_ms]
+
+
+def model_for(model: str, copy_gbps: float, layers: int, **flags) -> CostModel:
+    hw = HardwareSpec(name="NVIDIA H200", mem_gbps=copy_gbps, matmul_tflops=780, memory_gb=141)
+    return CostModel(shape=shape_from_config(dict(PRESETS[model])), hw=hw, layers=layers, **flags)
+
+
+# The whole step's prediction as the compile makes it, by session: factors and one step factor
+# (geometric mean over every plan); per-op lines; the step factor per fusion set, as a median.
+ONLINE_MODELS = {
+    "factors (before session 30)": dict(lines=False, fusion_steps=False),
+    "lines (session 30)": dict(lines=True, fusion_steps=False),
+    "lines + fusion-set steps (session 31)": dict(lines=True, fusion_steps=True),
+}
+
+
+def online_errors(exps: list, model: str, copy_gbps: float, layers: int, **flags) -> dict[str, list[float]]:
+    """The compile's own use: each step predicted before it is measured, then observed, in ledger
+    order. |predicted / measured - 1| of the whole step, for plans with and without fusions, counted
+    once the model has seen a step (the first is the bare roofline)."""
+    cm = model_for(model, copy_gbps, layers, **flags)
+    errs: dict[str, list[float]] = {"fused": [], "unfused": []}
+    for e in exps:
+        pred = cm.predict(e.plan, e.spec)
+        if pred.corrected:
+            errs["fused" if e.plan.fusions else "unfused"].append(abs(pred.ms / e.measurement.median_ms - 1))
+        cm.observe(e.plan, e.spec, e.measurement)
+    return errs
 
 
 def held_out_errors(exps: list, train: set, model: str, copy_gbps: float, layers: int, lines: bool) -> dict:
     """|predicted / measured - 1| per op at the shapes outside ``train`` ((batch, context) pairs)."""
-    hw = HardwareSpec(name="NVIDIA H200", mem_gbps=copy_gbps, matmul_tflops=780, memory_gb=141)
-    cm = CostModel(shape=shape_from_config(dict(PRESETS[model])), hw=hw, layers=layers, lines=lines)
+    cm = model_for(model, copy_gbps, layers, lines=lines)
     shape_of = lambda e: (e.spec.batch_size, e.spec.context_len)  # noqa: E731
     for e in exps:
         if shape_of(e) in train:
@@ -90,6 +126,16 @@ def main(argv: list[str] | None = None) -> int:
               f"factors: median {row['factors']['median']:.3f} p90 {row['factors']['p90']:.3f}   "
               f"(n={row['lines']['n']}; decode attention {row['lines']['per_op_median'].get('attention_decode')} "
               f"vs {row['factors']['per_op_median'].get('attention_decode')})", file=sys.stderr)
+    out["online"] = {}
+    steps = decode_experiments(args.ledger)
+    for name, flags in ONLINE_MODELS.items():
+        errs = online_errors(steps, args.model, args.copy_gbps, args.layers, **flags)
+        row = {k: {"n": len(v), "median": statistics.median(v) if v else None} for k, v in errs.items()}
+        every = errs["fused"] + errs["unfused"]
+        row["all"] = {"n": len(every), "median": statistics.median(every) if every else None}
+        out["online"][name] = row
+        print(f"online, {name:34s} " + "   ".join(
+            f"{k} {v['median']:.3f} (n={v['n']})" for k, v in row.items() if v["median"] is not None), file=sys.stderr)
     print(json.dumps(out, indent=1))
     return 0
 
