@@ -201,6 +201,16 @@ _CROSS_ROWS = (("tokens/s", "tokens_per_s", True), ("ITL p90 ms", "itl_p90_ms", 
                ("TTFT p90 ms", "ttft_p90_ms", False))
 
 
+def _calibration_label(key: str) -> str:
+    """``step/decode|a,b`` (the cost model's whole-step fit per fusion set) as words."""
+    if not key.startswith("step/"):
+        return key
+    mode, sep, fusions = key.partition("|")
+    if not sep:
+        return f"{mode}, every plan"
+    return f"{mode}, fusions {fusions.replace(',', ', ')}" if fusions else f"{mode}, no fusions"
+
+
 def cross_shape_table(cross: dict[str, Any], tolerance: float = 0.02) -> list[str]:
     """Report lines: the compiled plan and the baseline replayed on another traffic shape, and what
     the plan loses there. Why a verdict line: session 11's chat plan read x1.015 tokens/s on
@@ -323,9 +333,11 @@ def write_report(
                  + "); the plan keeps the degree it was measured at.")
     if calibration:
         L += ["", "Each op's time a call: `fixed µs + slope x its roofline` once shapes with different rooflines "
-              "were timed, else `correction x its roofline`.", "",
+              "were timed, else `correction x its roofline`. The `step` rows: a measured step over the sum of its "
+              "ops' predictions (the median over plans with that set of fusions, which the per-op timings of a "
+              "fused plan cannot place), the last factor of every step's prediction.", "",
               "| op/impl | correction | fixed µs a call | slope | observations |", "|---|---|---|---|---|"]
-        L += [f"| {k} | {v['factor']:.3f} | " + (f"{v['fixed_us']:.2f} | {v['slope']:.3f}" if "fixed_us" in v else "- | -")
+        L += [f"| {_calibration_label(k)} | {v['factor']:.3f} | " + (f"{v['fixed_us']:.2f} | {v['slope']:.3f}" if "fixed_us" in v else "- | -")
               + f" | {v['n']} |" for k, v in calibration.items() if k.count("/") == 1]
     if cross:
         L += cross_shape_table(cross)

@@ -94,7 +94,8 @@ def test_compile_writes_a_verified_plan_report_and_ledger(tmp_path, fakes, monke
     assert "On `agentic` the plan loses" in cross
     for needle in ("Gain against the baseline", "tokens_per_s", "Verification", "Cost model", "Best fast-tier",
                    "Median prediction error", "experiments/hour", "another traffic shape", "on each fresh request sample",
-                   "the candidates were ranked on", "- budget: ", " of 6 s spent; the search stops at 55% of it"):
+                   "the candidates were ranked on", "- budget: ", " of 6 s spent; the search stops at 55% of it",
+                   "| step/decode, every plan |", "| step/decode, no fusions |"):
         assert needle in report
     for png in ("search_progress.png", "per_op.png", "throughput_latency.png"):
         assert (out / png).stat().st_size > 1000
