@@ -380,21 +380,26 @@ def test_a_fusion_sets_saving_is_learned_from_its_steps_and_outliers_do_not_move
         assert abs(got["unfused"] - 1.0) > 0.05 and abs(got["fused"] - 0.9) > 0.05
 
 
-def test_a_real_ledger_replayed_predicts_held_out_shapes_better_with_lines():
-    """The 30-minute chat compile's H200 ledger (session 29, 7386 per-op timings at batch 1/16 and
-    contexts 416/1103): fitted on some shapes, the lines predict the others' per-op times with a
-    smaller median error than factors, and decode attention's by far."""
+def _replay(compile_dir: str, *args: str) -> dict:
+    """``bench/cost_model_replay.py`` on a stored compile's H200 ledger: its JSON."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(root / "bench" / "cost_model_replay.py"),
-                        str(root / "bench/results/compile-chat-s29-1800-final/ledger.sqlite.gz")],
+    r = subprocess.run([sys.executable, str(root / "bench" / "cost_model_replay.py"), *args,
+                        str(root / "bench/results" / compile_dir / "ledger.sqlite.gz")],
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+def test_a_real_ledger_replayed_predicts_held_out_shapes_better_with_lines():
+    """The 30-minute chat compile's H200 ledger (session 29, 7386 per-op timings at batch 1/16 and
+    contexts 416/1103): fitted on some shapes, the lines predict the others' per-op times with a
+    smaller median error than factors, and decode attention's by far."""
+    out = _replay("compile-chat-s29-1800-final")
     assert out["experiments"] > 500 and len(out["splits"]) == 5
     for name, split in out["splits"].items():
         assert split["lines"]["median"] < split["factors"]["median"], name
@@ -407,17 +412,7 @@ def test_the_compiles_own_step_predictions_on_a_real_ledger_improve_with_fusion_
     each step predicted before it is observed, in ledger order, as the compile does. Session 30's
     model (one step factor over every plan) was off by a median 5.5%, fused plans 8.5% (its report:
     0.611 ms predicted for a 0.556 ms winner); a median step factor per fusion set is within 1.5%."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(root / "bench" / "cost_model_replay.py"), "--copy-gbps", "4061",
-                        str(root / "bench/results/compile-chat-s31/ledger.sqlite.gz")],
-                       capture_output=True, text=True, timeout=300, cwd=root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    online = json.loads(r.stdout)["online"]
+    online = _replay("compile-chat-s31", "--copy-gbps", "4061")["online"]
     old, new = online["lines (session 30)"], online["lines + fusion-set steps (session 31)"]
     assert new["all"]["n"] == old["all"]["n"] > 100 and new["fused"]["n"] > 30
     assert new["all"]["median"] < 0.015 and new["all"]["median"] < 0.5 * old["all"]["median"]
