@@ -201,6 +201,9 @@ _CROSS_ROWS = (("tokens/s", "tokens_per_s", True), ("ITL p90 ms", "itl_p90_ms", 
                ("TTFT p90 ms", "ttft_p90_ms", False))
 
 
+STEP_SET_ROWS = 8  # the cost-model table's step rows for fusion sets: the most observed
+
+
 def _calibration_label(key: str) -> str:
     """``step/decode|a,b`` (the cost model's whole-step fit per fusion set) as words."""
     if not key.startswith("step/"):
@@ -209,6 +212,25 @@ def _calibration_label(key: str) -> str:
     if not sep:
         return f"{mode}, every plan"
     return f"{mode}, fusions {fusions.replace(',', ', ')}" if fusions else f"{mode}, no fusions"
+
+
+def calibration_table(calibration: dict[str, Any]) -> list[str]:
+    """The cost model's fits (``CostModel.calibrations``): per op/impl, then the whole-step factors,
+    the fusion sets' only for the ``STEP_SET_ROWS`` most observed."""
+    L = ["", "Each op's time a call: `fixed µs + slope x its roofline` once shapes with different rooflines "
+         "were timed, else `correction x its roofline`. The `step` rows: a measured step over the sum of its "
+         "ops' predictions (the median over plans with that set of fusions, which the per-op timings of a "
+         "fused plan cannot place), the last factor of every step's prediction.", "",
+         "| op/impl | correction | fixed µs a call | slope | observations |", "|---|---|---|---|---|"]
+    rows = [(k, v) for k, v in calibration.items() if k.count("/") == 1]
+    sets = sorted((kv for kv in rows if "|" in kv[0] and not kv[0].endswith("|")), key=lambda kv: -kv[1]["n"])
+    hidden = {k for k, _ in sets[STEP_SET_ROWS:]}  # a 30-minute compile fits ~30 fusion sets
+    L += [f"| {_calibration_label(k)} | {v['factor']:.3f} | " + (f"{v['fixed_us']:.2f} | {v['slope']:.3f}" if "fixed_us" in v else "- | -")
+          + f" | {v['n']} |" for k, v in rows if k not in hidden]
+    if hidden:
+        L.append(f"\n{len(hidden)} more fusion sets' step rows, each observed {max(calibration[k]['n'] for k in hidden)} "
+                 f"times or fewer, are left out.")
+    return L
 
 
 def cross_shape_table(cross: dict[str, Any], tolerance: float = 0.02) -> list[str]:
@@ -332,13 +354,7 @@ def write_report(
                  + ", ".join(f"{k}: {v:.3f}" for k, v in table.items())
                  + "); the plan keeps the degree it was measured at.")
     if calibration:
-        L += ["", "Each op's time a call: `fixed µs + slope x its roofline` once shapes with different rooflines "
-              "were timed, else `correction x its roofline`. The `step` rows: a measured step over the sum of its "
-              "ops' predictions (the median over plans with that set of fusions, which the per-op timings of a "
-              "fused plan cannot place), the last factor of every step's prediction.", "",
-              "| op/impl | correction | fixed µs a call | slope | observations |", "|---|---|---|---|---|"]
-        L += [f"| {_calibration_label(k)} | {v['factor']:.3f} | " + (f"{v['fixed_us']:.2f} | {v['slope']:.3f}" if "fixed_us" in v else "- | -")
-              + f" | {v['n']} |" for k, v in calibration.items() if k.count("/") == 1]
+        L += calibration_table(calibration)
     if cross:
         L += cross_shape_table(cross)
     if notes:

@@ -88,3 +88,20 @@ def test_the_cross_shape_table_over_two_samples_judges_their_median_and_names_a_
     slower = [dict(c, compiled_tokens_per_s=c["baseline_tokens_per_s"] * 0.9) for c in calm]
     text = "\n".join(cross_shape_table({**cross, "samples": slower}))
     assert "On `agentic` the plan loses: tokens/s x0.90; and ITL p90 ms x1.06 on one sample." in text
+
+
+def test_the_cost_model_table_names_the_step_rows_and_keeps_the_most_observed_fusion_sets():
+    from anneal.agents.report import STEP_SET_ROWS, calibration_table
+
+    sets = {f"step/decode|f{i:02d},lm_head_argmax": {"factor": 0.9, "n": 100 - i} for i in range(STEP_SET_ROWS + 3)}
+    cal = {"attention_decode/triton_splitk": {"factor": 2.2, "n": 41, "fixed_us": 11.83, "slope": 1.093},
+           "attention_decode/triton_splitk/{\"prefetch\": 16}": {"factor": 2.0, "n": 3},
+           "step/decode": {"factor": 0.96, "n": 795}, "step/decode|": {"factor": 0.962, "n": 523}, **sets}
+    text = "\n".join(calibration_table(cal))
+    assert "| attention_decode/triton_splitk | 2.200 | 11.83 | 1.093 | 41 |" in text
+    assert "prefetch" not in text  # per-params fits stay out of the table
+    assert "| step/decode, every plan | 0.960 | - | - | 795 |" in text
+    assert "| step/decode, no fusions | 0.962 | - | - | 523 |" in text
+    assert "| step/decode, fusions f00, lm_head_argmax | 0.900 |" in text
+    assert f"f{STEP_SET_ROWS - 1:02d}," in text and f"f{STEP_SET_ROWS:02d}," not in text
+    assert f"3 more fusion sets' step rows, each observed {100 - STEP_SET_ROWS} times or fewer" in text
