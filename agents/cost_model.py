@@ -6,7 +6,9 @@ size and context length; the bandwidth and matmul rate come from the engine's mi
 start (``/admin/state`` -> ``hardware``) when known, else from the GPU's data sheet. Observed
 per-op timings fit a correction per (op, impl[, params]), so the model learns what the roofline
 misses (launch gaps, ramp-up, bad tiling): a line ``fixed + slope x roofline`` per call once shapes
-with different rooflines are seen, a multiplicative factor (running geometric mean) until then. The search uses it to prune
+with different rooflines are seen, a multiplicative factor (running geometric mean) until then. What the
+ops' sum misses of a graphed step (fusions above all: a fused plan reports fused ops no slot
+receives) is one more factor, the median per set of fusions. The search uses it to prune
 candidates predicted to lose and to pick the tensor-parallel degree (NVLink all-reduce included).
 """
 
