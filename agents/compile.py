@@ -21,6 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from anneal.engine.plan import CompiledPlan, Plan
 from anneal.agents.board import Board, SearchSetting
 from anneal.agents.cost_model import CostModel
@@ -147,6 +149,14 @@ def run_compile(args: argparse.Namespace) -> int:
             compile_ahead=args.compile_ahead,
             seed_plans=[f.strip() for f in (args.seed_plans or "").split(",") if f.strip()],
         )
+    except ValidationError as e:  # a flag out of range: name the flag, not the settings field
+        flags = {"budget_s": "--budget", "fast_layers": "--fast-layers"}
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else ""
+            print(f"anneal compile: {flags.get(field, '--' + field.replace('_', '-'))}: {err['msg']} "
+                  f"(got {err.get('input')!r})", file=sys.stderr)
+        return 2
+    try:
         compiled = compile_plan(
             settings, agents=agents, max_len=args.max_len, cross_traffic=args.cross_traffic,
             gpus=args.gpus, progress=not args.quiet, verification=opts.get("verification") or {},

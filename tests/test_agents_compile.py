@@ -318,6 +318,16 @@ def test_bad_engine_urls_and_tokens_fail_clearly(tmp_path, fakes, monkeypatch, c
     assert rc == 1
 
 
+def test_a_flag_out_of_range_is_named_and_nothing_is_started(tmp_path, capsys):
+    out = tmp_path / "out"
+    for flags, want in ((["--budget", "-5"], "--budget: Input should be greater than 0 (got -5.0)"),
+                        (["--rounds", "50"], "--rounds: Input should be less than or equal to 20 (got 50)"),
+                        (["--fast-layers", "-1"], "--fast-layers: Input should be greater than or equal to 1")):
+        rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--out", str(out), "--quiet", *flags])
+        assert rc == 2 and want in capsys.readouterr().err, flags
+    assert not out.exists()
+
+
 def test_an_engine_that_stops_answering_ends_the_search(tmp_path):
     """Refused candidates (4xx) are the candidate's fault; no answer at all is the engine's."""
     from anneal.engine.plan import Plan
