@@ -23,7 +23,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from anneal.engine.config import ModelError, config_from_hf
 from anneal.engine.plan import CompiledPlan, Plan
+from anneal.engine.presets import is_random, preset_config
 from anneal.agents.board import Board, SearchSetting
 from anneal.agents.cost_model import CostModel
 from anneal.agents.engine_client import EngineClient, EngineError
@@ -156,6 +158,12 @@ def run_compile(args: argparse.Namespace) -> int:
             print(f"anneal compile: {flags.get(field, '--' + field.replace('_', '-'))}: {err['msg']} "
                   f"(got {err.get('input')!r})", file=sys.stderr)
         return 2
+    if engines is None:  # the engines start here: a model they cannot load fails now, not after their start
+        try:
+            _ = preset_config(args.model.split(":", 1)[1]) if is_random(args.model) else config_from_hf(args.model)
+        except ModelError as e:
+            print(f"anneal compile: --model: {e}", file=sys.stderr)
+            return 2
     try:
         compiled = compile_plan(
             settings, agents=agents, max_len=args.max_len, cross_traffic=args.cross_traffic,

@@ -318,11 +318,13 @@ def test_bad_engine_urls_and_tokens_fail_clearly(tmp_path, fakes, monkeypatch, c
     assert rc == 1
 
 
-def test_a_flag_out_of_range_is_named_and_nothing_is_started(tmp_path, capsys):
+def test_a_bad_flag_or_model_is_named_and_nothing_is_started(tmp_path, capsys):
     out = tmp_path / "out"
     for flags, want in ((["--budget", "-5"], "--budget: Input should be greater than 0 (got -5.0)"),
                         (["--rounds", "50"], "--rounds: Input should be less than or equal to 20 (got 50)"),
-                        (["--fast-layers", "-1"], "--fast-layers: Input should be greater than or equal to 1")):
+                        (["--fast-layers", "-1"], "--fast-layers: Input should be greater than or equal to 1"),
+                        (["--model", "random:nope"], "--model: unknown random preset 'nope'; known: ["),
+                        (["--model", str(tmp_path / "no-such-folder")], "no-such-folder does not exist")):
         rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--out", str(out), "--quiet", *flags])
         assert rc == 2 and want in capsys.readouterr().err, flags
     assert not out.exists()
