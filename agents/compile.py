@@ -158,6 +158,7 @@ def run_compile(args: argparse.Namespace) -> int:
             print(f"anneal compile: {flags.get(field, '--' + field.replace('_', '-'))}: {err['msg']} "
                   f"(got {err.get('input')!r})", file=sys.stderr)
         return 2
+    out_existed = Path(args.out).exists()
     if engines is None:  # the engines start here: a model they cannot load fails now, not after their start
         try:
             _ = preset_config(args.model.split(":", 1)[1]) if is_random(args.model) else config_from_hf(args.model)
@@ -173,6 +174,8 @@ def run_compile(args: argparse.Namespace) -> int:
     except (CompileError, EngineError, ValueError) as e:
         print(f"anneal compile: {e}", file=sys.stderr)
         report_progress(args.report_to, phase="Done", message=f"failed: {e}"[:500])
+        if not out_existed and Path(args.out).is_dir() and not any(Path(args.out).iterdir()):
+            Path(args.out).rmdir()  # a bad input file: leave no empty --out behind
         return 1
     gain = next((g for g in compiled.gains if g.metric == "tokens_per_s"), None)
     print(f"plan {compiled.plan.hash} written to {Path(args.out) / 'plan.json'}"
