@@ -225,15 +225,26 @@ def create_app(ctx: ServingContext, metrics: EngineMetrics) -> FastAPI:
 # ---- the command ------------------------------------------------------------------------------
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port (0: any free one), so a bad one is a usage error, not a bind() traceback."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535")
+    return port
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of ``anneal serve``."""
     parser.add_argument("--model", required=True, help="a Hugging Face model folder or random:<preset>")
     parser.add_argument("--plan", help="a Plan or CompiledPlan file (JSON/YAML); default: the device's default "
                         "plan (on CUDA the hand-set Triton plan with overlap scheduling, on the CPU the reference)")
     parser.add_argument("--host", default="0.0.0.0", help="address of both ports (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=8000, help="public OpenAI API + /metrics (default 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="public OpenAI API + /metrics (default 8000)")
     parser.add_argument(
-        "--admin-port", type=int, default=8001,
+        "--admin-port", type=_port, default=8001,
         help="admin API (default 8001); listens only when ANNEAL_ADMIN_TOKEN is set",
     )
     parser.add_argument("--layers", type=int, help="load only the first K layers (fast tier)")

@@ -108,3 +108,19 @@ def test_the_engine_is_built_off_the_main_thread_and_its_errors_reach_the_caller
     monkeypatch.setattr(server, "build_engine", broken)
     with pytest.raises(OSError, match="no such model folder"):
         server.build_engine_off_the_main_thread(None)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--port", "99999", "port 99999 is outside 0-65535"),
+    ("--admin-port", "-1", "port -1 is outside 0-65535"),
+    ("--port", "http", "not a port number: 'http'"),
+])
+def test_a_bad_port_is_a_usage_error_not_a_bind_traceback(flag, value, message, capsys):
+    import argparse
+
+    from anneal.engine.server import add_serve_args
+
+    with pytest.raises(SystemExit) as exit_:
+        add_serve_args(argparse.ArgumentParser()).parse_args(["--model", "random:tiny", flag, value])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert add_serve_args(argparse.ArgumentParser()).parse_args(["--model", "m", "--port", "0"]).port == 0
