@@ -20,6 +20,8 @@ def test_generate_prints_the_prompt_and_its_continuation(capsys):
     (["--plan", "/no/such/plan.json"], "No such file"),
     (["--model", "random:no-such-preset"], "unknown random preset"),
     (["--plan", "{bad}"], "no_such_op"),
+    (["--max-tokens", "-3"], "--max-tokens: Input should be greater than or equal to 1 (got -3)"),
+    (["--temperature", "-1"], "--temperature: Input should be greater than or equal to 0 (got -1.0)"),
 ])
 def test_bad_input_is_one_line_and_status_2(args, needle, capsys, tmp_path):
     bad = tmp_path / "bad.json"

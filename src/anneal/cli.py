@@ -15,6 +15,16 @@ def _generate(args: argparse.Namespace) -> int:
     from anneal.engine.sampling_params import SamplingParams
     from anneal.engine.tokenizer import TokenizerError, load_tokenizer
 
+    from pydantic import ValidationError
+
+    try:  # checked before the model loads
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                seed=args.seed, ignore_eos=True)
+    except ValidationError as e:
+        for err in e.errors():
+            flag = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else "sampling"
+            print(f"anneal generate: {flag}: {err['msg']} (got {err.get('input')!r})", file=sys.stderr)
+        return 2
     try:  # bad input (a missing or invalid plan or model, a plan for another device): one line, as serve does
         if args.plan:
             with open(args.plan) as f:
@@ -27,8 +37,6 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"anneal generate: {e}", file=sys.stderr)
         return 2
     prompt_ids = tok.encode(args.prompt)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed, ignore_eos=True)
     t0 = time.perf_counter()
     out = engine.generate([prompt_ids], params)[0]
     dt = time.perf_counter() - t0
