@@ -50,6 +50,11 @@ AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner"
 ENGINE_STOP_GRACE_S = 20.0  # a finished compile's engines: time to exit cleanly
 INTERRUPTED_STOP_GRACE_S = 3.0  # a failed or interrupted one's: their work is abandoned
 SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
+# Fresh request samples promotion replays on the CPU (quick mode): a tiny model's replay takes ~50 ms,
+# so three cost about a second; with one, the demo once promoted a scheduler-only plan at x1.626 on a
+# 44-ms replay whose decode steps a scheduler change cannot speed up (session 31; x1.000 in the next
+# two runs).
+QUICK_ROUNDS = 3
 OP_TRIALS_SHARE = 0.1  # of the budget, after the search: the op trials' readings (op_trials)
 PROMOTION_SHARE = 0.85  # no further slow-tier candidate once one is measured; the winner's rounds run on
 EXTRA_PROMOTED = 12  # more fast-tier plans replayed on the slow tier while the promotion deadline allows
@@ -375,7 +380,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     _say(progress, f"promoting {len(cands)} candidates{more} on the slow tier (baseline measured in the same run) ...")
     promo = promote(lab, cands, baseline, wspec, objective=setting.objective,
                     max_spread=settings.max_spread, verify_kwargs=_verify_kwargs(verification),
-                    deadline=t0 + settings.budget_s * PROMOTION_SHARE, rounds=settings.rounds or (1 if quick else 2),
+                    deadline=t0 + settings.budget_s * PROMOTION_SHARE, rounds=settings.rounds or (QUICK_ROUNDS if quick else 2),
                     extra=extra)
 
     # The tensor-parallel degree is the cost model's recommendation (NVLink all-reduce included),

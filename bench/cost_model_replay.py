@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2, help="layers the fast tier loaded")
     ap.add_argument("--copy-gbps", type=float, default=4037.0, help="the run's copy bandwidth (its report)")
     args = ap.parse_args(argv)
+    if not args.ledger.is_file():  # Ledger() would create an empty one
+        print(f"{args.ledger}: no such ledger", file=sys.stderr)
+        return 2
     exps = timed_ops(args.ledger)
     shapes = sorted({(e.spec.batch_size, e.spec.context_len) for e in exps})
     if len(shapes) < 2:
