@@ -11,6 +11,7 @@
 #   attention-layout                issue 5: decode attention on an NHD vs an HND KV cache (bench/attention_layout.py)
 #   attention-stages                issue 5: decode attention at pipeline depths 1-3 (bench/attention_stages.py)
 #   attention-floor                 issue 5: decode attention's fixed cost, one dependent load at a time (bench/attention_floor.py)
+#   attention-oproj                 issue 5: decode attention + o_proj in one persistent launch, per-tile flags (bench/attention_oproj.py)
 #   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)
 #   prefill-attention               issue 5: the paged prefill kernel vs torch SDPA at agentic's prompt shapes
 #   profile-mixed-agentic           issue 5: one eager 3072-token prompt step with 7 decode rows (agentic's prompt steps)
@@ -109,6 +110,9 @@ for s in "$@"; do
       ;;
     attention-floor)  # issue 5: where decode attention's fixed ~8 µs a call goes (a ladder of its dependent loads)
       stage attention-floor 240 $py bench/attention_floor.py --out "$OUT" ${ATTENTION_FLOOR_ARGS:-}
+      ;;
+    attention-oproj)  # issue 5: does a persistent attention + o_proj kernel with per-tile flags beat the two kernels?
+      stage attention-oproj 240 $py bench/attention_oproj.py --out "$OUT" ${ATTENTION_OPROJ_ARGS:-}
       ;;
     attention-stages)  # issue 5: is decode attention at 50% at chat's batch because its loop is one tile deep?
       stage attention-stages 240 $py bench/attention_stages.py --out "$OUT"
