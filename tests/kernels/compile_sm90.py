@@ -100,6 +100,12 @@ def specs():
     for first, last, rows, block_k, warps in ((0, 4, 8, 1024, 8), (0, 1, 16, 512, 4), (2, 4, 32, 512, 16)):
         yield persistent_chain._gemv_chain_kernel, {"bar_ptr": "*i32"}, dict(
             FIRST=first, LAST=last, ROWS=rows, BLOCK_K=block_k, BARRIER=True), warps
+    import attention_oproj  # bench/: decode attention + o_proj in one persistent launch (session 32)
+
+    for parts, order, split in ((3, 0, 4), (3, 2, 1), (1, 1, 4)):
+        yield attention_oproj._attn_o_kernel, {**DECODE_SPLIT_PTRS, "op_ptr": "*fp32"}, dict(
+            HKV=8, G=4, BLOCK_G=16, D=128, BLOCK_N=64, BS=16, SPLIT_K=split, BLOCK_M=16, BLOCK_O=64, BLOCK_K=128,
+            LAG=8, PARTS=parts, ORDER=order, RESET=16, PREC="tf32", UPCAST=False), 4
     from anneal.engine.kernels import argmax as am
 
     yield am.argmax_merge_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i32", "tok_ptr": "*i64"}, dict(BLOCK_T=1024), 4
@@ -108,7 +114,7 @@ def specs():
 
 
 def all_specs():
-    """Every spec with PDL off, and with PDL on too the first spec of each kernel and every spec that
+    """Every spec with PDL off (kernels that have the switch), and with PDL on too the first spec of each kernel and every spec that
     requests loads before the PDL wait; the kernels that can trigger their dependents late
     (``pdl_mode`` 2) or after their wait (3) also so."""
     from anneal.engine.kernels import attention_decode, gemv
@@ -116,6 +122,9 @@ def all_specs():
     late = (gemv._gemv_kernel, attention_decode._decode_split_kernel)
     seen = set()
     for kernel, ptr_types, constexprs, warps in specs():
+        if "PDL" not in kernel.arg_names:  # a kernel without PDL (bench/attention_oproj.py's): as given
+            yield kernel, ptr_types, constexprs, warps
+            continue
         yield kernel, ptr_types, dict(constexprs, PDL=False), warps
         if kernel not in seen or constexprs.get("PREFETCH") or constexprs.get("AHEAD", 1) > 1:
             seen.add(kernel)

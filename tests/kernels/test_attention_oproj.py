@@ -21,10 +21,12 @@ from attention_oproj import Workspace, attention_oproj, attention_oproj_referenc
 SHAPES_CPU = [(3, [150, 37, 1], 8, 2, 32, 48), (2, [0, 70], 4, 1, 16, 32)]
 SHAPES_GPU = [(12, [800] * 11 + [17], 32, 8, 128, 4096), (1, [2048], 32, 8, 128, 4096), (16, [1] + [300] * 15, 32, 8, 128, 4096),
               (5, [0, 64, 65, 999, 4000], 32, 8, 128, 4096)]
-CONFIGS_CPU = [{"split_k": 1, "block_o": 16, "programs": 2}, {"split_k": 2, "block_o": 32, "programs": 3},
-               {"split_k": 4, "block_o": 16, "programs": 1}]
-CONFIGS_GPU = [{}, {"block_o": 16, "per_sm": 3}, {"block_o": 64}, {"per_sm": 1, "num_warps": 8},
-               {"split_k": 16, "sleep": 1}, {"split_k": 1, "programs": 7}]
+CONFIGS_CPU = [{"split_k": 1, "block_o": 16, "lag": 0, "programs": 2, "block_k": 16},
+               {"split_k": 2, "block_o": 32, "lag": 1, "programs": 3, "block_k": 32},
+               {"split_k": 4, "block_o": 16, "lag": 2, "programs": 1, "block_k": 16}]
+CONFIGS_GPU = [{}, {"block_o": 32, "per_sm": 3, "lag": 0}, {"block_o": 128, "lag": 2}, {"per_sm": 1, "num_warps": 8},
+               {"split_k": 16, "block_k": 256}, {"split_k": 1, "programs": 7, "lag": 8}, {"order": "first"},
+               {"order": "static", "per_sm": 1, "split_k": 1}]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -35,7 +37,7 @@ def test_fused_pair_matches_reference(device, dtype):
         q, k, v, bt, ln, w = make_inputs(B, lens, H, Hkv, D, N, device, dtype, gen(5200 + si, device), spare=1)
         want = attention_oproj_reference(q, k, v, bt, ln, D ** -0.5, w).to(dtype)
         for cfg in configs:
-            ws = Workspace(B, H, Hkv, D, cfg.get("split_k") or 64, device, dtype)
+            ws = Workspace(B, H, Hkv, D, cfg.get("split_k") or 64, N, device, dtype)
             first = attention_oproj(q, k, v, bt, ln, D ** -0.5, w, block_n=16 if device == "cpu" else 64, ws=ws, **cfg)
             assert_close(first, want, TOL_ACC, what=f"{cfg} B={B} {lens} {dtype}")
             assert not ws.counters.any(), f"{cfg}: a launch left counters set: {ws.counters.nonzero().flatten()}"
@@ -50,7 +52,7 @@ def test_fused_pair_in_a_cuda_graph(device):
     three replays: every replay equals the eager calls exactly."""
     B, lens, H, Hkv, D, N = 12, [800] * 12, 32, 8, 128, 4096
     layers = [make_inputs(B, lens, H, Hkv, D, N, device, torch.bfloat16, gen(5300 + i, device)) for i in range(4)]
-    ws = Workspace(B, H, Hkv, D, 64, device, torch.bfloat16)
+    ws = Workspace(B, H, Hkv, D, 64, N, device, torch.bfloat16)
     eager = [attention_oproj(*lay[:5], D ** -0.5, lay[5], ws=ws) for lay in layers]
     outs = [torch.empty_like(e) for e in eager]
     graph = torch.cuda.CUDAGraph()
