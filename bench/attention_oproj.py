@@ -74,6 +74,7 @@ from anneal.engine.kernels._common import cdiv, dot_precision, dot_upcast, mma, 
 from anneal.engine.kernels.attention_decode import (_attend_tile, _merge_head, _split_len, auto_split_k,
                                                     paged_decode_attention)
 from anneal.engine.kernels.gemv import small_m_gemm
+from anneal.engine.ops.reference import attention_decode as attention_decode_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (copy_bandwidth_gbps, premise_holds, print_variant_row, probe_dtype, probe_parser,  # noqa: E402
@@ -339,22 +340,9 @@ def attention_oproj(q, k_cache, v_cache, block_tables, lens, scale: float, w_o, 
 
 
 def attention_oproj_reference(q, k_cache, v_cache, block_tables, lens, scale: float, w_o) -> torch.Tensor:
-    """The pair in fp32 torch, one sequence at a time: softmax over the sequence's cached tokens."""
-    B, H, D = q.shape
-    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
-    G = H // Hkv
-    out = torch.zeros(B, H, D, dtype=torch.float32, device=q.device)
-    for b in range(B):
-        n = int(lens[b])
-        if n == 0:
-            continue
-        t = torch.arange(n, device=q.device)
-        blk = block_tables[b, t // BS].long()
-        k = k_cache[blk, t % BS].float().repeat_interleave(G, dim=1)  # [n, H, D]
-        v = v_cache[blk, t % BS].float().repeat_interleave(G, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * scale, dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", p, v)
-    return out.view(B, H * D) @ w_o.float().T
+    """The pair in fp32: the engine's reference decode attention, then the projection."""
+    attn = attention_decode_reference(q.float(), k_cache.float(), v_cache.float(), block_tables, lens, scale)
+    return attn.view(q.shape[0], -1) @ w_o.float().T
 
 
 def make_inputs(B: int, ctx: int | list[int], H: int, Hkv: int, D: int, N: int, device, dtype, gen, *, BS: int = 16,
@@ -373,9 +361,9 @@ def make_inputs(B: int, ctx: int | list[int], H: int, Hkv: int, D: int, N: int, 
     return q, k, v, bt, torch.tensor(lens, dtype=torch.int32, device=device), w
 
 
-def separate(q, k, v, bt, lens, scale, w, *, o: str = "cublas", attn_params: dict | None = None):
+def separate(q, k, v, bt, lens, scale, w, *, o: str = "cublas"):
     """The engine's pair as two ops: its decode attention, then o_proj by cuBLAS or the Triton GEMV."""
-    a = paged_decode_attention(q, k, v, bt, lens, scale, **(attn_params or {})).view(q.shape[0], -1)
+    a = paged_decode_attention(q, k, v, bt, lens, scale).view(q.shape[0], -1)
     if o == "cublas":
         return F.linear(a, w)
     return small_m_gemm(a, w, block_n=32, split_k=4)
@@ -410,8 +398,9 @@ CONFIG_FLAGS = {"A": ("parts", "attention"), "O": ("parts", "o"), "S": ("order",
 
 
 def parse_config(cfg: str) -> dict:
-    """``"p2 o64 l1 A"`` as attention_oproj's keywords (``s``, the split multiplier, as ``split_mult``;
-    the flags A / O: attention's or the o tiles alone, S: static tile order)."""
+    """``"p2 o64 l1 A"`` as attention_oproj's keywords (``CONFIG_KEYS``; ``s``, the split multiplier, as
+    ``split_mult``) and flags (``CONFIG_FLAGS``: A / O attention's or the o tiles alone, S static tile
+    order, F the first tile by program id)."""
     return dict(CONFIG_FLAGS[tok] if tok in CONFIG_FLAGS else (CONFIG_KEYS[tok[0]], int(tok[1:])) for tok in cfg.split())
 
 

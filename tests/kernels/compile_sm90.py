@@ -114,9 +114,9 @@ def specs():
 
 
 def all_specs():
-    """Every spec with PDL off (kernels that have the switch), and with PDL on too the first spec of each kernel and every spec that
-    requests loads before the PDL wait; the kernels that can trigger their dependents late
-    (``pdl_mode`` 2) or after their wait (3) also so."""
+    """Every spec with PDL off (kernels without the switch as given), and with PDL on too the first
+    spec of each kernel and every spec that requests loads before the PDL wait; the kernels that can
+    trigger their dependents late (``pdl_mode`` 2) or after their wait (3) also so."""
     from anneal.engine.kernels import attention_decode, gemv
 
     late = (gemv._gemv_kernel, attention_decode._decode_split_kernel)
