@@ -443,10 +443,12 @@ def _slow_roofline(state) -> CostModel | None:
 
 def _read_plan(path: str, flag: str) -> Plan:
     """A plan file given with ``flag`` as a Plan, or a CompileError saying what is wrong with it."""
-    from anneal.engine.plan import load_plan
+    from anneal.engine.plan import check_parallelism, load_plan
 
     try:
-        return load_plan(Path(path).read_text())
+        plan = load_plan(Path(path).read_text())
+        check_parallelism(plan)  # before any engine starts
+        return plan
     except OSError as e:
         raise CompileError(f"{flag} {path}: {e.strerror or e}") from None
     except ValueError as e:

@@ -19,7 +19,7 @@ from anneal.engine.compile_ahead import CompileAhead
 from anneal.engine.overlap import OverlapStepper
 from anneal.engine.config import ModelConfig
 from anneal.engine.op_table import OpTable
-from anneal.engine.plan import Plan, inert_fusions
+from anneal.engine.plan import Plan, check_parallelism, inert_fusions
 from anneal.engine.runner import ModelRunner
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.scheduler import Scheduler
@@ -136,6 +136,7 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
 class Engine:
     def __init__(self, args: EngineArgs | None = None, **kw):
         args = args or EngineArgs(**kw)
+        check_parallelism(args.plan)  # before minutes of weight loading
         self.args = args
         t_init = time.perf_counter()
         self.startup: dict[str, float] = {}  # seconds per start-up phase (iteration benchmark)
@@ -310,9 +311,11 @@ class Engine:
     # ---- plans ------------------------------------------------------------------------------------
 
     def check_plan(self, plan: Plan) -> None:
-        """What ``apply_plan`` would refuse before building anything: scheduler knobs, unknown ops
-        or variants, variants that do not run here, parameters outside their choices (a plan's
-        own kernels are checked when they are built). Raises ValueError/OpError."""
+        """What ``apply_plan`` would refuse before building anything: a parallelism this engine does
+        not run, scheduler knobs, unknown ops or variants, variants that do not run here, parameters
+        outside their choices (a plan's own kernels are checked when they are built). Raises
+        ValueError/OpError."""
+        check_parallelism(plan)
         Scheduler.check_knobs(plan.scheduler, self.max_model_len)
         OpTable.resolve(plan, self.device.type, frozenset((k.op, k.impl) for k in plan.kernels))
 
@@ -322,6 +325,7 @@ class Engine:
             raise RuntimeError("apply_plan needs an idle engine (drain or pause requests first)")
         t0 = time.perf_counter()
         old_plan, old_ops = self.plan, self.runner.model.ops
+        check_parallelism(plan)
         Scheduler.check_knobs(plan.scheduler, self.max_model_len)
         # A plan whose kernels compile ahead right now: let that finish rather than compile the
         # same kernels a second time here, on the engine thread, competing with it.

@@ -208,6 +208,9 @@ _HASHED_WHEN_SET = (("scheduler", "overlap"), ("cuda_graph_token_sizes",))
 
 
 class Parallelism(_Strict):
+    """How the model is split across devices. The engine runs degree 1 and refuses others
+    (``check_parallelism``); the compiler reports the degree its cost model predicts best."""
+
     tensor_parallel: int = Field(1, ge=1, le=8)
 
 
@@ -294,6 +297,19 @@ class Plan(_Strict):
 
     def with_ops(self, **choices: OpChoice) -> "Plan":
         return self.model_copy(update={"ops": {**self.ops, **choices}})
+
+
+def check_parallelism(plan: Plan) -> None:
+    """Refuse a plan whose parallelism the engine cannot run. The engine runs every layer on one
+    device; a plan asking for tensor parallelism was accepted and served at degree 1 before, so its
+    measurements were of a plan other than the one named. The compiler's tensor-parallel degree is
+    the cost model's recommendation in its report, not a plan field it sets."""
+    tp = plan.parallelism.tensor_parallel
+    if tp != 1:
+        raise ValueError(
+            f"parallelism.tensor_parallel={tp}: the engine runs on one device (tensor parallelism is "
+            "not implemented); use tensor_parallel 1"
+        )
 
 
 class Gain(_Strict):

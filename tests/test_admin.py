@@ -62,6 +62,9 @@ def test_plan_swap_and_rejection_keep_serving(server):
     assert bad.status_code == 400 and "no variant" in bad.json()["error"]["message"]
     schema = admin(server, "PUT", "/admin/plan", {"ops": {"warp_drive": {}}})
     assert schema.status_code == 422
+    # a parallelism the engine does not run is refused, not served at degree 1 under its name
+    tp = admin(server, "PUT", "/admin/plan", {"parallelism": {"tensor_parallel": 2}})
+    assert tp.status_code == 400 and "tensor_parallel=2" in tp.json()["error"]["message"]
     assert admin(server, "GET", "/admin/state").json()["plan_hash"] == before
     completion_ok(server)
     new_plan = {"scheduler": {"max_num_seqs": 8}, "cuda_graph_batch_sizes": []}
@@ -82,6 +85,8 @@ def test_prepare_checks_plans_and_queues_nothing_off_the_gpu(server):
     knobs = admin(server, "POST", "/admin/prepare", {"plans": [
         {"scheduler": {"chunked_prefill": False, "max_num_batched_tokens": 64}}]})
     assert knobs.status_code == 400 and "max_num_batched_tokens" in knobs.json()["error"]["message"]
+    tp = admin(server, "POST", "/admin/prepare", {"plans": [{"parallelism": {"tensor_parallel": 4}}]})
+    assert tp.status_code == 400 and "tensor_parallel=4" in tp.json()["error"]["message"]
     assert admin(server, "POST", "/admin/prepare", {"plans": []}).status_code == 422
     ok = admin(server, "POST", "/admin/prepare", {"plans": [{"cuda_graph_batch_sizes": [1, 2]}]})
     assert ok.status_code == 200 and ok.json()["queued"] == 0  # the CPU has no Triton compiles

@@ -452,6 +452,22 @@ def test_engine_abort_frees_blocks_at_once_and_the_rest_completes():
     assert r0 == solo and len(solo) == 30
 
 
+def test_a_plan_asking_for_tensor_parallelism_is_refused_at_start_and_on_apply():
+    """The engine runs on one device: a plan naming another degree used to be served at degree 1
+    under its name (and hash). Refused before the weights load, and on apply the old plan serves."""
+    tp2 = Plan(parallelism={"tensor_parallel": 2})
+    with pytest.raises(ValueError, match="tensor_parallel=2"):
+        Engine(EngineArgs(model="random:tiny", device="cpu", plan=tp2))
+    eng = tiny_engine(64)
+    old = eng.plan
+    for call in (eng.check_plan, eng.apply_plan):
+        with pytest.raises(ValueError, match="tensor_parallel=2.*one device"):
+            call(tp2)
+    assert eng.plan == old
+    out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert len(out[0]) == 2
+
+
 def test_apply_plan_refuses_knobs_that_could_never_admit_a_long_prompt():
     """Without chunked prefill a prompt runs whole, so the budget must cover max_model_len; a
     plan breaking that would leave long prompts waiting forever. The old plan keeps serving."""
