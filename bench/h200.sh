@@ -12,6 +12,8 @@
 #   attention-stages                issue 5: decode attention at pipeline depths 1-3 (bench/attention_stages.py)
 #   attention-floor                 issue 5: decode attention's fixed cost, one dependent load at a time (bench/attention_floor.py)
 #   attention-oproj                 issue 5: decode attention + o_proj in one persistent launch, per-tile flags (bench/attention_oproj.py)
+#   tp                              issue 5: the 8B decode step at tensor-parallel degree N (every GPU of the host) beside
+#                                   degree 1 and the cost model's prediction (bench/tp_probe.py; a 2+ GPU kind)
 #   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)
 #   prefill-attention               issue 5: the paged prefill kernel vs torch SDPA at agentic's prompt shapes
 #   profile-mixed-agentic           issue 5: one eager 3072-token prompt step with 7 decode rows (agentic's prompt steps)
@@ -116,6 +118,11 @@ for s in "$@"; do
       ;;
     attention-stages)  # issue 5: is decode attention at 50% at chat's batch because its loop is one tile deep?
       stage attention-stages 240 $py bench/attention_stages.py --out "$OUT"
+      ;;
+    tp)  # issue 5: what the cost model's tensor-parallel choice predicts, measured (NVLink multicast stays off)
+      stage tp 300 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        $py -m torch.distributed.run --standalone --nproc-per-node="$(nvidia-smi -L | wc -l)" bench/tp_probe.py \
+        --out "$OUT" ${TP_ARGS:-}
       ;;
     blas-backend)  # issue 5: would cuBLASLt run o/qkv/down faster at the chat replay's batches?
       stage blas-backend 240 $py bench/blas_backend.py --out "$OUT"
