@@ -120,9 +120,13 @@ for s in "$@"; do
       stage attention-stages 240 $py bench/attention_stages.py --out "$OUT"
       ;;
     tp)  # issue 5: what the cost model's tensor-parallel choice predicts, measured (NVLink multicast stays off)
-      stage tp 300 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-        $py -m torch.distributed.run --standalone --nproc-per-node="$(nvidia-smi -L | wc -l)" bench/tp_probe.py \
-        --out "$OUT" ${TP_ARGS:-}
+      gpus=$(nvidia-smi -L | wc -l)
+      if [ "$gpus" -gt 1 ]; then
+        stage tp 300 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+          $py -m torch.distributed.run --standalone --nproc-per-node="$gpus" bench/tp_probe.py --out "$OUT" ${TP_ARGS:-}
+      else  # one GPU: degree 2's per-rank share without its all-reduces, beside degree 1
+        stage tp-share 300 $py bench/tp_probe.py --degree "${TP_DEGREE:-2}" --out "$OUT" ${TP_ARGS:-}
+      fi
       ;;
     blas-backend)  # issue 5: would cuBLASLt run o/qkv/down faster at the chat replay's batches?
       stage blas-backend 240 $py bench/blas_backend.py --out "$OUT"

@@ -83,6 +83,13 @@ def shard_weights(w: Weights, cfg: ModelConfig, tp: int, rank: int) -> Weights:
     return Weights(embed=embed, layers=layers, final_norm=w.final_norm, lm_head=lm_head)
 
 
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    """An all-reduce across the ranks; nothing in one process (``--degree N`` without torchrun: one
+    rank's share of the step, its collectives left out)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+
+
 def parallel_ops(ops: OpTable, tp: int, rank: int, vocab_part: int) -> OpTable:
     """``ops`` with the all-reduces a rank's step needs: after o_proj and down_proj, and around the
     vocabulary-split embedding (other ranks' rows read as zeros)."""
@@ -93,7 +100,7 @@ def parallel_ops(ops: OpTable, tp: int, rank: int, vocab_part: int) -> OpTable:
     def reduced(fn):
         def run(x, w):
             y = fn(x, w)
-            dist.all_reduce(y)
+            all_reduce(y)
             return y
         return run
 
@@ -102,7 +109,7 @@ def parallel_ops(ops: OpTable, tp: int, rank: int, vocab_part: int) -> OpTable:
         inside = (local >= 0) & (local < vocab_part)
         x = ops.embedding(torch.where(inside, local, torch.zeros_like(local)), table)
         x = x * inside[:, None].to(x.dtype)
-        dist.all_reduce(x)
+        all_reduce(x)
         return x
 
     out.o_proj, out.down_proj, out.embedding = reduced(ops.o_proj), reduced(ops.down_proj), embedding
@@ -118,9 +125,9 @@ def greedy(model: Transformer, hidden: torch.Tensor, tp: int, rank: int, vocab_p
         return idx, logits
     val = logits.gather(1, idx[:, None])[:, 0].float()
     best = val.clone()
-    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+    all_reduce(best, op=dist.ReduceOp.MAX)
     cand = torch.where(val == best, idx + rank * vocab_part, torch.full_like(idx, 1 << 40))
-    dist.all_reduce(cand, op=dist.ReduceOp.MIN)
+    all_reduce(cand, op=dist.ReduceOp.MIN)
     return cand, logits
 
 
@@ -241,14 +248,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", default=str(ROOT / "bench" / "plans" / "triton.json"))
     ap.add_argument("--batches", default="1,8,16,64")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--degree", type=int, default=None,
+                    help="tensor-parallel degree (default: the world size); in one process, times one rank's "
+                    "share of that degree's step with its all-reduces left out (a host with one GPU)")
     args = ap.parse_args(argv)
-    rank, tp, device = setup(args.device)
+    rank, world, device = setup(args.device)
+    tp = args.degree or world
+    if world > 1 and tp != world:
+        raise SystemExit(f"--degree {tp} under a world of {world}: leave it out or run one process")
     if device.type != "cuda":
         cfg = resolve_config("random:tiny")
         w = random_weights(cfg, device, torch.float32, cfg.num_hidden_layers, seed=3)
-        ok = tp > 1 and split_matches(cfg, w, OpTable.from_plan(Plan(), "cpu"), rank, tp, device, torch.float32,
-                                      batch=5, context=37, tol=1e-5)
-        if tp == 1:
+        ok = world > 1 and split_matches(cfg, w, OpTable.from_plan(Plan(), "cpu"), rank, tp, device, torch.float32,
+                                         batch=5, context=37, tol=1e-5)
+        if world == 1:
             premise_holds("", False, "run it under torchrun --nproc-per-node=2 (gloo on the CPU)")
         dist.destroy_process_group() if dist.is_initialized() else None
         return 0 if ok else 1
@@ -264,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     w = random_weights(cfg, device, dtype, cfg.num_hidden_layers, seed=0)
     part_cfg = shard_config(cfg, tp)
     vocab_part = part_cfg.vocab_size
-    if tp > 1 and not split_matches(cfg, w, ops, rank, tp, device, dtype, batch=8, context=args.context, tol=2e-2):
+    if world > 1 and not split_matches(cfg, w, ops, rank, tp, device, dtype, batch=8, context=args.context, tol=2e-2):
         dist.destroy_process_group()
         return 1
     torch.cuda.empty_cache()
     batches = [int(b) for b in args.batches.split(",")]
+    mode = "all ranks" if world > 1 else "rank 0's share, no all-reduce"
     rows = []
     tp1: dict[int, float] = {}
     if rank == 0:  # degree 1, the whole weights on one GPU, while the other ranks wait
@@ -280,45 +294,49 @@ def main(argv: list[str] | None = None) -> int:
             del kv
             print(f"degree 1, batch {b}: {tp1[b]:.4f} ms", flush=True)
         del whole
-    if tp > 1:
-        dist.barrier()
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    barrier()
     part = Transformer(part_cfg, shard_weights(w, cfg, tp, rank), parallel_ops(ops, tp, rank, vocab_part),
                        args.context + 2) if tp > 1 else None
     del w
     torch.cuda.empty_cache()
     for b in batches:
         calls = 2 * cfg.num_hidden_layers + 3  # o, down a layer; embedding; the greedy pair
-        ms, ar_ms = tp1.get(b, 0.0), 0.0
+        ms, ar_ms = tp1.get(b, 0.0), None
         if tp > 1:
             inputs = decode_inputs(b, args.context, cfg.vocab_size, device)
             kv = whole_kv(part_cfg, cfg.num_hidden_layers, inputs["blocks"], device, dtype, seed=b)
-            dist.barrier()
+            barrier()
             ms = time_steps(step_fn(part, inputs, kv, tp, rank, vocab_part), args.reps)
             del kv
+        if world > 1:
             x = torch.randn(b, cfg.hidden_size, device=device, dtype=dtype)
 
             def reduces():
                 for _ in range(calls):
                     dist.all_reduce(x, op=dist.ReduceOp.AVG)  # the average keeps the data finite and non-zero
-            dist.barrier()
+            barrier()
             ar_ms = time_steps(reduces, args.reps)
         if rank == 0:
-            row = {"variant": f"tp{tp}-bs{b}", "batch": b, "context": args.context, "tp1_ms": round(tp1[b], 4),
-                   "tpn_ms": round(ms, 4), "measured_ratio": round(ms / tp1[b], 4),
-                   "allreduce_us": round(ar_ms / calls * 1e3, 2), "allreduces_ms": round(ar_ms, 4)}
+            row = {"variant": f"tp{tp}-bs{b}", "mode": mode, "batch": b, "context": args.context,
+                   "tp1_ms": round(tp1[b], 4), "tpn_ms": round(ms, 4), "measured_ratio": round(ms / tp1[b], 4),
+                   "allreduce_us": None if ar_ms is None else round(ar_ms / calls * 1e3, 2),
+                   "allreduces_ms": None if ar_ms is None else round(ar_ms, 4)}
             pred = predictions(cfg, plan, tp, b, args.context, bw, mm, gpu)
+            if world == 1:  # what the model predicts for the share alone: its step less its all-reduces
+                pred["pred_tpn_ms"] -= cfg.num_hidden_layers * pred["pred_allreduce_us"] * 2 / 1e3
             row.update({k: round(v, 4) if isinstance(v, float) else v for k, v in pred.items()})
             row["predicted_ratio"] = round(pred["pred_tpn_ms"] / pred["pred_tp1_ms"], 4)
             rows.append(row)
             print_variant_row(row, 14)
     if rank == 0:
-        write_probe(f"tp{tp}", args.out, device, reps=args.reps, rows=rows, copy_gbps=bw, matmul_tflops=mm,
-                    model=args.model, plan=plan.name or args.plan, world_size=tp)
-    if tp > 1:
+        write_probe(f"tp{tp}" + ("-share" if world == 1 else ""), args.out, device, reps=args.reps, rows=rows,
+                    copy_gbps=bw, matmul_tflops=mm, model=args.model, plan=plan.name or args.plan, world_size=world,
+                    degree=tp, mode=mode)
+    if world > 1:
         dist.barrier()
         dist.destroy_process_group()
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
