@@ -390,9 +390,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     winner = promo.winner
     if gpus is None:
         gpus = max(1, fast_state.hardware.num_gpus or 1)
-    if cost is not None:
-        hw = cost.hw.model_copy(update={"num_devices": max(1, gpus)})
-        tp_choice = CostModel(shape=cost.shape, hw=hw).choose_tp(setting.decode_spec)
+    if cost is not None:  # with what this run's timings taught the model (its fits), for the winner's ops
+        tp_choice = cost.whole_model(max(1, gpus)).choose_tp(setting.decode_spec, plan=winner)
         if tp_choice[0] != winner.parallelism.tensor_parallel:
             _say(progress, f"cost model: tensor-parallel degree {tp_choice[0]} predicted best on {gpus} GPU(s) "
                            f"({', '.join(f'tp{k}: {v:.3f} ms' for k, v in tp_choice[1].items())})")

@@ -14,6 +14,7 @@ candidates predicted to lose and to pick the tensor-parallel degree (NVLink all-
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import statistics
@@ -48,6 +49,12 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2,
 PER_LAYER_OPS = ("add_rmsnorm", "qkv_proj", "qk_rope_store", "attention", "o_proj",
                  "gate_up_proj", "silu_and_mul", "down_proj")
 ONCE_OPS = ("embedding", "rmsnorm", "lm_head", "sample")
+# Weight-streaming projections: one kind of kernel on weights of different sizes. Each one's own
+# rooflines barely move with the batch (its weights dominate), so it fits a factor, never a line; the
+# family spans 8-250 µs of bytes and fits one (``PROJECTION_FAMILY``), which says how a projection's
+# time scales when a tensor-parallel rank streams 1/N of its weights.
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+PROJECTION_FAMILY = "projections"
 # The plan ops behind what a decode step runs once, whatever its layer count.
 HEAD_OPS = ("embedding", "lm_head", "argmax")
 
@@ -341,10 +348,15 @@ class CostModel:
         layers = self.layers or self.shape.num_layers
         per_op: dict[str, float] = {}
         corrected = False
+        at_one = self._rooflines(plan, spec, 1) if tp != 1 and calibrated else {}
         for name, (raw, bare, n) in self._rooflines(plan, spec, tp).items():
             fit = self._fit(name, plan) if calibrated else None
             line = fit.line if fit and self.lines else None
             per_op[name] = n * (line[0] + line[1] * bare) if line else raw * (fit.factor if fit else 1.0)
+            family = self._family_line(name, plan) if fit and not line and name in at_one else None
+            if family:  # the factor holds at degree 1's bytes; a rank's share scales as the family's line
+                raw1, bare1, _ = at_one[name]
+                per_op[name] = raw1 * fit.factor * (family[0] + family[1] * bare) / (family[0] + family[1] * bare1)
             corrected |= fit is not None
         total = sum(per_op.values()) + layers * self.allreduce_ms(spec, tp)
         if calibrated and step_factor:
@@ -353,6 +365,15 @@ class CostModel:
                 total *= step.median if self.fusion_steps else step.factor
                 corrected = True
         return Prediction(ms=total, per_op_ms=per_op, corrected=corrected)
+
+    def _family_line(self, op: str, plan: Plan) -> tuple[float, float] | None:
+        """The projections' shared line for ``op``'s implementation (``PROJECTIONS``), if fitted."""
+        if op not in PROJECTIONS or not self.lines:
+            return None
+        with self._lock:
+            fit = self._fits.get(_fit_key(PROJECTION_FAMILY, plan.choice(op).impl))
+        line = fit.line if fit else None
+        return line if line and line[0] + line[1] > 0 else None
 
     def full_model_factor(self, op: str) -> float:
         """How many times the whole model runs ``op`` in a step for each time the loaded layers do:
@@ -427,7 +448,10 @@ class CostModel:
                     raw, bare, n = rooflines.get(op, (0.0, 0.0, 1))
                     if raw > 0:
                         ch = plan.choice(op)
-                        for key in (_fit_key(op, ch.impl, ch.params), _fit_key(op, ch.impl)):
+                        keys = [_fit_key(op, ch.impl, ch.params), _fit_key(op, ch.impl)]
+                        if op in PROJECTIONS:
+                            keys.append(_fit_key(PROJECTION_FAMILY, ch.impl))
+                        for key in keys:
                             self._fits.setdefault(key, _Fit()).add(ms / raw, bare, ms / n)
         if spec.mode in ("decode", "prefill", "mixed"):
             # What the per-op model still misses (framework overhead between ops) as one factor.
@@ -519,20 +543,34 @@ class CostModel:
             return est is not None and est > best_ms * (1.0 + margin)
         return False
 
+    def whole_model(self, num_devices: int | None = None) -> "CostModel":
+        """A copy of this model predicting every layer of the model (its fits are per call, so the fast
+        tier's carry over) on ``num_devices`` GPUs: what ``choose_tp`` is asked at the end of a compile.
+        Why the fits and not the bare roofline: a rank of degree N runs the same kernels on 1/N of the
+        bytes, and their fixed part does not shrink. Session 33 (bench/tp_probe.py, H200): one rank's
+        share of the 8B step at degree 2 measured 0.59-0.66 of degree 1's at batches 1-64; the bare
+        roofline said 0.53-0.54, the lines fitted by session 31's compiles 0.58-0.61."""
+        with self._lock:
+            fits, once = copy.deepcopy(self._fits), copy.deepcopy(self._once)
+        hw = self.hw if num_devices is None else self.hw.model_copy(update={"num_devices": num_devices})
+        return CostModel(shape=self.shape, hw=hw, layers=None, lines=self.lines, fusion_steps=self.fusion_steps,
+                         _fits=fits, _once=once)
+
     def choose_tp(
-        self, spec: BenchSpec, objective: str = "latency", kv_gb: float = 0.0
+        self, spec: BenchSpec, objective: str = "latency", kv_gb: float = 0.0, plan: Plan | None = None,
     ) -> tuple[int, dict[int, float]]:
         """The tensor-parallel degree for this hardware: 1, 2, 4, 8 up to the GPU count.
 
         ``latency`` minimises the step time; ``throughput`` maximises tokens/s per GPU. A degree whose
-        weights and KV cache do not fit in memory is skipped.
+        weights and KV cache do not fit in memory is skipped. ``plan``: whose step (default the reference
+        plan's ops).
         """
         table: dict[int, float] = {}
         tp = 1
         while tp <= self.hw.num_devices:
             fits = (self.shape.weight_bytes / 1e9 + kv_gb) / tp < 0.9 * self.hw.memory_gb
             if fits:
-                ms = self.predict(Plan(), spec, tp=tp).ms
+                ms = self.predict(plan or Plan(), spec, tp=tp).ms
                 table[tp] = ms if objective == "latency" else ms * tp
             tp *= 2
         if not table:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from anneal.engine.plan import CompiledPlan, Plan
-from anneal.agents.cost_model import CostModel, replay_headroom
+from anneal.agents.cost_model import PROJECTION_FAMILY, PROJECTIONS, CostModel, replay_headroom
 from anneal.agents.types import Experiment, Measurement
 
 
@@ -205,7 +205,10 @@ STEP_SET_ROWS = 8  # the cost-model table's step rows for fusion sets: the most 
 
 
 def _calibration_label(key: str) -> str:
-    """``step/decode|a,b`` (the cost model's whole-step fit per fusion set) as words."""
+    """``step/decode|a,b`` (the cost model's whole-step fit per fusion set) and ``projections/<impl>``
+    (the projections' shared line, ``cost_model.PROJECTION_FAMILY``) as words."""
+    if key.startswith(PROJECTION_FAMILY + "/"):
+        return f"{key}: one line over {', '.join(PROJECTIONS)} (how a tensor-parallel rank's share scales)"
     if not key.startswith("step/"):
         return key
     mode, sep, fusions = key.partition("|")

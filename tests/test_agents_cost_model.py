@@ -102,6 +102,41 @@ def test_tensor_parallel_choice_uses_nvlink_cost_and_memory():
     assert 1 not in table_big and tp_big >= 2
 
 
+def _fixed_cost_timing(cm: CostModel, plan: Plan, spec: BenchSpec, fixed_us: float) -> Measurement:
+    """A decode step whose every op takes ``fixed_us`` a call plus its bytes' time (launch, ramp)."""
+    per_op = {}
+    for op, (_, bare, calls) in cm._rooflines(plan, spec, 1).items():
+        per_op[op] = calls * (fixed_us * 1e-3 + bare)
+    return Measurement(median_ms=sum(per_op.values()), per_op_ms=per_op)
+
+
+def test_the_tensor_parallel_choice_counts_the_fixed_cost_the_fast_tier_measured():
+    """A rank of degree 2 runs every kernel on half the bytes, and a kernel's fixed part does not halve
+    (session 33, bench/tp_probe.py: one rank's share of the 8B step 0.59-0.66 of degree 1's, where the
+    bare roofline says 0.53-0.54). The whole-model copy of a model that saw those fixed costs on the
+    2-layer fast tier predicts the share near fixed + bytes / 2; the bare roofline does not."""
+    fast = CostModel.from_state(H200.model_copy(update={"num_layers_loaded": 2}))
+    fast.layers = 2
+    plan = Plan()
+    for batch, ctx in ((1, 512), (16, 4096), (64, 2048)):
+        spec = BenchSpec(batch_size=batch, context_len=ctx)
+        fast.observe(plan, spec, _fixed_cost_timing(fast, plan, spec, 6.0))
+    whole = fast.whole_model(num_devices=2)
+    assert whole.layers is None and whole.hw.num_devices == 2 and fast.hw.num_devices == 1
+    spec = BenchSpec(batch_size=8, context_len=1024)
+    full = CostModel(shape=fast.shape, hw=whole.hw)  # every layer, to compute the truth from
+    want = {tp: sum(calls * (6e-3 + bare) for _, bare, calls in full._rooflines(plan, spec, tp).values())
+            for tp in (1, 2)}
+    got = {tp: whole.predict(plan, spec, tp=tp).ms - (32 * whole.allreduce_ms(spec, 2) if tp == 2 else 0)
+           for tp in (1, 2)}
+    bare = {tp: full.predict(plan, spec, tp=tp, calibrated=False).ms
+            - (32 * full.allreduce_ms(spec, 2) if tp == 2 else 0) for tp in (1, 2)}
+    assert got[2] / got[1] == pytest.approx(want[2] / want[1], abs=0.02)
+    assert bare[2] / bare[1] < want[2] / want[1] - 0.03  # the bare roofline promises more than a split gives
+    tp, table = whole.choose_tp(spec, plan=plan)
+    assert set(table) == {1, 2} and table[tp] == min(table.values())
+
+
 def test_shape_from_a_reported_config():
     st = EngineState(model="/models/x", dtype="bfloat16", config={
         "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
