@@ -391,7 +391,10 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     if gpus is None:
         gpus = max(1, fast_state.hardware.num_gpus or 1)
     if cost is not None:  # with what this run's timings taught the model (its fits), for the winner's ops
-        tp_choice = cost.whole_model(max(1, gpus)).choose_tp(setting.decode_spec, plan=winner)
+        # unfused: several fusions add the residual inside o/down's GEMM, where a split model needs its
+        # all-reduce first (bench/tp_probe.py refuses them too)
+        tp_choice = cost.whole_model(max(1, gpus)).choose_tp(setting.decode_spec,
+                                                             plan=winner.model_copy(update={"fusions": {}}))
         if tp_choice[0] != winner.parallelism.tensor_parallel:
             _say(progress, f"cost model: tensor-parallel degree {tp_choice[0]} predicted best on {gpus} GPU(s) "
                            f"({', '.join(f'tp{k}: {v:.3f} ms' for k, v in tp_choice[1].items())})")
