@@ -21,8 +21,17 @@ rank 0 times degree 1 while the others wait, then every rank times degree N. Als
 step's all-reduces alone (2 a layer + 3), against the cost model's per-call figure.
 
 Run: ``torchrun --nproc-per-node=2 bench/tp_probe.py --out DIR`` (``bench/h200.sh tp`` on a
-2-GPU host). ``--device cpu`` (gloo, fp32, the tiny model, the reference ops) checks the premise
-only: the degree-N greedy tokens and logits equal degree 1's on the same weights.
+2-GPU host). ``--degree N`` in one process (a host with one GPU) times rank 0's share of degree N
+with its all-reduces left out. ``--device cpu`` under torchrun (gloo, fp32, the tiny model, the
+reference ops) checks the premise only: the degree-N greedy tokens and logits equal degree 1's on
+the same weights.
+
+Measured (session 33, one H200, ``--degree 2``, ``triton.json``, 8B, context 1024,
+``bench/results/tp2-share-s33-call1.json``): rank 0's share 2.998 / 3.156 / 3.317 / 4.033 ms against
+degree 1's 4.521 / 4.791 / 5.105 / 6.838 at batches 1 / 8 / 16 / 64, ratios 0.66 / 0.66 / 0.65 / 0.59
+where the bare roofline said 0.54-0.53 (the same kernels' fixed part does not halve); the compile's
+calibrated model now says 0.62-0.68 (``CostModel.whole_model``, the projections' shared line). The
+all-reduces are not measured yet (no 2-GPU host lent that session).
 """
 
 from __future__ import annotations
@@ -187,7 +196,7 @@ def time_steps(fn, reps: int, per_rep: int = 10) -> float:
 # ---- the run -----------------------------------------------------------------------------------
 
 def setup(device_kind: str) -> tuple[int, int, torch.device]:
-    if "RANK" not in os.environ:  # one process: degree 1 only
+    if "RANK" not in os.environ:  # one process: degree 1, and with --degree one rank's share
         return 0, 1, torch.device(device_kind)
     dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
