@@ -339,9 +339,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print_variant_row(row, 14)
     if rank == 0:
-        write_probe(f"tp{tp}" + ("-share" if world == 1 else ""), args.out, device, reps=args.reps, rows=rows,
-                    copy_gbps=bw, matmul_tflops=mm, model=args.model, plan=plan.name or args.plan, world_size=world,
-                    degree=tp, mode=mode)
+        name = f"tp{tp}" + ("-share" if world == 1 else "") + "-" + Path(args.model.split(":")[-1]).name
+        write_probe(name, args.out, device, reps=args.reps, rows=rows, copy_gbps=bw, matmul_tflops=mm,
+                    model=args.model, plan=plan.name or args.plan, world_size=world, degree=tp, mode=mode)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
