@@ -353,9 +353,11 @@ def write_report(
              else "No predictions to compare.")
     if tp_choice:
         tp, table = tp_choice
-        L.append(f"\nTensor-parallel degree recommended: {tp} (predicted decode-step ms by degree: "
-                 + ", ".join(f"{k}: {v:.3f}" for k, v in table.items())
-                 + "); the plan keeps the degree it was measured at.")
+        L.append(f"\nTensor-parallel degree recommended: {tp} (predicted decode-step ms of the winner's ops, "
+                 "unfused, by degree: " + ", ".join(f"{k}: {v:.3f}" for k, v in table.items())
+                 + "; the kernels' fitted fixed cost a call included, the all-reduces at the GPU's data-sheet "
+                 "link figures). A prediction, not a measurement: the engine serves degree 1 and the plan keeps "
+                 "it (`bench/tp_probe.py` measures a split step).")
     if calibration:
         L += calibration_table(calibration)
     if cross:

@@ -105,3 +105,6 @@ def test_the_cost_model_table_names_the_step_rows_and_keeps_the_most_observed_fu
     assert "| step/decode, fusions f00, lm_head_argmax | 0.900 |" in text
     assert f"f{STEP_SET_ROWS - 1:02d}," in text and f"f{STEP_SET_ROWS:02d}," not in text
     assert f"3 more fusion sets' step rows, each observed {100 - STEP_SET_ROWS} times or fewer" in text
+    shared = calibration_table({"projections/reference": {"factor": 1.25, "n": 378, "fixed_us": 8.32, "slope": 0.968}})
+    assert ("| projections/reference: one line over qkv_proj, o_proj, gate_up_proj, down_proj, lm_head (how a "
+            "tensor-parallel rank's share scales) | 1.250 | 8.32 | 0.968 | 378 |") in "\n".join(shared)
