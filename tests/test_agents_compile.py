@@ -213,6 +213,12 @@ def test_promotion_gain_comes_from_fresh_request_samples_only():
     assert firsts == [lucky.hash, Plan().hash, lucky.hash]
     tps = next(g for g in promo.gains if g.metric == "tokens_per_s")
     assert tps.ratio == pytest.approx(1.02)  # the median of the fresh samples' ratios
+    # a reading within noise (median x1.004) replaces nothing: the README's CPU demo promoted x1.001
+    tokens.update({(lucky.hash, 1): 100.4, (lucky.hash, 2): 100.6, (lucky.hash, 3): 99.9})
+    promo = promote(lab(), [Candidate(plan=lucky, agent="t")], Plan(), spec, rounds=3)
+    assert promo.is_baseline
+    assert any(why == "no gain over the baseline on fresh request samples: median x1.004, needs x1.010"
+               for _, why in promo.rejected), promo.rejected
     assert (tps.baseline, tps.candidate) == (100.0, 102.0)  # and each side's median
 
 
