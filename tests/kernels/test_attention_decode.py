@@ -7,7 +7,7 @@ import torch
 
 from anneal.engine.ops import reference as ref
 from anneal.engine.ops.registry import build_op
-from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn
+from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, device_configs, gen, randn
 from paged import paged_cache
 
 CASES_CPU = [  # context_lens, H, Hkv, D, block_size
@@ -49,20 +49,19 @@ PARAMS_GPU = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, pi, params", device_configs(PARAMS_CPU, PARAMS_GPU))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_decode(device, dtype):
+def test_attention_decode(device, pi, params, dtype):
     cases = CASES_CPU if device == "cpu" else CASES_GPU
-    for pi, params in enumerate(PARAMS_CPU if device == "cpu" else PARAMS_GPU):
-        fn = build_op("attention_decode", "triton_splitk", params)
-        for i, (lens, H, Hkv, D, BS) in enumerate(cases):
-            g = gen(1000 + 10 * pi + i, device)
-            kc, vc, bt, cl = paged_cache(lens, Hkv, D, BS, dtype, device, g)
-            q = randn(len(lens), H, D, dtype=dtype, device=device, g=g)
-            scale = D ** -0.5
-            out = fn(q, kc, vc, bt, cl, scale)
-            expected = ref.attention_decode(q, kc, vc, bt, cl, scale)
-            assert_close(out, expected, TOL_ACC, what=f"params {params} case {i} {dtype}")
+    fn = build_op("attention_decode", "triton_splitk", params)
+    for i, (lens, H, Hkv, D, BS) in enumerate(cases):
+        g = gen(1000 + 10 * pi + i, device)
+        kc, vc, bt, cl = paged_cache(lens, Hkv, D, BS, dtype, device, g)
+        q = randn(len(lens), H, D, dtype=dtype, device=device, g=g)
+        scale = D ** -0.5
+        out = fn(q, kc, vc, bt, cl, scale)
+        expected = ref.attention_decode(q, kc, vc, bt, cl, scale)
+        assert_close(out, expected, TOL_ACC, what=f"params {params} case {i} {dtype}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

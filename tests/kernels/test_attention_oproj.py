@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, poison_
+from kernel_testing import DTYPES, TOL_ACC, assert_close, device_configs, gen, poison_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from attention_oproj import Workspace, attention_oproj, attention_oproj_reference, make_inputs  # noqa: E402
@@ -29,20 +29,19 @@ CONFIGS_GPU = [{}, {"block_o": 32, "per_sm": 3, "lag": 0}, {"block_o": 128, "lag
                {"order": "static", "per_sm": 1, "split_k": 1}]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, ci, cfg", device_configs(CONFIGS_CPU, CONFIGS_GPU))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_pair_matches_reference(device, dtype):
-    shapes, configs = (SHAPES_CPU, CONFIGS_CPU) if device == "cpu" else (SHAPES_GPU, CONFIGS_GPU)
+def test_fused_pair_matches_reference(device, ci, cfg, dtype):
+    shapes = SHAPES_CPU if device == "cpu" else SHAPES_GPU
     for si, (B, lens, H, Hkv, D, N) in enumerate(shapes):
         q, k, v, bt, ln, w = make_inputs(B, lens, H, Hkv, D, N, device, dtype, gen(5200 + si, device), spare=1)
         want = attention_oproj_reference(q, k, v, bt, ln, D ** -0.5, w).to(dtype)
-        for cfg in configs:
-            ws = Workspace(B, H, Hkv, D, cfg.get("split_k") or 64, N, device, dtype)
-            first = attention_oproj(q, k, v, bt, ln, D ** -0.5, w, block_n=16 if device == "cpu" else 64, ws=ws, **cfg)
-            assert_close(first, want, TOL_ACC, what=f"{cfg} B={B} {lens} {dtype}")
-            assert not ws.counters.any(), f"{cfg}: a launch left counters set: {ws.counters.nonzero().flatten()}"
-            again = attention_oproj(q, k, v, bt, ln, D ** -0.5, w, block_n=16 if device == "cpu" else 64, ws=ws, **cfg)
-            assert torch.equal(first, again), f"{cfg}: the second launch on the same counters differs"
+        ws = Workspace(B, H, Hkv, D, cfg.get("split_k") or 64, N, device, dtype)
+        first = attention_oproj(q, k, v, bt, ln, D ** -0.5, w, block_n=16 if device == "cpu" else 64, ws=ws, **cfg)
+        assert_close(first, want, TOL_ACC, what=f"{cfg} B={B} {lens} {dtype}")
+        assert not ws.counters.any(), f"{cfg}: a launch left counters set: {ws.counters.nonzero().flatten()}"
+        again = attention_oproj(q, k, v, bt, ln, D ** -0.5, w, block_n=16 if device == "cpu" else 64, ws=ws, **cfg)
+        assert torch.equal(first, again), f"{cfg}: the second launch on the same counters differs"
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import torch
 
 from anneal.engine.ops import reference as ref
 from anneal.engine.ops.registry import build_op
-from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn
+from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, device_configs, gen, randn
 from paged import paged_cache
 
 CASES_CPU = [  # [(q_len, context_len)], H, Hkv, D, block_size
@@ -27,22 +27,21 @@ PARAMS_GPU = [{}, {"block_m": 128, "block_n": 64, "num_warps": 8}, {"block_m": 1
               {"pack_gqa": True, "block_m": 128, "num_warps": 8}]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, pi, params", device_configs(PARAMS_CPU, PARAMS_GPU))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_prefill(device, dtype):
+def test_attention_prefill(device, pi, params, dtype):
     cases = CASES_CPU if device == "cpu" else CASES_GPU
-    for pi, params in enumerate(PARAMS_CPU if device == "cpu" else PARAMS_GPU):
-        fn = build_op("attention_prefill", "triton", params)
-        for i, (seqs, H, Hkv, D, BS) in enumerate(cases):
-            g = gen(2000 + 10 * pi + i, device)
-            q_lens = [a for a, _ in seqs]
-            kc, vc, bt, cl = paged_cache([c for _, c in seqs], Hkv, D, BS, dtype, device, g)
-            cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
-            q = randn(sum(q_lens), H, D, dtype=dtype, device=device, g=g)
-            scale = D ** -0.5
-            out = fn(q, kc, vc, bt, cu, cl, max(q_lens), scale)
-            expected = ref.attention_prefill(q, kc, vc, bt, cu, cl, max(q_lens), scale)
-            assert_close(out, expected, TOL_ACC, what=f"params {params} case {i} {dtype}")
+    fn = build_op("attention_prefill", "triton", params)
+    for i, (seqs, H, Hkv, D, BS) in enumerate(cases):
+        g = gen(2000 + 10 * pi + i, device)
+        q_lens = [a for a, _ in seqs]
+        kc, vc, bt, cl = paged_cache([c for _, c in seqs], Hkv, D, BS, dtype, device, g)
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        q = randn(sum(q_lens), H, D, dtype=dtype, device=device, g=g)
+        scale = D ** -0.5
+        out = fn(q, kc, vc, bt, cu, cl, max(q_lens), scale)
+        expected = ref.attention_prefill(q, kc, vc, bt, cu, cl, max(q_lens), scale)
+        assert_close(out, expected, TOL_ACC, what=f"params {params} case {i} {dtype}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,7 +9,7 @@ from anneal.engine.kernels.gemv import add_rmsnorm_linear, rmsnorm_linear, silu_
 from anneal.engine.kernels.lm_head_argmax import lm_head_argmax, norm_lm_head_argmax
 from anneal.engine.ops import reference as ref
 from anneal.engine.ops.registry import build_op, get_op
-from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, gen, randn
+from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, device_configs, gen, randn
 
 SHAPES_CPU = [(1, 70, 130), (3, 33, 200), (17, 50, 64), (40, 20, 37)]  # M, N, K
 SHAPES_GPU = [(1, 6144, 4096), (8, 4096, 4096), (32, 28672, 4096), (128, 4096, 14336), (200, 1000, 2048), (3, 1023, 4000)]
@@ -43,18 +43,17 @@ PARAMS_GPU = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, pi, params", device_configs(PARAMS_CPU, PARAMS_GPU))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["qkv_proj", "down_proj"])
-def test_gemv_splitk(device, dtype, op):
+def test_gemv_splitk(device, pi, params, dtype, op):
     shapes = SHAPES_CPU if device == "cpu" else SHAPES_GPU
-    for pi, params in enumerate(PARAMS_CPU if device == "cpu" else PARAMS_GPU):
-        fn = build_op(op, "triton_gemv_splitk", params)
-        for i, (M, N, K) in enumerate(shapes):
-            g = gen(3000 + 10 * pi + i, device)
-            x = randn(M, K, dtype=dtype, device=device, g=g)
-            w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
-            assert_close(fn(x, w), get_op(op).reference(x, w), TOL_ACC, what=f"{params} {M}x{N}x{K} {dtype}")
+    fn = build_op(op, "triton_gemv_splitk", params)
+    for i, (M, N, K) in enumerate(shapes):
+        g = gen(3000 + 10 * pi + i, device)
+        x = randn(M, K, dtype=dtype, device=device, g=g)
+        w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+        assert_close(fn(x, w), get_op(op).reference(x, w), TOL_ACC, what=f"{params} {M}x{N}x{K} {dtype}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
