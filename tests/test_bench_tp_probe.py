@@ -35,9 +35,11 @@ def test_the_shards_partition_every_weight():
     a, b = (shard_weights(w, cfg, 2, r) for r in (0, 1))
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     for L, A, B in zip(w.layers, a.layers, b.layers):
-        for lo, hi, width in ((0, q, q // 2), (q, q + kv, kv // 2), (q + kv, q + 2 * kv, kv // 2)):
-            start = {0: 0, q: q // 2, q + kv: q // 2 + kv // 2}[lo]
-            assert torch.equal(torch.cat([A.qkv[start:start + width], B.qkv[start:start + width]]), L.qkv[lo:hi])
+        # each rank's qkv rows: its half of q, then of k, then of v
+        for part, (whole_lo, whole_hi) in zip(((0, q // 2), (q // 2, q // 2 + kv // 2), (q // 2 + kv // 2, None)),
+                                              ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+            lo, hi = part
+            assert torch.equal(torch.cat([A.qkv[lo:hi], B.qkv[lo:hi]]), L.qkv[whole_lo:whole_hi])
         assert torch.equal(torch.cat([A.gate_up[:inter // 2], B.gate_up[:inter // 2]]), L.gate_up[:inter])
         assert torch.equal(torch.cat([A.gate_up[inter // 2:], B.gate_up[inter // 2:]]), L.gate_up[inter:])
         assert torch.equal(torch.cat([A.o, B.o], dim=1), L.o)
