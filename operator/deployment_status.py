@@ -39,6 +39,13 @@ def _schedulable(spec: api.InferenceDeploymentSpec, obs: Observed) -> cond.Obser
         p = pod_health.problem(pod)
         if p and p.reason == "Unschedulable":
             return cond.Observation(api.SCHEDULABLE, False, "Unschedulable", p.message)
+    if spec.gpus > 1:  # schedulable, but say what the request buys: the engine serves on one device
+        return cond.Observation(
+            api.SCHEDULABLE, True, "ExtraGPUsIdle",
+            f"each replica requests {spec.gpus} {spec.gpu_resource} and its engine serves on one (tensor "
+            f"parallelism is not built), so {spec.gpus - 1} idle per replica; set spec.gpus to 1 and raise "
+            "spec.replicas instead",
+        )
     return cond.Observation(api.SCHEDULABLE, True, "Schedulable")
 
 

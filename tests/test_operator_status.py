@@ -104,6 +104,18 @@ def test_more_gpus_than_any_node_offers():
     assert st["phase"] == "Degraded"
 
 
+def test_gpus_the_engine_cannot_use_are_named_without_blocking_ready():
+    """The engine serves on one device: a replica asking for two holds one idle. Said in Schedulable
+    (still True: the pods run), so `kubectl describe` shows it; the phase stays Ready."""
+    st = compute("llama", "ml", spec(gpus=2), 3, ready_obs(), None)
+    sched = cond.find(st["conditions"], "Schedulable")
+    assert sched["status"] == "True" and sched["reason"] == "ExtraGPUsIdle"
+    assert "requests 2 nvidia.com/gpu" in sched["message"] and "1 idle per replica" in sched["message"]
+    assert st["phase"] == "Ready"
+    assert cond.find(compute("llama", "ml", spec(gpus=1), 3, ready_obs(), None)["conditions"],
+                     "Schedulable")["reason"] == "Schedulable"
+
+
 def test_unschedulable_pod_is_reported():
     obs = Observed(deployment=deployment(ready=0), pods=[pod("a", phase="Pending", ready=False, unschedulable="0/3 nodes are available")],
                    plan=ResolvedPlan(PLAN, "default"))
