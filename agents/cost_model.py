@@ -352,11 +352,14 @@ class CostModel:
         for name, (raw, bare, n) in self._rooflines(plan, spec, tp).items():
             fit = self._fit(name, plan) if calibrated else None
             line = fit.line if fit and self.lines else None
-            per_op[name] = n * (line[0] + line[1] * bare) if line else raw * (fit.factor if fit else 1.0)
             family = self._family_line(name, plan) if fit and not line and name in at_one else None
-            if family:  # the factor holds at degree 1's bytes; a rank's share scales as the family's line
+            if line:
+                per_op[name] = n * (line[0] + line[1] * bare)
+            elif family:  # the factor holds at degree 1's bytes; a rank's share scales as the family's line
                 raw1, bare1, _ = at_one[name]
                 per_op[name] = raw1 * fit.factor * (family[0] + family[1] * bare) / (family[0] + family[1] * bare1)
+            else:
+                per_op[name] = raw * (fit.factor if fit else 1.0)
             corrected |= fit is not None
         total = sum(per_op.values()) + layers * self.allreduce_ms(spec, tp)
         if calibrated and step_factor:

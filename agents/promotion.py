@@ -180,9 +180,10 @@ def promote(
         if late:
             rejected.append((cand.hash, late))
             continue
-        if statistics.median(ratios[fresh]) < 1.0 + min_gain:
+        gain = statistics.median(ratios[fresh])
+        if gain < 1.0 + min_gain:
             rejected.append((cand.hash, f"no gain over the baseline on fresh request samples: median "
-                                        f"x{statistics.median(ratios[fresh]):.3f}, needs x{1 + min_gain:.3f}"))
+                                        f"x{gain:.3f}, needs x{1 + min_gain:.3f}"))
             continue
         return Promotion(winner=cand.plan, baseline=baseline, winner_m=wins, baseline_m=bases,
                          verification=rep, gains=gains(bases[fresh], wins[fresh]), rejected=rejected,

@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                        args.context + 2) if tp > 1 else None
     del w
     torch.cuda.empty_cache()
+    calls = 2 * cfg.num_hidden_layers + 3  # all-reduces a step: o, down a layer; embedding; the greedy pair
     for b in batches:
-        calls = 2 * cfg.num_hidden_layers + 3  # o, down a layer; embedding; the greedy pair
         ms, ar_ms = tp1.get(b, 0.0), None
         if tp > 1:
             inputs = decode_inputs(b, args.context, cfg.vocab_size, device)
