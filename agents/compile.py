@@ -450,6 +450,11 @@ def _read_plan(path: str, flag: str) -> Plan:
     try:
         plan = load_plan(Path(path).read_text())
         check_parallelism(plan)  # before any engine starts
+        if plan.parallelism.tensor_parallel != 1:
+            raise CompileError(f"{flag} {path}: parallelism.tensor_parallel="
+                               f"{plan.parallelism.tensor_parallel}: the compile searches plans of one device "
+                               "(its tier engines run on one each; its report names the degree the cost model "
+                               "predicts best); use tensor_parallel 1")
         return plan
     except OSError as e:
         raise CompileError(f"{flag} {path}: {e.strerror or e}") from None

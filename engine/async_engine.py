@@ -221,9 +221,9 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
-        ahead = getattr(self.engine, "compile_ahead", None)
-        if ahead is not None:
-            ahead.close()  # its child processes, if it started any
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()  # its compile-ahead children and tensor-parallel workers, if it started any
 
     def _release(self, request_id: str, abort: bool, reason: str = "abort") -> None:
         self._inflight.discard(request_id)

@@ -153,7 +153,8 @@ def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps:
     def step() -> None:
         runner.run(items, decode_only)
         if head is not None:
-            ops.lm_head_argmax(head, runner.model.w.lm_head)
+            with runner.tp.local_only():  # rank 0 alone: the other ranks run only the mirrored step
+                ops.lm_head_argmax(head, runner.model.w.lm_head)
 
     try:
         with runner.eager():

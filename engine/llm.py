@@ -24,6 +24,8 @@ from anneal.engine.runner import ModelRunner
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.scheduler import Scheduler
 from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
+from anneal.engine.tensor_parallel import TensorParallel, rank_device, shard_config, shard_weights
+from anneal.engine.tp_workers import Workers, free_address
 from anneal.engine.weights import DTYPES, fold_norms, load_weights, resolve_config
 
 
@@ -123,6 +125,14 @@ def resolve_device(device: str) -> torch.device:
     return d
 
 
+def _device_count(device: torch.device) -> int:
+    """Devices a tensor-parallel engine on ``device`` can use: the GPUs from it on, or the CPU's
+    processes (any number)."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.device_count() - (device.index or 0)
+
+
 def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cpu":
@@ -134,20 +144,48 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
 
 
 class Engine:
-    def __init__(self, args: EngineArgs | None = None, **kw):
+    def __init__(self, args: EngineArgs | None = None, *, tp_rank: int = 0, tp_init: str | None = None, **kw):
+        """``tp_rank`` / ``tp_init``: set by a tensor-parallel worker process (tp_workers.py) only;
+        rank 0 starts the workers itself when the plan asks for ``tensor_parallel`` > 1."""
         args = args or EngineArgs(**kw)
-        check_parallelism(args.plan)  # before minutes of weight loading
         self.args = args
         t_init = time.perf_counter()
         self.startup: dict[str, float] = {}  # seconds per start-up phase (iteration benchmark)
         self.config = resolve_config(args.model)
-        self.device = resolve_device(args.device)
+        degree = args.plan.parallelism.tensor_parallel
+        self.shard_config = shard_config(self.config, degree) if degree > 1 else self.config
+        base = resolve_device(args.device)
+        self.device = rank_device(base, tp_rank)
+        check_parallelism(args.plan, devices=_device_count(base))  # before minutes of weight loading
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         cfg = self.config
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
+        self.workers: Workers | None = None
+        self.tp = TensorParallel(0, 1)
+        self._closed = False
+        if degree > 1:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            if tp_rank == 0:
+                tp_init = free_address()
+                self.workers = Workers(args, degree, tp_init)
+            try:
+                self.tp = TensorParallel.join(tp_rank, degree, tp_init, self.device)
+            except BaseException:
+                self.close()
+                raise
+        try:
+            self._start(args, cfg, t_init)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, args: EngineArgs, cfg: ModelConfig, t_init: float) -> None:
         t0 = time.perf_counter()
         self.weights = load_weights(args.model, cfg, self.device, self.dtype, args.layers, args.seed)
+        if self.tp.size > 1:  # this rank's slices; the whole copy goes
+            self.weights = shard_weights(self.weights, cfg, self.tp.size, self.tp.rank)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.load_s = time.perf_counter() - t0
@@ -155,6 +193,7 @@ class Engine:
         t0 = time.perf_counter()
         self._set_folded(args.plan)  # folded_norm's second copy of weights, before the KV cache takes the memory
         num_blocks = args.num_kv_blocks or self._auto_num_blocks()
+        num_blocks = self.tp.smallest(num_blocks, self.device)  # every rank's cache holds the same blocks
         need = -(-self.max_model_len // args.block_size)
         if num_blocks < need:
             raise ValueError(
@@ -166,14 +205,14 @@ class Engine:
         ops = OpTable.from_plan(self.plan, self.device.type)
         self.blocks = BlockManager(num_blocks, args.block_size, self.plan.scheduler.enable_prefix_caching)
         self.runner = ModelRunner(
-            cfg, self.weights, ops, self.device, self.dtype, num_blocks, args.block_size,
-            self.max_model_len,
+            self.shard_config, self.weights, ops, self.device, self.dtype, num_blocks, args.block_size,
+            self.max_model_len, tp=self.tp,
         )
         self.runner.parallel_jit = args.parallel_jit
         self.runner.warm_prompt_steps = args.layers is None if args.warm_prompt_steps is None else args.warm_prompt_steps
         # kernels of plans the compiler will try next
         self.compile_ahead = CompileAhead(self.runner, processes=args.compile_ahead_processes)
-        if args.compile_ahead_processes and self.device.type == "cuda":
+        if args.compile_ahead_processes and self.device.type == "cuda" and self.tp.rank == 0:
             self.compile_ahead.start_children()  # asked for by name: ready before the first prepare
         self.scheduler = Scheduler(self.plan.scheduler, self.blocks, self.max_model_len)
         kv_s = time.perf_counter() - t0
@@ -188,11 +227,27 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._steps = 0
         self._last = (0, 0, False, 0)  # batch, tokens, decode-only, tokens attended (see stats)
+        if self.workers is not None:  # their engines are up too (each captured its own graphs)
+            self.workers.wait_ready()
+            self.runner.workers = self.workers
+
+    def close(self) -> None:
+        """Stop what the engine started beside it: compile-ahead children, tensor-parallel workers
+        and the process group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        ahead = getattr(self, "compile_ahead", None)
+        if ahead is not None:
+            ahead.close()
+        if self.workers is not None:
+            self.workers.close()
+        self.tp.leave()
 
     # ---- sizing -----------------------------------------------------------------------------------
 
     def _block_bytes(self) -> int:
-        c = self.config
+        c = self.shard_config
         return 2 * self.num_layers * self.args.block_size * c.kv_size * self.dtype.itemsize
 
     def _auto_num_blocks(self) -> int:
@@ -315,7 +370,7 @@ class Engine:
         not run, scheduler knobs, unknown ops or variants, variants that do not run here, parameters
         outside their choices (a plan's own kernels are checked when they are built). Raises
         ValueError/OpError."""
-        check_parallelism(plan)
+        check_parallelism(plan, running=self.tp.size)
         Scheduler.check_knobs(plan.scheduler, self.max_model_len)
         OpTable.resolve(plan, self.device.type, frozenset((k.op, k.impl) for k in plan.kernels))
 
@@ -324,8 +379,8 @@ class Engine:
         if self.has_unfinished_requests():
             raise RuntimeError("apply_plan needs an idle engine (drain or pause requests first)")
         t0 = time.perf_counter()
-        old_plan, old_ops = self.plan, self.runner.model.ops
-        check_parallelism(plan)
+        old_plan, old_ops = self.plan, self.runner.plan_ops
+        check_parallelism(plan, running=self.tp.size)
         Scheduler.check_knobs(plan.scheduler, self.max_model_len)
         # A plan whose kernels compile ahead right now: let that finish rather than compile the
         # same kernels a second time here, on the engine thread, competing with it.
@@ -334,11 +389,11 @@ class Engine:
         ops = OpTable.from_plan(plan, self.device.type)  # validates everything before any swap
         t1 = time.perf_counter()
         try:
-            self.runner.model.ops = ops
+            self.runner.use_plan(plan, ops=ops)
             self._set_folded(plan)
             timings = self.runner.capture(*graph_shapes(plan))
         except Exception:
-            self.runner.model.ops = old_ops
+            self.runner.use_plan(old_plan, ops=old_ops)
             self._set_folded(old_plan)
             self.runner.capture(*graph_shapes(old_plan))
             raise

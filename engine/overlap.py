@@ -87,13 +87,11 @@ class OverlapStepper:
 
     def _launch(self, seqs: list[Sequence], prev: Launched | None) -> Launched:
         e = self.engine
-        ids = None
+        rows = None
         if prev is not None:  # every row's last token is one of prev's, still on the device
             row = {id(s): i for i, s in enumerate(prev.seqs)}
-            idx = [row[id(s)] for s in seqs]
-            ids = prev.tokens if idx == list(range(len(prev.seqs))) else \
-                prev.tokens[torch.tensor(idx, device=prev.tokens.device)]
-        tokens = e.runner.launch_decode(seqs, ids)
+            rows = [row[id(s)] for s in seqs]
+        tokens = e.runner.launch_decode(seqs, rows)
         self.pipelined += prev is not None
         cuda = tokens.device.type == "cuda"
         host = torch.empty(len(seqs), dtype=tokens.dtype, pin_memory=cuda)

@@ -208,8 +208,9 @@ _HASHED_WHEN_SET = (("scheduler", "overlap"), ("cuda_graph_token_sizes",))
 
 
 class Parallelism(_Strict):
-    """How the model is split across devices. The engine runs degree 1 and refuses others
-    (``check_parallelism``); the compiler reports the degree its cost model predicts best."""
+    """How the model is split across devices: ``tensor_parallel`` ranks, each a process with its
+    own device (engine/tensor_parallel.py), fixed when the engine starts (``check_parallelism``).
+    The compiler reports the degree its cost model predicts best."""
 
     tensor_parallel: int = Field(1, ge=1, le=8)
 
@@ -299,17 +300,27 @@ class Plan(_Strict):
         return self.model_copy(update={"ops": {**self.ops, **choices}})
 
 
-def check_parallelism(plan: Plan) -> None:
-    """Refuse a plan whose parallelism the engine cannot run. The engine runs every layer on one
-    device; a plan asking for tensor parallelism was accepted and served at degree 1 before, so its
-    measurements were of a plan other than the one named. The compiler's tensor-parallel degree is
-    the cost model's recommendation in its report, not a plan field it sets."""
+# Fusions that add the residual inside o_proj / down_proj: split by rows at tensor_parallel > 1, they
+# would add it before the all-reduce, once a rank.
+RESIDUAL_IN_PROJECTION_FUSIONS = ("folded_norm", "linear_norm", "norm_stats")
+
+
+def check_parallelism(plan: Plan, running: int | None = None, devices: int | None = None) -> None:
+    """Refuse a plan whose parallelism this engine cannot run (ValueError): a degree other than the
+    one it started at (``running``: its weights and cache are split that way), more devices than
+    there are (``devices``), or fusions that a row-split projection breaks."""
     tp = plan.parallelism.tensor_parallel
-    if tp != 1:
+    if running is not None and tp != running:
         raise ValueError(
-            f"parallelism.tensor_parallel={tp}: the engine runs on one device (tensor parallelism is "
-            "not implemented); use tensor_parallel 1"
+            f"parallelism.tensor_parallel={tp}: this engine runs at tensor_parallel={running} (its weights "
+            f"and KV cache are split at start); start an engine with this plan to run degree {tp}"
         )
+    if devices is not None and tp > devices:
+        raise ValueError(f"parallelism.tensor_parallel={tp}: only {devices} device(s) from the engine's on")
+    bad = sorted(set(plan.fusions) & set(RESIDUAL_IN_PROJECTION_FUSIONS))
+    if tp > 1 and bad:
+        raise ValueError(f"parallelism.tensor_parallel={tp}: fusions {bad} add the residual inside o_proj / "
+                         "down_proj, before the all-reduce; leave them out at tensor_parallel > 1")
 
 
 class Gain(_Strict):

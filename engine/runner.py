@@ -32,6 +32,7 @@ from anneal.engine.parallel_jit import precompile
 from anneal.engine.plan import token_graph_seqs, token_graph_size
 from anneal.engine.prompt_warmup import Layout, prompt_step_layouts
 from anneal.engine.sequence import Sequence, TokenLogprobs
+from anneal.engine.tensor_parallel import TensorParallel
 from anneal.engine.weights import Weights
 
 
@@ -89,6 +90,25 @@ def capturable(what: str):
         torch.cuda.set_sync_debug_mode(mode)
 
 
+def mirrored(local: tuple[str, ...] = ()):
+    """A runner call that every tensor-parallel rank makes: on rank 0 (``workers`` set) it is sent to
+    the workers first (tp_workers.py), unless it runs inside another mirrored call, which they make
+    themselves. ``local``: keyword arguments only rank 0 has (its already-built op table)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kw):
+            if self.workers is None or self._mirroring:
+                return fn(self, *args, **kw)
+            self.workers.send(fn.__name__, args, {k: v for k, v in kw.items() if k not in local})
+            self._mirroring = True
+            try:
+                return fn(self, *args, **kw)
+            finally:
+                self._mirroring = False
+        return call
+    return wrap
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -100,12 +120,18 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         max_model_len: int,
+        tp: TensorParallel | None = None,
     ):
+        """``cfg`` and ``weights``: this rank's shard at tensor-parallel degree > 1 (``tp``)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.tp = tp or TensorParallel(0, 1)
+        self.workers = None  # rank 0 of a tensor-parallel engine: the other ranks (tp_workers.Workers)
+        self._mirroring = False
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.model = Transformer(cfg, weights, ops, max_model_len)
+        self.plan_ops = ops  # as the plan built them; the model runs them with this rank's collectives
+        self.model = Transformer(cfg, weights, self.tp.wrap(ops), max_model_len)
         L = len(weights.layers)
         self.kv = torch.empty(
             L, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
@@ -123,10 +149,30 @@ class ModelRunner:
         self.parallel_jit = False  # compile a plan's Triton kernels all at once before its warm-up
         self.warm_prompt_steps = False  # compile a plan's prompt-step kernels when it is applied (prompt_warmup.py)
         self.device_lock = threading.Lock()  # captures vs compile-ahead passes (engine/compile_ahead.py)
+        self._launched: torch.Tensor | None = None  # the last launch_decode's tokens (overlap scheduling)
+        self._stashed: tuple[dict, dict] = ({}, {})  # the graphs put aside by eager()
 
     @property
     def ops(self) -> OpTable:
         return self.model.ops
+
+    @mirrored(local=("ops",))
+    def use_plan(self, plan, ops: OpTable | None = None) -> None:
+        """Run ``plan``'s ops from now on (``ops``: already built from it, on rank 0). Captures
+        nothing: ``capture`` follows."""
+        if ops is None:
+            from anneal.engine.llm import register_plan_kernels
+
+            register_plan_kernels(plan)
+            ops = OpTable.from_plan(plan, self.device.type)
+        self.plan_ops = ops
+        self.model.ops = self.tp.wrap(ops)
+
+    @mirrored()
+    def mirror(self, fn, *args, **kw):
+        """``fn(runner, *args, **kw)`` on every rank (``fn`` a module-level function: verification's
+        reference logits, its cache poisoning); rank 0's result."""
+        return fn(self, *args, **kw)
 
     # ---- inputs ---------------------------------------------------------------------------------
 
@@ -156,6 +202,7 @@ class ModelRunner:
 
     # ---- running ----------------------------------------------------------------------------------
 
+    @mirrored()
     @torch.inference_mode()
     def run(self, items: list[tuple[Sequence, int]], decode_only: bool) -> StepResult:
         seqs = [s for s, _ in items]
@@ -171,18 +218,26 @@ class ModelRunner:
             return self._finish(items, sample_rows, seqs_sampling, logits, greedy)
         return self._finish(items, list(range(len(seqs))), seqs, logits, greedy)
 
+    @mirrored()
     @torch.inference_mode()
-    def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+    def launch_decode(self, seqs: list[Sequence], prev_rows: list[int] | None = None) -> torch.Tensor:
         """One decode step of ``seqs`` (greedy or sampled, no log-probs), left running on the
         device: returns its tokens as a device tensor of their own (the graph's output buffer
-        belongs to the next replay). ``ids`` (on the device, one per row) stands in for the rows'
-        last tokens when the host does not know them yet: overlap scheduling (engine/overlap.py)
-        feeds a step's tokens to the next. The tokens are the ones ``run`` would pick."""
+        belongs to the next replay). ``prev_rows``: each row's row in the previous launch, whose
+        tokens (still on the device) stand in for the rows' last tokens when the host does not know
+        them yet: overlap scheduling (engine/overlap.py) feeds a step's tokens to the next. The
+        tokens are the ones ``run`` would pick."""
+        ids = None
+        if prev_rows is not None:
+            last = self._launched
+            ids = last if prev_rows == list(range(len(last))) else \
+                last[torch.tensor(prev_rows, device=last.device)]
         if self.graphs and len(seqs) <= max(self.graphs):
             logits, greedy = self._replay(seqs, ids)
         else:
             logits, greedy, _ = self.extend([(s, 1) for s in seqs], decode_only=True, ids=ids)
-        return self._pick(seqs, logits, greedy)[0].clone()
+        self._launched = self._pick(seqs, logits, greedy)[0].clone()
+        return self._launched
 
     def _pick(self, seqs: list[Sequence], logits, greedy, need_logits: bool = False):
         """The tokens of ``seqs`` (on the device) and their logits, materialized when sampling or
@@ -219,6 +274,7 @@ class ModelRunner:
                 )
         return StepResult(out, lps)
 
+    @mirrored()
     def extend(self, items: list[tuple[Sequence, int]], decode_only: bool = False,
                ids: torch.Tensor | None = None):
         """Varlen pass over each item's next ``n`` tokens; logits of the items that finish their chunk.
@@ -271,6 +327,7 @@ class ModelRunner:
             return None
         return model.logits(hidden[torch.tensor(last_idx, device=d)]).float()
 
+    @mirrored()
     @torch.inference_mode()
     def decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits ``[B, V]`` of one decode step for ``seqs`` (graph when captured), no sampling."""
@@ -280,6 +337,7 @@ class ModelRunner:
         logits, _, _ = self.extend([(s, 1) for s in seqs], decode_only=True)
         return logits
 
+    @mirrored()
     @torch.inference_mode()
     def prefill_all_logits(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Logits at every scheduled position (tests compare them to Hugging Face)."""
@@ -413,14 +471,23 @@ class ModelRunner:
     @contextlib.contextmanager
     def eager(self):
         """Every step eager inside (per-op timing); the graphs come back after."""
-        graphs, tokens = dict(self.graphs), dict(self.token_graphs)
-        self.graphs.clear()
-        self.token_graphs.clear()
+        self._stash_graphs()
         try:
             yield
         finally:
-            self.graphs.update(graphs)
-            self.token_graphs.update(tokens)
+            self._restore_graphs()
+
+    @mirrored()
+    def _stash_graphs(self) -> None:
+        self._stashed = (dict(self.graphs), dict(self.token_graphs))
+        self.graphs.clear()
+        self.token_graphs.clear()
+
+    @mirrored()
+    def _restore_graphs(self) -> None:
+        self.graphs.update(self._stashed[0])
+        self.token_graphs.update(self._stashed[1])
+        self._stashed = ({}, {})
 
     def _view(self, ops: OpTable):
         """The first two layers (the first layer's path and every later one's) with ``ops``, their
@@ -489,6 +556,7 @@ class ModelRunner:
         layouts = prompt_step_layouts(self.max_model_len, max_seqs, largest_graph)
         return [functools.partial(run, layout) for layout in layouts]
 
+    @mirrored()
     def capture(self, batch_sizes: list[int], max_seqs: int = 0, token_sizes: list[int] = ()) -> dict[str, float | int]:
         """Warm the kernels up and capture one decode graph per batch bucket and, for a plan of
         ``max_seqs`` sequences a step, one prompt/mixed-step graph per token bucket; when the engine
@@ -555,7 +623,7 @@ class ModelRunner:
                 end.record()
             torch.cuda.synchronize()
             ms[size] = min(start.elapsed_time(end) for start, end in events)
-        dropped = no_faster_than_a_larger(ms)
+        dropped = self.tp.rank0s(no_faster_than_a_larger(ms))  # every rank replays the same graphs
         for size in dropped:
             del self.token_graphs[size]
         return dropped

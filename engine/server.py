@@ -258,6 +258,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="share of the GPU's memory this engine may fill, weights + KV (default 0.85); engines that "
              "share a GPU take their share of what is free when they size the KV cache",
     )
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int,
+        help="GPUs the model is split across, one process each, from --device's on (overrides the plan's "
+             "parallelism.tensor_parallel; default: the plan's, 1)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences per step (overrides the plan)")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, help="token budget per step (overrides the plan)"
@@ -309,9 +313,12 @@ def _plan_from_args(args: argparse.Namespace, device: str) -> Any:
         }.items()
         if v is not None
     }
-    if knobs:
+    tp = getattr(args, "tensor_parallel_size", None)
+    if knobs or tp is not None:
         data = plan.model_dump(mode="json")
         data["scheduler"].update(knobs)
+        if tp is not None:
+            data["parallelism"]["tensor_parallel"] = tp
         plan = Plan.model_validate(data)
     return plan
 

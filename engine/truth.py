@@ -73,7 +73,11 @@ def _exact_fp32_matmuls():
 def truth_logits(engine, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
     """Per prompt, ``[len(forced) + 1, V]`` fp32 logits on the CPU: the positions verification's
     teacher-forced runs read (the prompt's last token, then each forced token), computed in fp32."""
-    runner, cfg = engine.runner, engine.config
+    return engine.runner.mirror(_truth_logits, prompts, forced)  # every rank: its share of the heads
+
+
+def _truth_logits(runner, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
+    cfg = runner.cfg  # this rank's shard at tensor_parallel > 1
     bs = runner.block_size
     seqs = [list(p) + list(f) for p, f in zip(prompts, forced)]
     lens = [len(s) for s in seqs]
@@ -84,10 +88,10 @@ def truth_logits(engine, prompts: list[list[int]], forced: list[list[int]]) -> l
         next_block += nb
         last.extend(range(cu[-1] + len(p) - 1, cu[-1] + n))
         cu.append(cu[-1] + n)
-    kv = torch.zeros(len(engine.weights.layers), 2, max(1, next_block), bs, cfg.num_key_value_heads, cfg.head_dim,
+    kv = torch.zeros(runner.model.num_layers, 2, max(1, next_block), bs, cfg.num_key_value_heads, cfg.head_dim,
                      dtype=torch.float32, device=runner.device)
     slots = [t[j // bs] * bs + j % bs for t, n in zip(tables, lens) for j in range(n)]
-    model = Transformer(cfg, engine.weights, _fp32_ops(), max(lens))
+    model = Transformer(cfg, runner.model.w, runner.tp.wrap(_fp32_ops()), max(lens))
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=runner.device)
     with _exact_fp32_matmuls():
         logits = runner._varlen_logits(model, kv, ids, [j for n in lens for j in range(n)], slots, cu, lens,

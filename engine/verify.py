@@ -118,9 +118,12 @@ def _poison_free_blocks(engine) -> int:
     engine.blocks.reset_prefix_cache()  # poisoned blocks hold garbage, not cached prefixes
     free = engine.blocks.free_block_ids()
     if free:
-        idx = torch.tensor(free, device=engine.runner.kv.device)
-        engine.runner.kv[:, :, idx] = float("nan")
+        engine.runner.mirror(_poison_blocks, free)  # every rank's share of those blocks
     return len(free)
+
+
+def _poison_blocks(runner, blocks: list[int]) -> None:
+    runner.kv[:, :, torch.tensor(blocks, device=runner.kv.device)] = float("nan")
 
 
 def _greedy(got: list[torch.Tensor], want: list[torch.Tensor], margin: float) -> tuple[int, int]:

@@ -338,7 +338,7 @@ def test_a_bad_flag_or_model_is_named_and_nothing_is_started(tmp_path, capsys):
     (tmp_path / "tp2.json").write_text('{"parallelism": {"tensor_parallel": 2}}')
     for flags, want in ((["--baseline-plan", str(tmp_path / "none.json")], "none.json: No such file"),
                         (["--seed-plans", str(tmp_path / "plan.json")], "is not a valid plan"),
-                        (["--baseline-plan", str(tmp_path / "tp2.json")], "tensor_parallel=2: the engine runs on one"),
+                        (["--baseline-plan", str(tmp_path / "tp2.json")], "tensor_parallel=2: the compile searches plans of one device"),
                         (["--traffic", str(tmp_path / "plan.json")], "invalid traffic shape")):
         rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--out", str(out), "--quiet", *flags])
         assert rc == 1 and want in capsys.readouterr().err, flags

@@ -1,0 +1,137 @@
+"""The other ranks of a tensor-parallel engine: processes that mirror rank 0's runner.
+
+Rank 0 keeps the scheduler, the block manager and the servers. Each worker process builds the same
+engine on its own device (its shard of the weights and the KV cache, the same plan) and then only
+replays rank 0's runner calls: every ``ModelRunner`` method marked ``@mirrored`` is sent to the
+workers (method name and arguments, the batch's ``Sequence`` objects pickled) before rank 0 runs
+it, so all ranks launch the same steps in the same order and meet in the same collectives. The
+workers' results are dropped: every rank computes the same tokens (the logits are gathered).
+
+A worker that fails to start says why (``TensorParallelError``); one that dies while serving is
+found at the next mirrored call, which raises instead of waiting in a collective nobody joins.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import traceback
+from multiprocessing.connection import Client, Listener
+
+log = logging.getLogger("anneal.tp")
+
+
+class TensorParallelError(RuntimeError):
+    """A worker rank of a tensor-parallel engine failed to start, or died."""
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..N-1, each a ``python -m anneal.engine.tp_workers`` process (not
+    multiprocessing's spawn, which re-imports the caller's main module: a script without a
+    ``__main__`` guard would start engines recursively). They connect back over a local socket with
+    a one-off key and get the engine's arguments from it."""
+
+    def __init__(self, args, size: int, init_method: str, connect_timeout_s: float = 120.0):
+        key = secrets.token_bytes(16)
+        self.conns, self.procs = [], []
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            env = {**os.environ, "ANNEAL_TP_ADDRESS": f"{listener.address[0]}:{listener.address[1]}",
+                   "ANNEAL_TP_KEY": key.hex()}
+            for rank in range(1, size):
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "anneal.engine.tp_workers", str(rank)],
+                                                   env=env))
+            listener._listener._socket.settimeout(connect_timeout_s)
+            by_rank = {}
+            try:
+                for _ in range(1, size):
+                    conn = listener.accept()
+                    by_rank[conn.recv()] = conn
+            except OSError as e:
+                self.conns = list(by_rank.values())
+                self.close()
+                raise TensorParallelError(f"tensor-parallel workers did not connect: {e}") from None
+        self.conns = [by_rank[r] for r in range(1, size)]
+        for conn in self.conns:
+            conn.send((args, size, init_method))
+
+    def wait_ready(self) -> None:
+        """Each worker's word that its engine is up (or why it is not)."""
+        for rank, (conn, p) in enumerate(zip(self.conns, self.procs), start=1):
+            try:
+                kind, detail = conn.recv()
+            except EOFError:
+                kind, detail = "error", f"exited with code {p.wait()} before its engine was up"
+            if kind != "ready":
+                self.close()
+                raise TensorParallelError(f"tensor-parallel rank {rank}: {detail}")
+
+    def send(self, name: str, args: tuple, kwargs: dict) -> None:
+        for rank, (conn, p) in enumerate(zip(self.conns, self.procs), start=1):
+            if p.poll() is not None:
+                raise TensorParallelError(f"tensor-parallel rank {rank} exited (code {p.returncode}); "
+                                          "the engine cannot step without it: restart it")
+            conn.send((name, args, kwargs))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+
+
+def worker_main(rank: int) -> None:
+    """A worker rank: connect to rank 0, build the engine, say so, then run rank 0's runner calls
+    until told to stop (or until rank 0's end of the connection closes)."""
+    host, port = os.environ["ANNEAL_TP_ADDRESS"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["ANNEAL_TP_KEY"]))
+    conn.send(rank)
+    args, size, init_method = conn.recv()
+    from anneal.engine.llm import Engine  # the engine imports torch: after the connection
+
+    try:
+        engine = Engine(args, tp_rank=rank, tp_init=init_method)
+    except BaseException as e:  # noqa: BLE001 - said to rank 0, which raises it
+        log.error("rank %d failed to start:\n%s", rank, traceback.format_exc())
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg is None:
+                break
+            name, a, kw = msg
+            try:
+                getattr(engine.runner, name)(*a, **kw)
+            except Exception:  # rank 0 made the same call and raised the same error to its caller
+                log.warning("rank %d: %s failed:\n%s", rank, name, traceback.format_exc())
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=os.environ.get("ANNEAL_LOG_LEVEL", "WARNING"))
+    worker_main(int(sys.argv[1]))

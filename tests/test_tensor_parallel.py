@@ -1,0 +1,171 @@
+"""An engine split across processes (tensor parallelism, gloo on the CPU) against the same engine
+whole: the same tokens, plans swapped on every rank, verification's writes on every rank, and a
+worker that dies made an error, not a hang."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import openai
+import pytest
+
+from anneal.engine.llm import Engine, EngineArgs
+from anneal.engine.plan import Plan
+from anneal.engine.sampling_params import SamplingParams
+from anneal.engine.tp_workers import TensorParallelError
+from anneal.engine.verify import VerifyRequest, verify
+from live_server import LiveServer
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 200, 300, 400, 500, 260, 300, 11, 12, 13, 14], [1, 2, 3, 4, 5, 6]]
+
+
+def params(logprobs: int | None = 3) -> list[SamplingParams]:
+    """Greedy and seeded sampled requests; one with log-probs (which overlap scheduling does not
+    pipeline: ``logprobs=None`` leaves them out)."""
+    return [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=14, seed=5, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=logprobs),
+            SamplingParams(temperature=1.0, max_tokens=11, seed=9, ignore_eos=True)]
+
+
+def engine(tp: int, model: str = "random:tiny", **knobs) -> Engine:
+    plan = Plan(parallelism={"tensor_parallel": tp}, scheduler=knobs)
+    return Engine(EngineArgs(model=model, device="cpu", block_size=4, num_kv_blocks=96, max_model_len=64,
+                             plan=plan, seed=3))
+
+
+def with_logprobs(eng: Engine, logprobs: int | None = 3) -> dict:
+    """Each request's (token, logprob) per step, the prompts added at once."""
+    for i, (p, sp) in enumerate(zip(PROMPTS, params(logprobs))):
+        eng.add_request(f"r{i}", p, sp)
+    out: dict[str, list] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            lps = o.new_logprobs or [None] * len(o.new_token_ids)
+            out[o.request_id] += [(t, lp and round(lp.logprob, 4)) for t, lp in zip(o.new_token_ids, lps)]
+    return out
+
+
+# (model, scheduler knobs at degree 2, the requests' log-probs). Degree 1 runs without overlap
+# scheduling (the same tokens: tests/test_overlap.py), so a mistake both paths share still shows.
+CASES = [
+    ("random:tiny", {}, 3),
+    ("random:tiny", {"max_num_batched_tokens": 16}, 3),  # chunked prompts: mixed varlen steps
+    ("random:tiny-qwen3", {}, 3),  # q/k norms on each rank's heads
+    ("random:tiny", {"overlap": True}, None),  # the next step fed the last one's tokens on every rank
+]
+
+
+def key(model: str, knobs: dict) -> tuple:
+    return model, tuple(knobs.items())
+
+
+@pytest.fixture(scope="module")
+def whole():
+    """Degree 1's answers, per case."""
+    answers = {}
+    for model, knobs, logprobs in CASES:
+        eng = engine(1, model, **{k: v for k, v in knobs.items() if k != "overlap"})
+        answers[key(model, knobs)] = with_logprobs(eng, logprobs)
+        eng.close()
+    return answers
+
+
+@pytest.mark.parametrize("model, knobs, logprobs", CASES)
+def test_degree_two_gives_degree_ones_tokens_and_logprobs(whole, model, knobs, logprobs):
+    """Greedy and seeded sampled requests in one batch: each rank gathers the whole logits row, so
+    every rank picks the same token; the log-probs match degree 1's (fp32, 4 places)."""
+    eng = engine(2, model, **knobs)
+    try:
+        assert eng.runner.cfg.num_attention_heads * 2 == eng.config.num_attention_heads  # a shard
+        assert with_logprobs(eng, logprobs) == whole[key(model, knobs)]
+        # a prefix-cache hit at degree 2 computes the same tokens as the miss did
+        again = eng.generate([PROMPTS[0] * 3, PROMPTS[0] * 3], SamplingParams(temperature=0, max_tokens=5))
+        assert again[0] == again[1]
+        assert eng.stats().prefix_hit_tokens > 0
+        assert eng.stats().pipelined_steps >= 10 if knobs.get("overlap") else True
+    finally:
+        eng.close()
+
+
+def test_plans_swap_on_every_rank_and_another_degree_is_refused(whole):
+    eng = engine(2)
+    try:
+        report = eng.apply_plan(Plan(parallelism={"tensor_parallel": 2}, scheduler={"max_num_batched_tokens": 16}))
+        assert report.plan_hash == eng.plan.hash
+        assert with_logprobs(eng) == whole[key("random:tiny", {"max_num_batched_tokens": 16})]
+        before = eng.plan
+        for bad, why in ((Plan(), "tensor_parallel=1: this engine runs at tensor_parallel=2"),
+                         (Plan(parallelism={"tensor_parallel": 2}, fusions={"linear_norm": True}),
+                          "fusions \\['linear_norm'\\] add the residual inside o_proj")):
+            for call in (eng.check_plan, eng.apply_plan):
+                with pytest.raises(ValueError, match=why):
+                    call(bad)
+        assert eng.plan == before
+        assert with_logprobs(eng) == whole[key("random:tiny", {"max_num_batched_tokens": 16})]
+    finally:
+        eng.close()
+
+
+def test_verification_runs_on_every_rank():
+    """Its reference logits, poisoned cache blocks and teacher-forced steps all split: a rank
+    left out would hang the others in a collective, or pass checks it never ran."""
+    eng = engine(2)
+    try:
+        report = verify(eng, VerifyRequest(plan=eng.plan, num_prompts=3, min_prompt_len=4, max_prompt_len=20,
+                                           steps=6))
+        assert report.passed, [c for c in report.checks if not c.passed]
+        assert {c.name for c in report.checks} >= {"quality", "kv_contamination"}
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("plan, why", [
+    ({"tensor_parallel": 8}, "num_attention_heads=4, num_key_value_heads=2 of random:tiny do not split 8 ways"),
+    ({"tensor_parallel": 3}, "do not split 3 ways"),
+])
+def test_a_degree_the_model_does_not_split_is_refused_before_any_worker_starts(plan, why):
+    with pytest.raises(ValueError, match=why):
+        Engine(EngineArgs(model="random:tiny", device="cpu", plan=Plan(parallelism=plan)))
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang():
+    eng = engine(2)
+    try:
+        worker = eng.workers.procs[0]
+        worker.kill()
+        worker.wait()
+        with pytest.raises(TensorParallelError, match="rank 1 exited"):
+            eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))
+    finally:
+        eng.close()
+
+
+def test_close_stops_the_workers():
+    eng = engine(2)
+    procs = list(eng.workers.procs)
+    eng.close()
+    assert [p.poll() for p in procs] == [0]
+    eng.close()  # again: nothing left to stop
+
+
+def test_serve_at_degree_two_answers_the_openai_client():
+    server = LiveServer("--tensor-parallel-size", "2", "--max-model-len", "256", "--num-kv-blocks", "128").wait_ready()
+    workers = subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", "anneal.engine.tp_workers"],
+                             capture_output=True, text=True).stdout.split()
+    try:
+        assert len(workers) == 1  # rank 1
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+        a = client.completions.create(model="random:tiny", prompt="Hello", max_tokens=8, temperature=0)
+        b = client.completions.create(model="random:tiny", prompt="Hello", max_tokens=8, temperature=0)
+        assert a.usage.completion_tokens == 8 and a.choices[0].text == b.choices[0].text
+    finally:
+        assert server.stop() == 0
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)  # stopped with the server
+
+
+def test_serve_refuses_a_degree_it_cannot_split():
+    server = LiveServer("--tensor-parallel-size", "3")
+    with pytest.raises(RuntimeError, match="do not split 3 ways"):
+        server.wait_ready()
