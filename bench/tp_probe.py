@@ -3,40 +3,42 @@
 
 The compiler reports the tensor-parallel degree its cost model predicts best (``choose_tp``): every
 op's roofline divided by the degree plus two all-reduces of the hidden state a layer (data-sheet
-NVLink bandwidth, 8 µs latency each). The engine runs degree 1 (``plan.check_parallelism``), so
-that prediction was never set beside a measurement. This probe measures what a degree-N decode
-step costs with the engine's own decoder (``engine/models/transformer.py``) and a plan's ops
-(unfused), on each rank's shard of the weights, Megatron's split:
+NVLink bandwidth, 8 µs latency each). This probe measures what a degree-N decode step costs with
+the engine's own decoder (``engine/models/transformer.py``), a plan's ops (unfused) and the
+engine's split (``engine/tensor_parallel.py``: the serving engine runs the same), on each rank's
+shard of the weights:
 
 * q/k/v heads and the gate/up rows by column, o_proj and down_proj by row, each followed by an
   all-reduce of its output (before the residual add);
-* the embedding and lm_head by vocabulary rows: masked lookup + all-reduce; the greedy token from
-  each rank's argmax through two all-reduces of ``[batch]`` (max value, then the lowest index that
-  reaches it);
+* lm_head by vocabulary rows, its logits gathered so every rank takes the same argmax; the
+  embedding whole on every rank;
 * the KV cache by kv head.
 
 The whole step (embedding to greedy token) is one CUDA graph per batch on every rank, replayed
 back to back (steady decoding), beside the same step on one GPU with the whole weights, in one run:
 rank 0 times degree 1 while the others wait, then every rank times degree N. Also timed: the
-step's all-reduces alone (2 a layer + 3), against the cost model's per-call figure.
+step's collectives alone (2 all-reduces a layer, one gather of the logits), against the cost
+model's per-call figure.
 
 Run: ``torchrun --nproc-per-node=2 bench/tp_probe.py --out DIR`` (``bench/h200.sh tp`` on a
 2-GPU host). ``--degree N`` in one process (a host with one GPU) times rank 0's share of degree N
-with its all-reduces left out. ``--device cpu`` under torchrun (gloo, fp32, the tiny model, the
-reference ops) checks the premise only: the degree-N greedy tokens and logits equal degree 1's on
-the same weights.
+with its collectives left out (the logits' gather stands in as N copies of the rank's own).
+``--device cpu`` under torchrun (gloo, fp32, the tiny model, the reference ops) checks the premise
+only: the degree-N greedy tokens and logits equal degree 1's on the same weights.
 
 Measured (session 33, one H200, ``--degree 2``, ``triton.json``, 8B, context 1024,
 ``bench/results/tp2-share-s33-call1.json``): rank 0's share 2.998 / 3.156 / 3.317 / 4.033 ms against
 degree 1's 4.521 / 4.791 / 5.105 / 6.838 at batches 1 / 8 / 16 / 64, ratios 0.66 / 0.66 / 0.65 / 0.59
 where the bare roofline said 0.54-0.53 (the same kernels' fixed part does not halve); the compile's
 calibrated model now says 0.62-0.68 (``CostModel.whole_model``, the projections' shared line). The
-all-reduces are not measured yet (no 2-GPU host lent that session).
+all-reduces are not measured yet (no 2-GPU host lent that session). Those figures split the
+embedding by vocabulary too (an all-reduce a step more, now gone) and took the greedy token through
+two all-reduces of ``[batch]`` rather than the gathered logits the engine uses.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import os
 import statistics
 import sys
@@ -55,89 +57,18 @@ from anneal.engine.context import AttnContext  # noqa: E402
 from anneal.engine.models.transformer import Transformer  # noqa: E402
 from anneal.engine.op_table import OpTable  # noqa: E402
 from anneal.engine.plan import Plan, load_plan  # noqa: E402
-from anneal.engine.weights import LayerWeights, Weights, random_weights, resolve_config  # noqa: E402
+from anneal.engine.tensor_parallel import TensorParallel, shard_config, shard_weights  # noqa: E402
+from anneal.engine.weights import Weights, random_weights, resolve_config  # noqa: E402
 
 BLOCK = 16
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---- the split ---------------------------------------------------------------------------------
-
-def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """What one rank of ``tp`` runs: the engine's decoder on fewer heads, rows and vocabulary."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        if getattr(cfg, name) % tp:
-            raise ValueError(f"{name}={getattr(cfg, name)} does not split {tp} ways")
-    return cfg.model_copy(update={
-        "num_attention_heads": cfg.num_attention_heads // tp, "num_key_value_heads": cfg.num_key_value_heads // tp,
-        "intermediate_size": cfg.intermediate_size // tp, "vocab_size": cfg.vocab_size // tp})
-
-
-def shard_weights(w: Weights, cfg: ModelConfig, tp: int, rank: int) -> Weights:
-    """Rank ``rank``'s copy of its slices of the whole weights ``w`` (``cfg``: the whole model's)."""
-    def part(n: int) -> slice:
-        return slice(rank * n // tp, (rank + 1) * n // tp)
-
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    layers = []
-    for L in w.layers:
-        qkv = torch.cat([L.qkv[:q][part(q)], L.qkv[q:q + kv][part(kv)], L.qkv[q + kv:][part(kv)]])
-        gate_up = torch.cat([L.gate_up[:inter][part(inter)], L.gate_up[inter:][part(inter)]])
-        layers.append(LayerWeights(
-            input_norm=L.input_norm, qkv=qkv.contiguous(), o=L.o[:, part(q)].contiguous(),
-            post_norm=L.post_norm, gate_up=gate_up.contiguous(), down=L.down[:, part(inter)].contiguous(),
-            q_norm=L.q_norm, k_norm=L.k_norm))
-    embed = w.embed[part(cfg.vocab_size)].contiguous()
-    lm_head = embed if w.lm_head is w.embed else w.lm_head[part(cfg.vocab_size)].contiguous()
-    return Weights(embed=embed, layers=layers, final_norm=w.final_norm, lm_head=lm_head)
-
-
-def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
-    """An all-reduce across the ranks; nothing in one process (``--degree N`` without torchrun: one
-    rank's share of the step, its collectives left out)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=op)
-
-
-def parallel_ops(ops: OpTable, tp: int, rank: int, vocab_part: int) -> OpTable:
-    """``ops`` with the all-reduces a rank's step needs: after o_proj and down_proj, and around the
-    vocabulary-split embedding (other ranks' rows read as zeros)."""
-    if tp == 1:
-        return ops
-    out = copy.copy(ops)
-
-    def reduced(fn):
-        def run(x, w):
-            y = fn(x, w)
-            all_reduce(y)
-            return y
-        return run
-
-    def embedding(ids, table):
-        local = ids - rank * vocab_part
-        inside = (local >= 0) & (local < vocab_part)
-        x = ops.embedding(torch.where(inside, local, torch.zeros_like(local)), table)
-        x = x * inside[:, None].to(x.dtype)
-        all_reduce(x)
-        return x
-
-    out.o_proj, out.down_proj, out.embedding = reduced(ops.o_proj), reduced(ops.down_proj), embedding
-    return out
-
-
-def greedy(model: Transformer, hidden: torch.Tensor, tp: int, rank: int, vocab_part: int) -> tuple:
-    """The step's greedy tokens (and this rank's logits): each rank's best of its vocabulary rows,
-    then the largest value across ranks and the lowest index reaching it (torch.argmax's tie rule)."""
+def greedy(model: Transformer, hidden: torch.Tensor) -> tuple:
+    """The step's greedy tokens and logits: the engine's ``lm_head`` under tensor parallelism
+    gathers every rank's vocabulary rows, so each rank takes the same argmax."""
     logits = model.logits(hidden)
-    idx = model.ops.argmax(logits).to(torch.int64)
-    if tp == 1:
-        return idx, logits
-    val = logits.gather(1, idx[:, None])[:, 0].float()
-    best = val.clone()
-    all_reduce(best, op=dist.ReduceOp.MAX)
-    cand = torch.where(val == best, idx + rank * vocab_part, torch.full_like(idx, 1 << 40))
-    all_reduce(cand, op=dist.ReduceOp.MIN)
-    return cand, logits
+    return model.ops.argmax(logits).to(torch.int64), logits
 
 
 # ---- one decode step ---------------------------------------------------------------------------
@@ -162,10 +93,10 @@ def whole_kv(cfg: ModelConfig, layers: int, blocks: int, device, dtype, seed: in
                        dtype=torch.float32, generator=g).to(dtype)
 
 
-def step_fn(model: Transformer, inputs: dict, kv: torch.Tensor, tp: int, rank: int, vocab_part: int):
+def step_fn(model: Transformer, inputs: dict, kv: torch.Tensor):
     def step():
         hidden = model.forward(inputs["ids"], inputs["positions"], inputs["ctx"], kv)
-        return greedy(model, hidden, tp, rank, vocab_part)
+        return greedy(model, hidden)
     return step
 
 
@@ -217,16 +148,13 @@ def split_matches(cfg: ModelConfig, w: Weights, ops: OpTable, rank: int, tp: int
         inputs["ids"] = torch.tensor([3, 100, 257, 300, 511], device=device)  # both halves of the vocabulary
     kv = whole_kv(cfg, len(w.layers), inputs["blocks"], device, dtype, seed=4)
     whole = Transformer(cfg, w, ops, context + 2)
-    want, want_logits = step_fn(whole, inputs, kv.clone(), 1, 0, cfg.vocab_size)()
+    want, want_logits = step_fn(whole, inputs, kv.clone())()
     part_cfg = shard_config(cfg, tp)
     hk = part_cfg.num_key_value_heads
     part_kv = kv[..., rank * hk:(rank + 1) * hk, :].contiguous()
-    part = Transformer(part_cfg, shard_weights(w, cfg, tp, rank), parallel_ops(ops, tp, rank, part_cfg.vocab_size),
-                       context + 2)
-    got, logits = step_fn(part, inputs, part_kv, tp, rank, part_cfg.vocab_size)()
-    pieces = [torch.empty_like(logits) for _ in range(tp)]
-    dist.all_gather(pieces, logits.contiguous())
-    err = ((torch.cat(pieces, dim=1).float() - want_logits.float()).abs().max() / want_logits.float().abs().max()).item()
+    part = Transformer(part_cfg, shard_weights(w, cfg, tp, rank), TensorParallel(rank, tp).wrap(ops), context + 2)
+    got, logits = step_fn(part, inputs, part_kv)()  # the whole row on every rank
+    err = ((logits.float() - want_logits.float()).abs().max() / want_logits.float().abs().max()).item()
     stored = (part_kv - kv[..., rank * hk:(rank + 1) * hk, :]).abs().max().item() > 0  # the step's K/V went in
     same = torch.equal(got, want)
     ok = torch.tensor([int((same or dtype != torch.float32) and err <= tol and stored)], device=device)
@@ -276,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     plan = load_plan(Path(args.plan).read_text())
     if plan.fusions:
-        raise SystemExit(f"{args.plan}: fusions {sorted(plan.fusions)} fold the residual add into o/down, "
-                         "before the all-reduce; give an unfused plan")
+        raise SystemExit(f"{args.plan}: fusions {sorted(plan.fusions)}: the probe times plans unfused; give one")
     cfg = resolve_config(args.model)
     dtype = torch.bfloat16
     bw, mm = copy_bandwidth_gbps(), matmul_tflops()
@@ -285,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     ops = OpTable.from_plan(plan, "cuda")
     w = random_weights(cfg, device, dtype, cfg.num_hidden_layers, seed=0)
     part_cfg = shard_config(cfg, tp)
-    vocab_part = part_cfg.vocab_size
     if world > 1 and not split_matches(cfg, w, ops, rank, tp, device, dtype, batch=8, context=args.context, tol=2e-2):
         dist.destroy_process_group()
         return 1
@@ -299,31 +225,34 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             inputs = decode_inputs(b, args.context, cfg.vocab_size, device)
             kv = whole_kv(cfg, cfg.num_hidden_layers, inputs["blocks"], device, dtype, seed=b)
-            tp1[b] = time_steps(step_fn(whole, inputs, kv, 1, 0, cfg.vocab_size), args.reps)
+            tp1[b] = time_steps(step_fn(whole, inputs, kv), args.reps)
             del kv
             print(f"degree 1, batch {b}: {tp1[b]:.4f} ms", flush=True)
         del whole
     barrier = dist.barrier if world > 1 else (lambda: None)
     barrier()
-    part = Transformer(part_cfg, shard_weights(w, cfg, tp, rank), parallel_ops(ops, tp, rank, vocab_part),
-                       args.context + 2) if tp > 1 else None
+    split = TensorParallel(rank, tp)
+    part = Transformer(part_cfg, shard_weights(w, cfg, tp, rank), split.wrap(ops), args.context + 2) if tp > 1 else None
     del w
     torch.cuda.empty_cache()
-    calls = 2 * cfg.num_hidden_layers + 3  # all-reduces a step: o, down a layer; embedding; the greedy pair
+    calls = 2 * cfg.num_hidden_layers  # all-reduces a step (o, down a layer), and one gather of the logits
     for b in batches:
         ms, ar_ms = tp1.get(b, 0.0), None
         if tp > 1:
             inputs = decode_inputs(b, args.context, cfg.vocab_size, device)
             kv = whole_kv(part_cfg, cfg.num_hidden_layers, inputs["blocks"], device, dtype, seed=b)
             barrier()
-            ms = time_steps(step_fn(part, inputs, kv, tp, rank, vocab_part), args.reps)
+            with split.local_only() if world == 1 else contextlib.nullcontext():  # one process: no collectives
+                ms = time_steps(step_fn(part, inputs, kv), args.reps)
             del kv
         if world > 1:
             x = torch.randn(b, cfg.hidden_size, device=device, dtype=dtype)
+            logits = torch.randn(b, part_cfg.vocab_size, device=device, dtype=dtype)
 
             def reduces():
                 for _ in range(calls):
                     dist.all_reduce(x, op=dist.ReduceOp.AVG)  # the average keeps the data finite and non-zero
+                split.gather_vocab(logits)
             barrier()
             ar_ms = time_steps(reduces, args.reps)
         if rank == 0:

@@ -39,12 +39,19 @@ def _schedulable(spec: api.InferenceDeploymentSpec, obs: Observed) -> cond.Obser
         p = pod_health.problem(pod)
         if p and p.reason == "Unschedulable":
             return cond.Observation(api.SCHEDULABLE, False, "Unschedulable", p.message)
-    if spec.gpus > 1:  # schedulable, but say what the request buys: the engine serves on one device
+    degree = obs.plan.plan.parallelism.tensor_parallel if obs.plan is not None else 1
+    if spec.gpus and degree > spec.gpus:  # the engine would refuse to start: too few devices
+        return cond.Observation(
+            api.SCHEDULABLE, False, "TooFewGPUsForPlan",
+            f"the plan splits the model across {degree} GPUs (parallelism.tensor_parallel) but each replica "
+            f"requests {spec.gpus} {spec.gpu_resource}; raise spec.gpus or serve a plan of a lower degree",
+        )
+    if spec.gpus > degree:  # schedulable, but say what the request buys: the plan's degree of GPUs
         return cond.Observation(
             api.SCHEDULABLE, True, "ExtraGPUsIdle",
-            f"each replica requests {spec.gpus} {spec.gpu_resource} and its engine serves on one (tensor "
-            f"parallelism is not built), so {spec.gpus - 1} idle per replica; set spec.gpus to 1 and raise "
-            "spec.replicas instead",
+            f"each replica requests {spec.gpus} {spec.gpu_resource} and its plan runs on {degree} "
+            f"(parallelism.tensor_parallel={degree}), so {spec.gpus - degree} idle per replica; serve a plan "
+            f"with tensor_parallel {spec.gpus}, or set spec.gpus to {degree} and raise spec.replicas",
         )
     return cond.Observation(api.SCHEDULABLE, True, "Schedulable")
 

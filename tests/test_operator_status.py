@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from anneal.engine.plan import CompiledPlan, Gain, Plan, default_plan
+from anneal.engine.plan import CompiledPlan, Gain, Parallelism, Plan, default_plan
 from anneal.operator import conditions as cond
 from anneal.operator import naming, pod_health
 from anneal.operator.api import InferenceDeploymentSpec
@@ -104,9 +104,10 @@ def test_more_gpus_than_any_node_offers():
     assert st["phase"] == "Degraded"
 
 
-def test_gpus_the_engine_cannot_use_are_named_without_blocking_ready():
-    """The engine serves on one device: a replica asking for two holds one idle. Said in Schedulable
-    (still True: the pods run), so `kubectl describe` shows it; the phase stays Ready."""
+def test_gpus_the_plan_does_not_use_are_named_without_blocking_ready():
+    """A replica runs its plan's tensor-parallel degree of GPUs: asking for two with a degree-1 plan
+    holds one idle. Said in Schedulable (still True: the pods run), so `kubectl describe` shows it;
+    the phase stays Ready. A plan of a higher degree than the GPUs could not start: not schedulable."""
     st = compute("llama", "ml", spec(gpus=2), 3, ready_obs(), None)
     sched = cond.find(st["conditions"], "Schedulable")
     assert sched["status"] == "True" and sched["reason"] == "ExtraGPUsIdle"
@@ -114,6 +115,13 @@ def test_gpus_the_engine_cannot_use_are_named_without_blocking_ready():
     assert st["phase"] == "Ready"
     assert cond.find(compute("llama", "ml", spec(gpus=1), 3, ready_obs(), None)["conditions"],
                      "Schedulable")["reason"] == "Schedulable"
+    tp2 = PLAN.model_copy(update={"parallelism": Parallelism(tensor_parallel=2)})
+    for gpus, status, reason in ((2, "True", "Schedulable"), (1, "False", "TooFewGPUsForPlan"),
+                                 (4, "True", "ExtraGPUsIdle")):
+        obs = ready_obs()
+        obs.plan = ResolvedPlan(tp2, "spec.plan")
+        got = cond.find(compute("llama", "ml", spec(gpus=gpus), 3, obs, None)["conditions"], "Schedulable")
+        assert (got["status"], got["reason"]) == (status, reason), (gpus, got)
 
 
 def test_unschedulable_pod_is_reported():

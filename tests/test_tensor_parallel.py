@@ -9,12 +9,15 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 
 from anneal.engine.llm import Engine, EngineArgs
 from anneal.engine.plan import Plan
 from anneal.engine.sampling_params import SamplingParams
+from anneal.engine.tensor_parallel import shard_config, shard_weights
 from anneal.engine.tp_workers import TensorParallelError
 from anneal.engine.verify import VerifyRequest, verify
+from anneal.engine.weights import random_weights, resolve_config
 from live_server import LiveServer
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 200, 300, 400, 500, 260, 300, 11, 12, 13, 14], [1, 2, 3, 4, 5, 6]]
@@ -169,3 +172,24 @@ def test_serve_refuses_a_degree_it_cannot_split():
     server = LiveServer("--tensor-parallel-size", "3")
     with pytest.raises(RuntimeError, match="do not split 3 ways"):
         server.wait_ready()
+
+
+def test_the_shards_partition_every_split_weight():
+    """Each projection's rows (q|k|v, gate|up) or columns (o, down) and lm_head's vocabulary, cut in
+    two, put back together are the whole: nothing dropped, nothing read twice; the embedding whole."""
+    cfg = resolve_config("random:tiny")
+    w = random_weights(cfg, torch.device("cpu"), torch.float32, 2, seed=1)
+    a, b = (shard_weights(w, cfg, 2, r) for r in (0, 1))
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    for L, A, B in zip(w.layers, a.layers, b.layers):
+        # each rank's qkv rows: its half of q, then of k, then of v
+        for (lo, hi), (whole_lo, whole_hi) in zip(((0, q // 2), (q // 2, q // 2 + kv // 2), (q // 2 + kv // 2, None)),
+                                                  ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+            assert torch.equal(torch.cat([A.qkv[lo:hi], B.qkv[lo:hi]]), L.qkv[whole_lo:whole_hi])
+        assert torch.equal(torch.cat([A.gate_up[:inter // 2], B.gate_up[:inter // 2]]), L.gate_up[:inter])
+        assert torch.equal(torch.cat([A.gate_up[inter // 2:], B.gate_up[inter // 2:]]), L.gate_up[inter:])
+        assert torch.equal(torch.cat([A.o, B.o], dim=1), L.o)
+        assert torch.equal(torch.cat([A.down, B.down], dim=1), L.down)
+    assert torch.equal(torch.cat([a.lm_head, b.lm_head]), w.lm_head)  # tied: the embedding's rows
+    assert a.embed is w.embed and b.embed is w.embed
+    assert shard_config(cfg, 2).num_key_value_heads == 1 and shard_config(cfg, 2).vocab_size == 256

@@ -105,7 +105,8 @@ class Toleration(KubeModel):
 class Placement(KubeModel):
     """Where pods may run and what they request: GPUs, other resources, node selection."""
 
-    gpus: int = Field(1, ge=0, le=16, description="GPUs per pod (0 runs on the CPU)")
+    gpus: int = Field(1, ge=0, le=16, description="GPUs per pod (0 runs on the CPU); an engine uses its "
+                      "plan's parallelism.tensor_parallel of them")
     gpu_resource: str = Field(
         "nvidia.com/gpu", min_length=1, max_length=253, description="extended resource name of a GPU"
     )
