@@ -20,9 +20,84 @@ import socket
 import subprocess
 import sys
 import traceback
+from array import array
 from multiprocessing.connection import Client, Listener
+from typing import NamedTuple
+
+from anneal.engine.sequence import Sequence
 
 log = logging.getLogger("anneal.tp")
+
+
+class TokensFrom:
+    """A sequence's tokens from position ``start`` on, indexed by absolute position: what a step
+    reads of them (its chunk, or the last token), not the whole history."""
+
+    __slots__ = ("start", "tokens")
+
+    def __init__(self, start: int, tokens: list[int]):
+        self.start, self.tokens = start, tokens
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            if i.step is not None or i.start is None or i.start < self.start:
+                raise IndexError(f"tokens before position {self.start} were not sent: {i}")
+            stop = None if i.stop is None else i.stop - self.start
+            return self.tokens[i.start - self.start:stop]
+        if i < 0:
+            return self.tokens[i]
+        if i < self.start:
+            raise IndexError(f"token {i} was not sent (from {self.start} on)")
+        return self.tokens[i - self.start]
+
+    def __len__(self) -> int:
+        return self.start + len(self.tokens)
+
+    def __reduce__(self):
+        return TokensFrom, (self.start, self.tokens)
+
+
+class StepParams(NamedTuple):
+    temperature: float
+    top_p: float
+    top_k: int
+    logprobs: int | None
+
+
+class StepSequence:
+    """What a worker's runner reads of a ``Sequence`` (its blocks, how far it is computed, its
+    sampling), sent in its place: pickling whole sequences cost 7 ms to send and 15 ms to read at
+    batch 64, context 8192, against a 5-ms step."""
+
+    __slots__ = ("token_ids", "params", "seed", "block_table", "num_computed_tokens")
+
+    def __init__(self, seq):
+        start = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+        self.token_ids = TokensFrom(start, seq.token_ids[start:])
+        p = seq.params
+        self.params = StepParams(p.temperature, p.top_p, p.top_k, p.logprobs)
+        self.seed = seq.seed
+        self.block_table = array("i", seq.block_table)
+        self.num_computed_tokens = seq.num_computed_tokens
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getstate__(self):
+        return tuple(getattr(self, k) for k in self.__slots__)
+
+    def __setstate__(self, state) -> None:
+        for k, v in zip(self.__slots__, state):
+            setattr(self, k, v)
+
+
+def for_workers(obj):
+    """``obj`` (a mirrored call's argument) with every ``Sequence`` in it as a ``StepSequence``."""
+    if isinstance(obj, Sequence):
+        return StepSequence(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(for_workers(x) for x in obj)
+    return obj
 
 
 class TensorParallelError(RuntimeError):
@@ -76,11 +151,12 @@ class Workers:
                 raise TensorParallelError(f"tensor-parallel rank {rank}: {detail}")
 
     def send(self, name: str, args: tuple, kwargs: dict) -> None:
+        message = (name, for_workers(args), {k: for_workers(v) for k, v in kwargs.items()})
         for rank, (conn, p) in enumerate(zip(self.conns, self.procs), start=1):
             if p.poll() is not None:
                 raise TensorParallelError(f"tensor-parallel rank {rank} exited (code {p.returncode}); "
                                           "the engine cannot step without it: restart it")
-            conn.send((name, args, kwargs))
+            conn.send(message)
 
     def close(self, timeout_s: float = 10.0) -> None:
         for conn in self.conns:

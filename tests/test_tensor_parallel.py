@@ -4,6 +4,7 @@ worker that dies made an error, not a hang."""
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from anneal.engine.llm import Engine, EngineArgs
 from anneal.engine.plan import Plan
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.tensor_parallel import shard_config, shard_weights
-from anneal.engine.tp_workers import TensorParallelError
+from anneal.engine.sequence import Sequence
+from anneal.engine.tp_workers import TensorParallelError, for_workers
 from anneal.engine.verify import VerifyRequest, verify
 from anneal.engine.weights import random_weights, resolve_config
 from live_server import LiveServer
@@ -193,3 +195,22 @@ def test_the_shards_partition_every_split_weight():
     assert torch.equal(torch.cat([a.lm_head, b.lm_head]), w.lm_head)  # tied: the embedding's rows
     assert a.embed is w.embed and b.embed is w.embed
     assert shard_config(cfg, 2).num_key_value_heads == 1 and shard_config(cfg, 2).vocab_size == 256
+
+
+def test_workers_are_sent_what_a_step_reads_not_the_whole_history():
+    """A decode step of a sequence 8192 tokens long sends its last token and its block table; the
+    runner reads the tokens by absolute position, and a read of an unsent one fails loudly."""
+    seq = Sequence("r", list(range(8192)), SamplingParams(temperature=0.5, top_k=7, logprobs=2), seed=11)
+    seq.block_table, seq.num_computed_tokens = list(range(512)), 8191
+    (item,) = pickle.loads(pickle.dumps(for_workers([(seq, 1)])))
+    got, n = item
+    assert n == 1 and len(got) == 8192 and got.token_ids[-1] == 8191 and got.token_ids[8191:8192] == [8191]
+    assert list(got.block_table) == seq.block_table and got.num_computed_tokens == 8191 and got.seed == 11
+    assert (got.params.temperature, got.params.top_k, got.params.logprobs) == (0.5, 7, 2)
+    assert len(pickle.dumps(for_workers([(seq, 1)]))) < 3000  # the whole sequence pickles to ~40 KB
+    with pytest.raises(IndexError, match="not sent"):
+        got.token_ids[100:101]
+    prompt = Sequence("p", list(range(40)), SamplingParams(), seed=0)
+    prompt.num_computed_tokens = 16  # a chunked prompt: positions 16.. still to compute
+    sent = for_workers(prompt)
+    assert sent.token_ids[16:40] == list(range(16, 40)) and len(sent) == 40
