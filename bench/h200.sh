@@ -13,7 +13,8 @@
 #   attention-floor                 issue 5: decode attention's fixed cost, one dependent load at a time (bench/attention_floor.py)
 #   attention-oproj                 issue 5: decode attention + o_proj in one persistent launch, per-tile flags (bench/attention_oproj.py)
 #   tp                              issue 5: the 8B decode step at tensor-parallel degree N (every GPU of the host) beside
-#                                   degree 1 and the cost model's prediction (bench/tp_probe.py; a 2+ GPU kind)
+#                                   degree 1 and the cost model's prediction (bench/tp_probe.py; a 2+ GPU kind),
+#                                   then the serving engine at both degrees (bench/tp_serve.py) and its GPU test
 #   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)
 #   prefill-attention               issue 5: the paged prefill kernel vs torch SDPA at agentic's prompt shapes
 #   profile-mixed-agentic           issue 5: one eager 3072-token prompt step with 7 decode rows (agentic's prompt steps)
@@ -124,6 +125,11 @@ for s in "$@"; do
       if [ "$gpus" -gt 1 ]; then
         stage tp 300 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
           $py -m torch.distributed.run --standalone --nproc-per-node="$gpus" bench/tp_probe.py --out "$OUT" ${TP_ARGS:-}
+        # the serving engine itself at degree 1 and $gpus, back to back; then its GPU test
+        stage tp-serve 420 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+          $py bench/tp_serve.py --out "$OUT" ${TP_SERVE_ARGS:-}
+        stage tp-gpu-test 240 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+          $py -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_tensor_parallel_gpu.py
       else  # one GPU: degree 2's per-rank share without its all-reduces, beside degree 1
         stage tp-share 300 $py bench/tp_probe.py --degree "${TP_DEGREE:-2}" --out "$OUT" ${TP_ARGS:-}
       fi

@@ -7,6 +7,7 @@ engine/ENGINE_API.md.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -164,12 +165,18 @@ class Engine:
         self.workers: Workers | None = None
         self.tp = TensorParallel(0, 1)
         self._closed = False
+        self._starting = True  # until every rank's engine is up (the worker watch: tp_workers.Workers.watch)
+        self._threads: int | None = None  # the process's torch threads before a CPU tensor-parallel start
         if degree > 1:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
+            else:  # the ranks share the cores: more threads than cores slowed each step 4-9x under gloo
+                self._threads = torch.get_num_threads()
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // degree))
             if tp_rank == 0:
                 tp_init = free_address()
                 self.workers = Workers(args, degree, tp_init)
+                self.workers.watch(lambda: self._starting or getattr(getattr(self, "runner", None), "_mirroring", False))
             try:
                 self.tp = TensorParallel.join(tp_rank, degree, tp_init, self.device)
             except BaseException:
@@ -230,6 +237,7 @@ class Engine:
         if self.workers is not None:  # their engines are up too (each captured its own graphs)
             self.workers.wait_ready()
             self.runner.workers = self.workers
+        self._starting = False
 
     def close(self) -> None:
         """Stop what the engine started beside it: compile-ahead children, tensor-parallel workers
@@ -243,6 +251,8 @@ class Engine:
         if self.workers is not None:
             self.workers.close()
         self.tp.leave()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
 
     # ---- sizing -----------------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from array import array
 from multiprocessing.connection import Client, Listener
@@ -119,6 +121,7 @@ class Workers:
     def __init__(self, args, size: int, init_method: str, connect_timeout_s: float = 120.0):
         key = secrets.token_bytes(16)
         self.conns, self.procs = [], []
+        self._closing = False
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             env = {**os.environ, "ANNEAL_TP_ADDRESS": f"{listener.address[0]}:{listener.address[1]}",
                    "ANNEAL_TP_KEY": key.hex()}
@@ -138,6 +141,29 @@ class Workers:
         self.conns = [by_rank[r] for r in range(1, size)]
         for conn in self.conns:
             conn.send((args, size, init_method))
+
+    def watch(self, busy, grace_s: float = 10.0) -> None:
+        """Exit the process when a worker dies while rank 0 is ``busy()`` (starting, or inside a
+        mirrored call) and stays so for ``grace_s``: it is waiting in a collective the dead rank will
+        never join, which NCCL gives up on only after ``tensor_parallel.TIMEOUT``. Gloo raises at
+        once instead, and a death while idle is the next call's ``TensorParallelError``."""
+        def run() -> None:
+            while self.procs and not self._closing:
+                dead = next(((r, p) for r, p in enumerate(self.procs, start=1) if p.poll() is not None), None)
+                if dead is None:
+                    time.sleep(0.25)
+                    continue
+                rank, p = dead
+                log.error("tensor-parallel rank %d exited with code %s", rank, p.returncode)
+                deadline = time.monotonic() + grace_s
+                while self.procs and not self._closing and busy():
+                    if time.monotonic() > deadline:
+                        log.critical("rank 0 waits in a collective that rank %d will never join: exiting", rank)
+                        os._exit(70)
+                    time.sleep(0.1)
+                return
+
+        threading.Thread(target=run, name="anneal-tp-watch", daemon=True).start()
 
     def wait_ready(self) -> None:
         """Each worker's word that its engine is up (or why it is not)."""
@@ -159,6 +185,7 @@ class Workers:
             conn.send(message)
 
     def close(self, timeout_s: float = 10.0) -> None:
+        self._closing = True
         for conn in self.conns:
             try:
                 conn.send(None)

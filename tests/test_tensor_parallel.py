@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import subprocess
+import sys
 from pathlib import Path
 
 import openai
@@ -214,3 +215,21 @@ def test_workers_are_sent_what_a_step_reads_not_the_whole_history():
     prompt.num_computed_tokens = 16  # a chunked prompt: positions 16.. still to compute
     sent = for_workers(prompt)
     assert sent.token_ids[16:40] == list(range(16, 40)) and len(sent) == 40
+
+
+@pytest.mark.parametrize("busy, code", [(True, 70), (False, 0)])
+def test_a_worker_that_dies_while_rank_0_waits_on_it_ends_the_process(busy, code):
+    """Under NCCL a collective whose peer died waits for the 10-minute timeout: rank 0 exits
+    instead when it stays busy (starting, or in a mirrored call) past the grace period. Idle, it
+    lives on, and its next call raises TensorParallelError (above)."""
+    snippet = (
+        "import subprocess, sys, time\n"
+        "from anneal.engine.tp_workers import Workers\n"
+        "w = Workers.__new__(Workers)\n"
+        "w.conns, w.procs, w._closing = [], [subprocess.Popen([sys.executable, '-c', 'pass'])], False\n"
+        f"w.watch(lambda: {busy}, grace_s=0.5)\n"
+        "time.sleep(4)\n")
+    r = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, r.stderr
+    assert "tensor-parallel rank 1 exited with code 0" in r.stderr
+    assert ("will never join: exiting" in r.stderr) == busy
