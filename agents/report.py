@@ -356,8 +356,10 @@ def write_report(
         L.append(f"\nTensor-parallel degree recommended: {tp} (predicted decode-step ms of the winner's ops, "
                  "unfused, by degree: " + ", ".join(f"{k}: {v:.3f}" for k, v in table.items())
                  + "; the kernels' fitted fixed cost a call included, the all-reduces at the GPU's data-sheet "
-                 "link figures). A prediction, not a measurement: the engine serves degree 1 and the plan keeps "
-                 "it (`bench/tp_probe.py` measures a split step).")
+                 "link figures). A prediction, not a measurement: the compile measures degree 1 and the plan keeps "
+                 "it; serve it at the recommended degree with `anneal serve --tensor-parallel-size` (less the "
+                 "fusions that add the residual inside o/down: `folded_norm`, `linear_norm`, `norm_stats`) "
+                 "(`bench/tp_serve.py` measures both degrees side by side, `bench/tp_probe.py` a split step).")
     if calibration:
         L += calibration_table(calibration)
     if cross:

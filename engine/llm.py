@@ -176,7 +176,7 @@ class Engine:
             if tp_rank == 0:
                 tp_init = free_address()
                 self.workers = Workers(args, degree, tp_init)
-                self.workers.watch(lambda: self._starting or getattr(getattr(self, "runner", None), "_mirroring", False))
+                self.workers.watch(self._waiting_on_workers)
             try:
                 self.tp = TensorParallel.join(tp_rank, degree, tp_init, self.device)
             except BaseException:
@@ -238,6 +238,11 @@ class Engine:
             self.workers.wait_ready()
             self.runner.workers = self.workers
         self._starting = False
+
+    def _waiting_on_workers(self) -> bool:
+        """Whether rank 0 may be in a collective now: starting, or inside a mirrored runner call."""
+        runner = getattr(self, "runner", None)
+        return self._starting or (runner is not None and runner._mirroring)
 
     def close(self) -> None:
         """Stop what the engine started beside it: compile-ahead children, tensor-parallel workers

@@ -259,7 +259,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "share a GPU take their share of what is free when they size the KV cache",
     )
     parser.add_argument(
-        "--tensor-parallel-size", "-tp", type=int,
+        "--tensor-parallel-size", "-tp", type=int, choices=range(1, 9), metavar="N",
         help="GPUs the model is split across, one process each, from --device's on (overrides the plan's "
              "parallelism.tensor_parallel; default: the plan's, 1)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences per step (overrides the plan)")

@@ -205,6 +205,14 @@ class Workers:
 def worker_main(rank: int) -> None:
     """A worker rank: connect to rank 0, build the engine, say so, then run rank 0's runner calls
     until told to stop (or until rank 0's end of the connection closes)."""
+    parent = os.getppid()
+
+    def orphaned() -> None:  # rank 0 gone (killed mid-step): nobody will stop this rank or join its collectives
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(71)
+
+    threading.Thread(target=orphaned, name="anneal-tp-orphan", daemon=True).start()
     host, port = os.environ["ANNEAL_TP_ADDRESS"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["ANNEAL_TP_KEY"]))
     conn.send(rank)

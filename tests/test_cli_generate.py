@@ -16,7 +16,19 @@ def test_generate_prints_the_prompt_and_its_continuation(capsys):
     assert out.startswith("Hello") and "4 tokens" in err
 
 
+def test_generate_split_across_two_processes_prints_the_same_text(capsys):
+    """--tensor-parallel-size 2: a worker process holds half of each layer (gloo on the CPU); the
+    greedy continuation is the one process's."""
+    args = ["generate", "--model", "random:tiny", "--device", "cpu", "--prompt", "Hello", "--max-tokens", "6",
+            "--temperature", "0"]
+    assert main(args) == 0
+    whole = capsys.readouterr().out
+    assert main([*args, "--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == whole
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["--tensor-parallel-size", "3"], "do not split 3 ways"),
     (["--plan", "/no/such/plan.json"], "No such file"),
     (["--model", "random:no-such-preset"], "unknown random preset"),
     (["--plan", "{bad}"], "no_such_op"),

@@ -31,6 +31,10 @@ def _generate(args: argparse.Namespace) -> int:
                 plan = load_plan(f.read())
         else:
             plan = default_plan(str(resolve_device(args.device)))
+        if args.tensor_parallel_size is not None:
+            data = plan.model_dump(mode="json")
+            data["parallelism"]["tensor_parallel"] = args.tensor_parallel_size
+            plan = type(plan).model_validate(data)  # checks the degree's bounds
         engine = Engine(EngineArgs(model=args.model, device=args.device, layers=args.layers, plan=plan))
         tok = load_tokenizer(args.model, engine.config.vocab_size, engine.config.eos_token_ids)
     except (OSError, ValueError, RuntimeError, TokenizerError) as e:
@@ -38,7 +42,10 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     prompt_ids = tok.encode(args.prompt)
     t0 = time.perf_counter()
-    out = engine.generate([prompt_ids], params)[0]
+    try:
+        out = engine.generate([prompt_ids], params)[0]
+    finally:
+        engine.close()  # its tensor-parallel workers, if any
     dt = time.perf_counter() - t0
     print(args.prompt + tok.decode(out))
     print(f"[{engine.config.name} on {engine.device}: {len(out)} tokens in {dt:.2f} s, "
@@ -58,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="anneal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text offline (one prompt, one process)")
+    g = sub.add_parser("generate", help="generate text offline (one prompt)")
     _add_engine_args(g)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, choices=range(1, 9), metavar="N",
+                   help="GPUs the model is split across, one process each (default: the plan's, 1)")
     g.add_argument("--prompt", default="Anneal keeps the forward pass fast because")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.8)
