@@ -98,6 +98,11 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     p.add_argument("--gpus", type=int, default=None,
                    help="GPUs per replica the cost model may split the model over (default: the GPUs the "
                         "fast-tier engine sees)")
+    p.add_argument("--measure-tp", default="auto", metavar="auto|off|N[,N...]",
+                   help="serve the compiled plan at these tensor-parallel degrees after the search (each a "
+                        "whole-model engine of its own, the tiers stopped first) and set its decode step beside "
+                        "the cost model's prediction in the report; auto (default): degree 1 and the "
+                        "recommended one when that is not 1; local engines only")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--compile-ahead", action="store_true",
                    help="ask the fast engine to compile each queued candidate's kernels ahead (POST "
@@ -107,6 +112,21 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="interleaved slow-tier re-measurements of winner and baseline (default 2 on a GPU, "
                         "1 on the CPU); the median decides, so more rounds narrow a noisy replay")
     return p
+
+
+def _measure_tp_flag(value: str) -> list[int] | None:
+    """``--measure-tp``: None for auto, [] for off, else the degrees (1-8)."""
+    if value == "auto":
+        return None
+    if value == "off":
+        return []
+    try:
+        degrees = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        degrees = []
+    if not degrees or any(not 1 <= d <= 8 for d in degrees):
+        raise ValueError(f"--measure-tp: auto, off or degrees 1-8 separated by commas (got {value!r})")
+    return degrees
 
 
 def budget_spent(ledger: Ledger) -> float:
@@ -155,8 +175,12 @@ def run_compile(args: argparse.Namespace) -> int:
             seed=args.seed, device=device, baseline_plan=args.baseline_plan, rounds=args.rounds,
             compile_ahead=args.compile_ahead,
             seed_plans=[f.strip() for f in (args.seed_plans or "").split(",") if f.strip()],
+            measure_tp=_measure_tp_flag(args.measure_tp),
         )
-    except ValidationError as e:  # a flag out of range: name the flag, not the settings field
+    except ValueError as e:  # a flag out of range: name the flag, not the settings field
+        if not isinstance(e, ValidationError):
+            print(f"anneal compile: {e}", file=sys.stderr)
+            return 2
         flags = {"budget_s": "--budget", "fast_layers": "--fast-layers"}
         for err in e.errors():
             field = str(err["loc"][0]) if err["loc"] else ""
@@ -261,7 +285,8 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
         if baseline is not None and local is None:  # local tiers were started on it already
             _apply_baseline(clients, baseline, settings.baseline_plan, progress)
         return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
-                        max_len, cross_traffic, gpus, progress, verification or {}, llm_model, seeds)
+                        max_len, cross_traffic, gpus, progress, verification or {}, llm_model, seeds,
+                        stop_tiers=local.stop if local is not None else None)
     except BaseException:
         # Failed or interrupted: what the engines still run is this compile's own measurement,
         # abandoned, so they are not given time to finish it (a SIGTERM'd pod has ~30 s in all).
@@ -276,7 +301,7 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
 
 
 def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_len, cross_traffic, gpus,
-             progress, verification, llm_model, seeds=()) -> CompiledPlan:
+             progress, verification, llm_model, seeds=(), stop_tiers=None) -> CompiledPlan:
     out = Path(settings.out)
     fast_state, slow_state = clients["fast"].state(), clients["slow"].state()
     if fast_state.model != slow_state.model:
@@ -407,6 +432,9 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     verification_doc: dict[str, Any] = {**report.model_dump(), "tier": "slow"}
     if promo.is_baseline:
         verification_doc["note"] = "no candidate beat the baseline and passed every gate; the baseline is kept"
+    tp_measured = _measure_tp(settings, cost, winner, setting.decode_spec, tp_choice, stop_tiers, progress)
+    if tp_measured is not None:
+        ledger.set_meta("tp_measured", tp_measured)
     compiled = CompiledPlan(
         plan=winner.model_copy(update={"name": f"anneal-{winner.hash[:8]}"}),
         model=fast_state.model, hardware=fast_state.gpu_name or fast_state.device,
@@ -426,13 +454,34 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         spec_key=setting.decode_spec.key(), per_op=per_op, base_m=promo.baseline_m, win_m=promo.winner_m,
         rejected=promo.rejected, notes=board.notes, calibration=cost.calibrations() if cost else {},
         tp_choice=tp_choice, cross=cross, roofline=_slow_roofline(slow_state), paired=promo.paired,
-        ranked_on=promo.ranked_on, budget=budget,
+        ranked_on=promo.ranked_on, budget=budget, tp_measured=tp_measured,
     )
     gain = next((g.ratio for g in promo.gains if g.metric == "tokens_per_s"), None)
     publish_result(settings.report_to, compiled)
     report_progress(settings.report_to, phase="Done", experiments=len(ledger), best_speedup=gain,
             best_plan_hash=compiled.plan.hash, message=f"done in {wall:.0f}s")
     return compiled
+
+
+def _measure_tp(settings, cost, winner: Plan, spec: BenchSpec, tp_choice, stop_tiers, progress: bool):
+    """The winner served at the degrees ``--measure-tp`` names (auto: 1 and the recommended one)
+    beside the cost model's predictions (agents/tp_measure.py); None when none are measured. The
+    tier engines stop first: the degree-N engines need the GPUs' memory they hold."""
+    from anneal.agents.tp_measure import degrees_to_measure, measure_degrees
+
+    degrees = degrees_to_measure(settings.measure_tp, tp_choice[0] if tp_choice else None)
+    if not degrees or cost is None:
+        return None
+    if stop_tiers is None:
+        _say(progress, "tensor-parallel degrees not measured: the engines were given by URL")
+        return None
+    stop_tiers()
+
+    def predict(plan: Plan, degree: int) -> float:
+        return cost.whole_model(degree).predict(plan, spec, tp=degree).ms
+
+    return measure_degrees(settings.model, settings.device, Path(settings.out), winner, spec, predict, degrees,
+                           say=lambda m: _say(progress, m))
 
 
 def _slow_roofline(state) -> CostModel | None:

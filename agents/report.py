@@ -217,6 +217,28 @@ def _calibration_label(key: str) -> str:
     return f"{mode}, fusions {fusions.replace(',', ', ')}" if fusions else f"{mode}, no fusions"
 
 
+def tp_measured_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The compiled plan served at each tensor-parallel degree (agents/tp_measure.py): its decode
+    step predicted and measured, and as ratios to degree 1's, so the model's error shows."""
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
+    L = ["", "### Tensor-parallel degrees, measured", "",
+         "The compiled plan (less the fusions a split model refuses) served whole at each degree by an engine "
+         "of its own, its decode step on this compile's spec beside the cost model's prediction (none where "
+         "the hardware has no interconnect figures: the CPU).", "",
+         "| degree | predicted ms | measured ms | predicted x | measured x | error (x) |",
+         "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error"):
+            L.append(f"| {r['degree']} | {cell(r, 'predicted_ms', '.3f')} | not run: {r['error']} | - | - | - |")
+            continue
+        L.append(f"| {r['degree']} | {cell(r, 'predicted_ms', '.3f')} | {cell(r, 'measured_ms', '.3f')} | "
+                 f"{cell(r, 'predicted_ratio', '.3f')} | {cell(r, 'measured_ratio', '.3f')} | "
+                 f"{cell(r, 'ratio_error', '+.3f')} |")
+    return L
+
+
 def calibration_table(calibration: dict[str, Any]) -> list[str]:
     """The cost model's fits (``CostModel.calibrations``): per op/impl, then the whole-step factors,
     the fusion sets' only for the ``STEP_SET_ROWS`` most observed."""
@@ -285,7 +307,7 @@ def write_report(
     base_m: list[Measurement], win_m: list[Measurement], rejected: list[tuple[str, str]],
     notes: list[str], calibration: dict[str, Any], tp_choice: tuple[int, dict[int, float]] | None,
     cross: dict[str, Any] | None = None, roofline: CostModel | None = None, paired: list[float] | None = None,
-    ranked_on: float | None = None, budget: str | None = None,
+    ranked_on: float | None = None, budget: str | None = None, tp_measured: list[dict[str, Any]] | None = None,
 ) -> Path:
     plot_progress(out / "search_progress.png", exps, spec_key, t0)
     if per_op:
@@ -360,6 +382,8 @@ def write_report(
                  "it; serve it at the recommended degree with `anneal serve --tensor-parallel-size` (less the "
                  "fusions that add the residual inside o/down: `folded_norm`, `linear_norm`, `norm_stats`) "
                  "(`bench/tp_serve.py` measures both degrees side by side, `bench/tp_probe.py` a split step).")
+    if tp_measured:
+        L += tp_measured_table(tp_measured)
     if calibration:
         L += calibration_table(calibration)
     if cross:

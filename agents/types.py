@@ -257,6 +257,9 @@ class CompileSettings(BaseModel):
     compile_ahead: bool = Field(False, description="the fast engine compiles queued candidates' kernels ahead")
     baseline_plan: str | None = Field(None, description="Plan/CompiledPlan file both tiers serve before the "
                                                         "search: the baseline to beat (default: theirs)")
+    measure_tp: list[int] | None = Field(None, description="tensor-parallel degrees the compiled plan is served "
+                                         "at after the search, beside the cost model's prediction; None: 1 and the "
+                                         "recommended degree when that is not 1 (agents/tp_measure.py)")
     seed_plans: list[str] = Field(default_factory=list, description="Plan/CompiledPlan files the plan search "
                                   "measures first and then evolves, like its own finds (earlier compiles, "
                                   "hand-set plans): a warm start")

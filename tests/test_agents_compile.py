@@ -329,6 +329,8 @@ def test_a_bad_flag_or_model_is_named_and_nothing_is_started(tmp_path, capsys):
     for flags, want in ((["--budget", "-5"], "--budget: Input should be greater than 0 (got -5.0)"),
                         (["--rounds", "50"], "--rounds: Input should be less than or equal to 20 (got 50)"),
                         (["--fast-layers", "-1"], "--fast-layers: Input should be greater than or equal to 1"),
+                        (["--measure-tp", "0,2"], "--measure-tp: auto, off or degrees 1-8 separated by commas"),
+                        (["--measure-tp", "two"], "(got 'two')"),
                         (["--model", "random:nope"], "--model: unknown random preset 'nope'; known: ["),
                         (["--model", str(tmp_path / "no-such-folder")], "no-such-folder does not exist")):
         rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--out", str(out), "--quiet", *flags])
