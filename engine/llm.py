@@ -173,11 +173,11 @@ class Engine:
             else:  # the ranks share the cores: more threads than cores slowed each step 4-9x under gloo
                 self._threads = torch.get_num_threads()
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // degree))
-            if tp_rank == 0:
-                tp_init = free_address()
-                self.workers = Workers(args, degree, tp_init)
-                self.workers.watch(self._waiting_on_workers)
             try:
+                if tp_rank == 0:
+                    tp_init = free_address()
+                    self.workers = Workers(args, degree, tp_init)
+                    self.workers.watch(self._waiting_on_workers)
                 self.tp = TensorParallel.join(tp_rank, degree, tp_init, self.device)
             except BaseException:
                 self.close()

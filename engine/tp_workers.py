@@ -3,8 +3,8 @@
 Rank 0 keeps the scheduler, the block manager and the servers. Each worker process builds the same
 engine on its own device (its shard of the weights and the KV cache, the same plan) and then only
 replays rank 0's runner calls: every ``ModelRunner`` method marked ``@mirrored`` is sent to the
-workers (method name and arguments, the batch's ``Sequence`` objects pickled) before rank 0 runs
-it, so all ranks launch the same steps in the same order and meet in the same collectives. The
+workers (method name and arguments, each ``Sequence`` as the ``StepSequence`` a step reads) before
+rank 0 runs it, so all ranks launch the same steps in the same order and meet in the same collectives. The
 workers' results are dropped: every rank computes the same tokens (the logits are gathered).
 
 A worker that fails to start says why (``TensorParallelError``); one that dies while serving is
@@ -118,6 +118,8 @@ class Workers:
     ``__main__`` guard would start engines recursively). They connect back over a local socket with
     a one-off key and get the engine's arguments from it."""
 
+    COMMAND = [sys.executable, "-m", "anneal.engine.tp_workers"]  # + the rank
+
     def __init__(self, args, size: int, init_method: str, connect_timeout_s: float = 120.0):
         key = secrets.token_bytes(16)
         self.conns, self.procs = [], []
@@ -126,18 +128,27 @@ class Workers:
             env = {**os.environ, "ANNEAL_TP_ADDRESS": f"{listener.address[0]}:{listener.address[1]}",
                    "ANNEAL_TP_KEY": key.hex()}
             for rank in range(1, size):
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "anneal.engine.tp_workers", str(rank)],
-                                                   env=env))
-            listener._listener._socket.settimeout(connect_timeout_s)
-            by_rank = {}
-            try:
-                for _ in range(1, size):
+                self.procs.append(subprocess.Popen([*self.COMMAND, str(rank)], env=env))
+            # accept() in 1-s slices (the Listener's socket: multiprocessing has no public timeout), so
+            # a worker that exits before it connects (a broken environment) is named at once
+            listener._listener._socket.settimeout(1.0)
+            by_rank: dict[int, object] = {}
+            deadline = time.monotonic() + connect_timeout_s
+            while len(by_rank) < size - 1:
+                try:
                     conn = listener.accept()
                     by_rank[conn.recv()] = conn
-            except OSError as e:
-                self.conns = list(by_rank.values())
-                self.close()
-                raise TensorParallelError(f"tensor-parallel workers did not connect: {e}") from None
+                    continue
+                except TimeoutError:
+                    pass
+                gone = next((f"rank {r} exited with code {p.returncode} before it connected"
+                             for r, p in enumerate(self.procs, start=1) if p.poll() is not None and r not in by_rank),
+                            None)
+                if gone or time.monotonic() > deadline:
+                    self.conns = list(by_rank.values())
+                    self.close()
+                    raise TensorParallelError(f"tensor-parallel workers did not connect: "
+                                              f"{gone or f'none in {connect_timeout_s:.0f} s'}")
         self.conns = [by_rank[r] for r in range(1, size)]
         for conn in self.conns:
             conn.send((args, size, init_method))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -233,3 +234,16 @@ def test_a_worker_that_dies_while_rank_0_waits_on_it_ends_the_process(busy, code
     assert r.returncode == code, r.stderr
     assert "tensor-parallel rank 1 exited with code 0" in r.stderr
     assert ("will never join: exiting" in r.stderr) == busy
+
+
+def test_a_worker_that_cannot_start_is_named_at_once(monkeypatch):
+    """A worker process that exits before it connects (a broken environment) fails the start with
+    its exit code, without waiting out the connect timeout, and the engine leaves nothing behind."""
+    from anneal.engine import tp_workers
+
+    monkeypatch.setattr(tp_workers.Workers, "COMMAND", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code 3 before it connected"):
+        engine(2)
+    assert time.monotonic() - t0 < 30
+    assert not torch.distributed.is_initialized()
