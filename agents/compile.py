@@ -42,6 +42,7 @@ from anneal.agents.promotion import Promotion, promote
 from anneal.agents.report import now_iso, write_artifact, write_report
 from anneal.agents.scheduler_tuner import SchedulerTuner, score
 from anneal.agents.setting import CPU_MAX_LEN, make_setting, workload_requests
+from anneal.agents.tp_measure import at_degree, degrees_to_measure, measure_degrees
 from anneal.agents.space import normalized
 from anneal.agents.swarm import run_swarm, summary
 from anneal.agents.types import BenchSpec, Candidate, CompileSettings
@@ -322,7 +323,10 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     engine_max = min(int((s.model_extra or {}).get("max_model_len") or 1 << 30) for s in (fast_state, slow_state))
     max_len = min(max_len or engine_max, engine_max)
     setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len, quick=quick)
-    setting.seeds = list(seeds)
+    # seeds run at the engines' degree (fixed when they started): an earlier compile's degree-1 plan
+    # seeds a degree-2 compile less the fusions a split model refuses
+    degree = setting.base.parallelism.tensor_parallel
+    setting.seeds = [s if s.parallelism.tensor_parallel == degree else at_degree(s, degree) for s in seeds]
     traffic_json = traffic.model_dump(mode="json", exclude_none=True)
     try:
         cost = CostModel.from_state(fast_state)
@@ -467,8 +471,6 @@ def _measure_tp(settings, cost, winner: Plan, spec: BenchSpec, tp_choice, stop_t
     """The winner served at the degrees ``--measure-tp`` names (auto: 1 and the recommended one)
     beside the cost model's predictions (agents/tp_measure.py); None when none are measured. The
     tier engines stop first: the degree-N engines need the GPUs' memory they hold."""
-    from anneal.agents.tp_measure import degrees_to_measure, measure_degrees
-
     degrees = degrees_to_measure(settings.measure_tp, tp_choice[0] if tp_choice else None)
     if not degrees or cost is None:
         return None
@@ -499,11 +501,6 @@ def _read_plan(path: str, flag: str) -> Plan:
     try:
         plan = load_plan(Path(path).read_text())
         check_parallelism(plan)  # before any engine starts
-        if plan.parallelism.tensor_parallel != 1:
-            raise CompileError(f"{flag} {path}: parallelism.tensor_parallel="
-                               f"{plan.parallelism.tensor_parallel}: the compile searches plans of one device "
-                               "(its tier engines run on one each; its report names the degree the cost model "
-                               "predicts best); use tensor_parallel 1")
         return plan
     except OSError as e:
         raise CompileError(f"{flag} {path}: {e.strerror or e}") from None

@@ -211,6 +211,8 @@ class Lab:
         if self.cost_model is None or spec.mode == "workload":
             return None
         pred = self.cost_model.predict(plan, spec)
+        if not math.isfinite(pred.ms):  # a split plan on hardware without interconnect figures
+            return None
         base_ms = self._base_ms.get(spec.key())
         if self.base is not None and base_ms is not None and plan.hash != self.base.hash:
             est = self.cost_model.predict_from_base(self.base, plan, spec, base_ms)

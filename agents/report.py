@@ -226,7 +226,7 @@ def tp_measured_table(rows: list[dict[str, Any]]) -> list[str]:
     L = ["", "### Tensor-parallel degrees, measured", "",
          "The compiled plan (less the fusions a split model refuses) served whole at each degree by an engine "
          "of its own, its decode step on this compile's spec beside the cost model's prediction (none where "
-         "the hardware has no interconnect figures: the CPU).", "",
+         "the hardware has no interconnect figures).", "",
          "| degree | predicted ms | measured ms | predicted x | measured x | error (x) |",
          "|---|---|---|---|---|---|"]
     for r in rows:
@@ -375,13 +375,17 @@ def write_report(
              else "No predictions to compare.")
     if tp_choice:
         tp, table = tp_choice
+        degree = compiled.plan.parallelism.tensor_parallel
         L.append(f"\nTensor-parallel degree recommended: {tp} (predicted decode-step ms of the winner's ops, "
                  "unfused, by degree: " + ", ".join(f"{k}: {v:.3f}" for k, v in table.items())
-                 + "; the kernels' fitted fixed cost a call included, the all-reduces at the GPU's data-sheet "
-                 "link figures). A prediction, not a measurement: the compile measures degree 1 and the plan keeps "
-                 "it; serve it at the recommended degree with `anneal serve --tensor-parallel-size` (less the "
-                 "fusions that add the residual inside o/down: `folded_norm`, `linear_norm`, `norm_stats`) "
-                 "(`bench/tp_serve.py` measures both degrees side by side, `bench/tp_probe.py` a split step).")
+                 + "; the kernels' fitted fixed cost a call included, the collectives at the link's figures: the "
+                 "GPU's data sheet, gloo's measured cost on the CPU). A prediction: the search ran at degree "
+                 f"{degree} and the plan keeps it; serve another degree with `anneal serve --tensor-parallel-size` "
+                 "(less the fusions that add the residual inside o/down: `folded_norm`, `linear_norm`, "
+                 "`norm_stats`).")
+        if degree > 1:
+            L.append(f"At degree {degree} the fitted op times hold the all-reduces that follow o_proj and down_proj "
+                     "(they run inside those ops): predictions for other degrees count them twice.")
     if tp_measured:
         L += tp_measured_table(tp_measured)
     if calibration:

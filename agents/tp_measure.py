@@ -18,15 +18,14 @@ from typing import Any, Callable
 from anneal.agents.engine_client import EngineError
 from anneal.agents.local_engines import LocalEngines
 from anneal.agents.types import BenchSpec
-from anneal.engine.plan import RESIDUAL_IN_PROJECTION_FUSIONS, Plan
+from anneal.agents.space import normalized
+from anneal.engine.plan import Parallelism, Plan
 
 
 def at_degree(plan: Plan, degree: int) -> Plan:
-    """``plan`` split ``degree`` ways: its fusions a split model refuses left out."""
-    data = plan.model_dump(mode="json")
-    data["parallelism"]["tensor_parallel"] = degree
-    data["fusions"] = {k: v for k, v in data["fusions"].items() if k not in RESIDUAL_IN_PROJECTION_FUSIONS}
-    return Plan.model_validate(data)
+    """``plan`` split ``degree`` ways: its fusions a split model refuses left out (``normalized``
+    drops what ``plan.fusion_blockers`` names)."""
+    return normalized(plan.model_copy(update={"parallelism": Parallelism(tensor_parallel=degree)}))
 
 
 def degrees_to_measure(asked: list[int] | None, recommended: int | None) -> list[int]:

@@ -76,9 +76,14 @@ def folded_norm_blockers(plan: "Plan") -> list[str]:
     return [p for p in ("o_proj", "down_proj") if plan.choice(p).impl != "reference"]
 
 
+# Fusions that add the residual inside o_proj / down_proj: split by rows at tensor_parallel > 1, they
+# would add it before the all-reduce, once a rank.
+RESIDUAL_IN_PROJECTION_FUSIONS = ("folded_norm", "linear_norm", "norm_stats")
+
+
 def fusion_blockers(plan: "Plan") -> dict[str, str]:
-    """The enabled fusions that ``plan``'s op choices rule out, each with the reason (the op table
-    refuses such a plan; the search's ``normalized`` drops the fusion)."""
+    """The enabled fusions that ``plan``'s op choices or its tensor-parallel degree rule out, each
+    with the reason (the op table refuses such a plan; the search's ``normalized`` drops the fusion)."""
     out = {}
     gemm = folded_norm_blockers(plan) if "folded_norm" in plan.fusions else []
     if gemm:
@@ -88,6 +93,11 @@ def fusion_blockers(plan: "Plan") -> dict[str, str]:
     if "rope_attention" in plan.fusions and impl != "triton_splitk":
         out["rope_attention"] = ("rope_attention runs in the split-K decode attention kernel: attention_decode "
                                  f"must be triton_splitk, not {impl}")
+    tp = plan.parallelism.tensor_parallel
+    for f in RESIDUAL_IN_PROJECTION_FUSIONS:
+        if tp > 1 and f in plan.fusions:
+            out[f] = (f"{f} adds the residual inside o_proj / down_proj, before the all-reduce of "
+                      f"parallelism.tensor_parallel={tp}: leave it out at tensor_parallel > 1")
     return out
 
 
@@ -300,11 +310,6 @@ class Plan(_Strict):
         return self.model_copy(update={"ops": {**self.ops, **choices}})
 
 
-# Fusions that add the residual inside o_proj / down_proj: split by rows at tensor_parallel > 1, they
-# would add it before the all-reduce, once a rank.
-RESIDUAL_IN_PROJECTION_FUSIONS = ("folded_norm", "linear_norm", "norm_stats")
-
-
 def check_parallelism(plan: Plan, running: int | None = None, devices: int | None = None) -> None:
     """Refuse a plan whose parallelism this engine cannot run (ValueError): a degree other than the
     one it started at (``running``: its weights and cache are split that way), more devices than
@@ -317,10 +322,9 @@ def check_parallelism(plan: Plan, running: int | None = None, devices: int | Non
         )
     if devices is not None and tp > devices:
         raise ValueError(f"parallelism.tensor_parallel={tp}: only {devices} device(s) from the engine's on")
-    bad = sorted(set(plan.fusions) & set(RESIDUAL_IN_PROJECTION_FUSIONS))
-    if tp > 1 and bad:
-        raise ValueError(f"parallelism.tensor_parallel={tp}: fusions {bad} add the residual inside o_proj / "
-                         "down_proj, before the all-reduce; leave them out at tensor_parallel > 1")
+    split = [why for f, why in fusion_blockers(plan).items() if f in RESIDUAL_IN_PROJECTION_FUSIONS]
+    if split:  # before the weights load (the op table would refuse it too)
+        raise ValueError("; ".join(split))
 
 
 class Gain(_Strict):

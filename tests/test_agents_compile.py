@@ -337,10 +337,10 @@ def test_a_bad_flag_or_model_is_named_and_nothing_is_started(tmp_path, capsys):
         assert rc == 2 and want in capsys.readouterr().err, flags
     assert not out.exists()
     (tmp_path / "plan.json").write_text('{"bad": 1}')
-    (tmp_path / "tp2.json").write_text('{"parallelism": {"tensor_parallel": 2}}')
+    (tmp_path / "tp2.json").write_text('{"parallelism": {"tensor_parallel": 2}, "fusions": {"norm_stats": true}}')
     for flags, want in ((["--baseline-plan", str(tmp_path / "none.json")], "none.json: No such file"),
                         (["--seed-plans", str(tmp_path / "plan.json")], "is not a valid plan"),
-                        (["--baseline-plan", str(tmp_path / "tp2.json")], "tensor_parallel=2: the compile searches plans of one device"),
+                        (["--baseline-plan", str(tmp_path / "tp2.json")], "norm_stats adds the residual inside o_proj / down_proj, before the all-reduce"),
                         (["--traffic", str(tmp_path / "plan.json")], "invalid traffic shape")):
         rc = _compile(["--model", "random:tiny", "--traffic", "chat", "--out", str(out), "--quiet", *flags])
         assert rc == 1 and want in capsys.readouterr().err, flags

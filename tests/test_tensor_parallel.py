@@ -105,7 +105,7 @@ def test_plans_swap_on_every_rank_and_another_degree_is_refused(whole):
         before = eng.plan
         for bad, why in ((Plan(), "tensor_parallel=1: this engine runs at tensor_parallel=2"),
                          (Plan(parallelism={"tensor_parallel": 2}, fusions={"linear_norm": True}),
-                          "fusions \\['linear_norm'\\] add the residual inside o_proj")):
+                          "linear_norm adds the residual inside o_proj / down_proj, before the all-reduce")):
             for call in (eng.check_plan, eng.apply_plan):
                 with pytest.raises(ValueError, match=why):
                     call(bad)
