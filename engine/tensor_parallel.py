@@ -65,8 +65,9 @@ def shard_weights(w: Weights, cfg: ModelConfig, tp: int, rank: int) -> Weights:
 
 class TensorParallel:
     """One rank's place in a degree-``size`` group and the collectives of its step. Collectives are
-    skipped on a thread inside ``local_only()`` (compile-ahead passes: they launch a rank's kernels
-    to compile them, and no other rank joins)."""
+    skipped on a thread inside ``local_only()``: a call one rank makes alone (the per-op profile's
+    extra lm_head + argmax; bench/tp_probe.py timing one rank's share in one process). Compile-ahead
+    passes need none of it: they run the plan's own ops, unwrapped."""
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
