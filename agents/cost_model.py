@@ -458,11 +458,13 @@ class CostModel:
         if once is not None:
             with self._lock:
                 self._once.setdefault(_head_key(plan, spec), []).append(once)
+        tp = plan.parallelism.tensor_parallel
         if m.per_op_ms:
             with self._lock:
                 for op, ms in m.per_op_ms.items():
                     raw, bare, n = rooflines.get(op, (0.0, 0.0, 1))
                     if raw > 0:
+                        ms = max(ms - self._collectives_in(op, spec, tp, n), 0.05 * ms)
                         ch = plan.choice(op)
                         keys = [_fit_key(op, ch.impl, ch.params), _fit_key(op, ch.impl)]
                         if op in PROJECTIONS:
@@ -478,6 +480,17 @@ class CostModel:
                     if self.fusion_steps:
                         self._fits.setdefault(_step_key(spec.mode, plan.fusions), _Fit()).add(
                             m.median_ms / per_op_only)
+
+    def _collectives_in(self, op: str, spec: BenchSpec, tp: int, calls: int) -> float:
+        """The ms of collectives a split model runs inside ``op``'s measured time (the all-reduce after
+        each o_proj / down_proj, the logits' gather in lm_head), by the link's figures: taken out
+        before the fit, since ``predict`` adds them on their own. Without it a compile at degree 2
+        fitted them into o/down and its predictions for other degrees counted them twice."""
+        if tp <= 1 or self.hw.link_gbps <= 0:
+            return 0.0
+        if op in ("o_proj", "down_proj"):
+            return calls * self.allreduce_ms(spec, tp) / 2
+        return self.gather_ms(spec, tp) if op == "lm_head" else 0.0
 
     def _step_fit(self, plan: Plan, mode: str) -> _Fit | None:
         """The whole-step factor for ``plan``: fitted on plans with its fusions, else on the plans whose

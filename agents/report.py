@@ -384,8 +384,9 @@ def write_report(
                  "(less the fusions that add the residual inside o/down: `folded_norm`, `linear_norm`, "
                  "`norm_stats`).")
         if degree > 1:
-            L.append(f"At degree {degree} the fitted op times hold the all-reduces that follow o_proj and down_proj "
-                     "(they run inside those ops): predictions for other degrees count them twice.")
+            L.append(f"At degree {degree} the measured o_proj, down_proj and lm_head times hold their collectives; "
+                     "the fit takes out the link figures' estimate of them, so the predictions for other degrees "
+                     "are as good as those figures.")
     if tp_measured:
         L += tp_measured_table(tp_measured)
     if calibration:

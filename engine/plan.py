@@ -322,7 +322,7 @@ def check_parallelism(plan: Plan, running: int | None = None, devices: int | Non
         )
     if devices is not None and tp > devices:
         raise ValueError(f"parallelism.tensor_parallel={tp}: only {devices} device(s) from the engine's on")
-    split = [why for f, why in fusion_blockers(plan).items() if f in RESIDUAL_IN_PROJECTION_FUSIONS]
+    split = [why for f, why in fusion_blockers(plan).items() if f in RESIDUAL_IN_PROJECTION_FUSIONS] if tp > 1 else []
     if split:  # before the weights load (the op table would refuse it too)
         raise ValueError("; ".join(split))
 
