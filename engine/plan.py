@@ -321,7 +321,8 @@ def check_parallelism(plan: Plan, running: int | None = None, devices: int | Non
             f"and KV cache are split at start); start an engine with this plan to run degree {tp}"
         )
     if devices is not None and tp > devices:
-        raise ValueError(f"parallelism.tensor_parallel={tp}: only {devices} device(s) from the engine's on")
+        raise ValueError(f"parallelism.tensor_parallel={tp} needs {tp} GPUs, one a rank, from the engine's "
+                         f"device on; {devices} visible there")
     split = [why for f, why in fusion_blockers(plan).items() if f in RESIDUAL_IN_PROJECTION_FUSIONS] if tp > 1 else []
     if split:  # before the weights load (the op table would refuse it too)
         raise ValueError("; ".join(split))

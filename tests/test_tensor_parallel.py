@@ -247,3 +247,11 @@ def test_a_worker_that_cannot_start_is_named_at_once(monkeypatch):
         engine(2)
     assert time.monotonic() - t0 < 30
     assert not torch.distributed.is_initialized()
+
+
+def test_a_degree_above_the_visible_gpus_is_refused_with_both_numbers():
+    from anneal.engine.plan import check_parallelism
+
+    with pytest.raises(ValueError, match="tensor_parallel=4 needs 4 GPUs, one a rank, .* 2 visible there"):
+        check_parallelism(Plan(parallelism={"tensor_parallel": 4}), devices=2)
+    check_parallelism(Plan(parallelism={"tensor_parallel": 2}), devices=2)
