@@ -112,6 +112,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
             "config": e.config.model_dump(mode="json"),
             "plan": e.plan.model_dump(mode="json"),
             "plan_hash": e.plan.hash,
+            "tensor_parallel": {"degree": e.tp.size, "devices": e.tp_devices()},
             "kv": {"num_blocks": e.blocks.num_blocks, "free_blocks": e.blocks.num_free_blocks,
                    "block_size": e.blocks.block_size},
             "ops": {op: sorted(v) for op, v in variants.items()},

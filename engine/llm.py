@@ -239,6 +239,10 @@ class Engine:
             self.runner.workers = self.workers
         self._starting = False
 
+    def tp_devices(self) -> list[str]:
+        """Each rank's device, rank 0's first (one entry at degree 1)."""
+        return [str(rank_device(self.device, r)) for r in range(self.tp.size)]
+
     def _waiting_on_workers(self) -> bool:
         """Whether rank 0 may be in a collective now: starting, or inside a mirrored runner call."""
         runner = getattr(self, "runner", None)

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -158,7 +159,8 @@ def test_close_stops_the_workers():
 
 
 def test_serve_at_degree_two_answers_the_openai_client():
-    server = LiveServer("--tensor-parallel-size", "2", "--max-model-len", "256", "--num-kv-blocks", "128").wait_ready()
+    server = LiveServer("--tensor-parallel-size", "2", "--max-model-len", "256", "--num-kv-blocks", "128",
+                        env={"ANNEAL_ADMIN_TOKEN": "tok"}).wait_ready()
     workers = subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", "anneal.engine.tp_workers"],
                              capture_output=True, text=True).stdout.split()
     try:
@@ -167,6 +169,10 @@ def test_serve_at_degree_two_answers_the_openai_client():
         a = client.completions.create(model="random:tiny", prompt="Hello", max_tokens=8, temperature=0)
         b = client.completions.create(model="random:tiny", prompt="Hello", max_tokens=8, temperature=0)
         assert a.usage.completion_tokens == 8 and a.choices[0].text == b.choices[0].text
+        state = httpx.get(f"http://127.0.0.1:{server.admin_port}/admin/state",
+                          headers={"Authorization": "Bearer tok"}, timeout=60).json()
+        assert state["tensor_parallel"] == {"degree": 2, "devices": ["cpu", "cpu"]}
+        assert state["plan"]["parallelism"]["tensor_parallel"] == 2
     finally:
         assert server.stop() == 0
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers)  # stopped with the server
