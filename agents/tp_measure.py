@@ -19,13 +19,13 @@ from anneal.agents.engine_client import EngineError
 from anneal.agents.local_engines import LocalEngines
 from anneal.agents.types import BenchSpec
 from anneal.agents.space import normalized
-from anneal.engine.plan import Parallelism, Plan
+from anneal.engine.plan import Plan
 
 
 def at_degree(plan: Plan, degree: int) -> Plan:
     """``plan`` split ``degree`` ways: its fusions a split model refuses left out (``normalized``
     drops what ``plan.fusion_blockers`` names)."""
-    return normalized(plan.model_copy(update={"parallelism": Parallelism(tensor_parallel=degree)}))
+    return normalized(plan.with_tensor_parallel(degree))
 
 
 def degrees_to_measure(asked: list[int] | None, recommended: int | None) -> list[int]:
@@ -43,7 +43,7 @@ def measure_degrees(model: str, device: str, out: Path, plan: Plan, spec: BenchS
     rows = []
     for d in degrees:
         p = at_degree(plan, d)
-        predicted = predict(p, d)  # inf where the hardware has no link figures (the CPU)
+        predicted = predict(p, d)  # inf where the hardware has no link figures (a GPU without a data sheet)
         row: dict[str, Any] = {"degree": d, "plan_hash": p.hash,
                                "predicted_ms": round(predicted, 4) if math.isfinite(predicted) else None}
         folder = out / f"tp{d}"

@@ -37,14 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[(7 * i + 13 * j) % 250 + 1 for j in range(12 + 5 * i)] for i in range(4)]
 
 
-def with_degree(plan: Plan, degree: int) -> Plan:
-    return plan.model_copy(update={"parallelism": plan.parallelism.model_copy(update={"tensor_parallel": degree})})
-
-
 def measure(args, plan: Plan, degree: int) -> dict:
     """One engine at ``degree``: its start-up, decode steps, workload replay and greedy tokens."""
     t0 = time.perf_counter()
-    engine = Engine(EngineArgs(model=args.model, device=args.device, plan=with_degree(plan, degree),
+    engine = Engine(EngineArgs(model=args.model, device=args.device, plan=plan.with_tensor_parallel(degree),
                                max_model_len=args.max_model_len))
     start_s = time.perf_counter() - t0
     try:

@@ -126,11 +126,11 @@ def resolve_device(device: str) -> torch.device:
     return d
 
 
-def _device_count(device: torch.device) -> int:
-    """Devices a tensor-parallel engine on ``device`` can use: the GPUs from it on, or the CPU's
-    processes (any number)."""
+def _device_count(device: torch.device) -> int | None:
+    """GPUs a tensor-parallel engine on ``device`` can use, from it on; None on the CPU, whose ranks
+    are processes sharing it (the plan bounds the degree)."""
     if device.type != "cuda":
-        return 8
+        return None
     return torch.cuda.device_count() - (device.index or 0)
 
 

@@ -309,6 +309,11 @@ class Plan(_Strict):
     def with_ops(self, **choices: OpChoice) -> "Plan":
         return self.model_copy(update={"ops": {**self.ops, **choices}})
 
+    def with_tensor_parallel(self, degree: int) -> "Plan":
+        """This plan split ``degree`` ways (ValueError outside 1-8); nothing else changed or checked
+        (``check_parallelism`` says what a split plan cannot keep)."""
+        return self.model_copy(update={"parallelism": Parallelism(tensor_parallel=degree)})
+
 
 def check_parallelism(plan: Plan, running: int | None = None, devices: int | None = None) -> None:
     """Refuse a plan whose parallelism this engine cannot run (ValueError): a degree other than the

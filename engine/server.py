@@ -313,14 +313,12 @@ def _plan_from_args(args: argparse.Namespace, device: str) -> Any:
         }.items()
         if v is not None
     }
-    tp = getattr(args, "tensor_parallel_size", None)
-    if knobs or tp is not None:
+    if knobs:
         data = plan.model_dump(mode="json")
         data["scheduler"].update(knobs)
-        if tp is not None:
-            data["parallelism"]["tensor_parallel"] = tp
         plan = Plan.model_validate(data)
-    return plan
+    tp = getattr(args, "tensor_parallel_size", None)
+    return plan if tp is None else plan.with_tensor_parallel(tp)
 
 
 def build_engine(args: argparse.Namespace) -> Any:

@@ -32,9 +32,7 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             plan = default_plan(str(resolve_device(args.device)))
         if args.tensor_parallel_size is not None:
-            data = plan.model_dump(mode="json")
-            data["parallelism"]["tensor_parallel"] = args.tensor_parallel_size
-            plan = type(plan).model_validate(data)  # checks the degree's bounds
+            plan = plan.with_tensor_parallel(args.tensor_parallel_size)
         engine = Engine(EngineArgs(model=args.model, device=args.device, layers=args.layers, plan=plan))
         tok = load_tokenizer(args.model, engine.config.vocab_size, engine.config.eos_token_ids)
     except (OSError, ValueError, RuntimeError, TokenizerError) as e:
