@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import Plan, token_graph_size
+from anneal.engine.plan import COLLECTIVES, Plan, token_graph_size
 from anneal.agents.types import BenchSpec, EngineState, HardwareSpec, Measurement, ModelShape, Prediction
 
 # Data-sheet numbers (dense bf16; per-direction NVLink per GPU). Microbenchmarks override bandwidth
@@ -57,20 +57,24 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 PROJECTION_FAMILY = "projections"
 # The plan ops behind what a decode step runs once, whatever its layer count.
 HEAD_OPS = ("embedding", "lm_head", "argmax")
+# The fits of the collectives a split engine times as ops of their own (``plan.COLLECTIVES``) are keyed
+# ``<collective>/link``: one link, whatever the plan.
+COLLECTIVE_IMPL = "link"
 
 
 def once_a_step_ms(per_op_ms: dict[str, float]) -> float | None:
     """What a decode step runs once, from the engine's per-op timing of it: the embedding and the
     head. A plan with the fused lm_head + argmax runs that in its graph in place of lm_head and
-    argmax (the engine times it beside its eager steps, which still call the two). None when the
-    timing has no head (a prompt step's, a fake engine's)."""
+    argmax (the engine times it beside its eager steps, which still call the two). A split engine
+    times the gather of the head's logits apart (``gather_logits``). None when the timing has no head
+    (a prompt step's, a fake engine's)."""
     if "lm_head_argmax" in per_op_ms:
         head = per_op_ms["lm_head_argmax"]
     elif "lm_head" in per_op_ms:
         head = per_op_ms["lm_head"] + per_op_ms.get("argmax", 0.0)
     else:
         return None
-    return head + per_op_ms.get("embedding", 0.0)
+    return head + per_op_ms.get("embedding", 0.0) + per_op_ms.get("gather_logits", 0.0)
 
 
 def _head_key(plan: Plan, spec: BenchSpec) -> tuple[int, str]:
@@ -365,7 +369,7 @@ class CostModel:
             else:
                 per_op[name] = raw * (fit.factor if fit else 1.0)
             corrected |= fit is not None
-        total = sum(per_op.values()) + layers * self.allreduce_ms(spec, tp) + self.gather_ms(spec, tp)
+        total = sum(per_op.values()) + sum(self.collective_ms(c, spec, tp, calibrated=calibrated) for c in COLLECTIVES)
         if calibrated and step_factor:
             step = self._step_fit(plan, spec.mode)
             if step is not None:
@@ -430,24 +434,44 @@ class CostModel:
         return sum(self.roofline_ms(OpCost(c.bytes, c.flops, launches=0)) * (layers if op in PER_LAYER_OPS else 1)
                    for op, c in _costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1).items())
 
-    def allreduce_ms(self, spec: BenchSpec, tp: int) -> float:
-        """Two ring all-reduces of the hidden state per layer under tensor parallelism."""
-        if tp <= 1:
-            return 0.0
-        if self.hw.link_gbps <= 0:
-            return math.inf
-        nbytes = step_tokens(spec) * self.shape.hidden_size * self.shape.dtype_bytes
-        one = 2.0 * (tp - 1) / tp * nbytes / (self.hw.link_gbps * 1e9) * 1e3
-        return 2 * (one + self.hw.link_latency_us / 1e3)
+    def _collective(self, name: str, spec: BenchSpec, tp: int) -> tuple[float, float, int]:
+        """The step's ``name`` collectives at degree ``tp`` by the link's figures: (ms of all its calls,
+        bare ms a call: its bytes over the link without the latency, calls a step)."""
+        b = self.shape.dtype_bytes
+        if name == "all_reduce":  # a ring: each rank sends and receives 2 (tp - 1) / tp of the hidden state
+            nbytes, share = step_tokens(spec) * self.shape.hidden_size * b, 2.0 * (tp - 1) / tp
+            calls = 2 * (self.layers or self.shape.num_layers)  # after o_proj and after down_proj
+        else:  # gather_logits: the sampled rows' logits, each rank holding V / tp of them
+            nbytes, share, calls = spec.batch_size * self.shape.vocab_size * b, (tp - 1) / tp, 1
+        bare = share * nbytes / (self.hw.link_gbps * 1e9) * 1e3
+        return calls * (bare + self.hw.link_latency_us / 1e3), bare, calls
 
-    def gather_ms(self, spec: BenchSpec, tp: int) -> float:
-        """The step's one all-gather of its sampled rows' logits (each rank holds V/tp of them)."""
+    def collective_ms(self, name: str, spec: BenchSpec, tp: int, calibrated: bool = True) -> float:
+        """The ms a step spends in ``name`` (``plan.COLLECTIVES``) at degree ``tp``. From the link's
+        figures (the data sheet's bandwidth and latency) until a split engine's per-op profile has
+        timed the collective; then, calibrated, from its fit: the line ``fixed + slope x bytes over
+        the link`` a call once the sizes seen span ``LINE_SPREAD`` (the fixed part is the measured
+        latency), else the figures times the measured factor."""
         if tp <= 1:
             return 0.0
         if self.hw.link_gbps <= 0:
             return math.inf
-        nbytes = spec.batch_size * self.shape.vocab_size * self.shape.dtype_bytes
-        return (tp - 1) / tp * nbytes / (self.hw.link_gbps * 1e9) * 1e3 + self.hw.link_latency_us / 1e3
+        figure, bare, calls = self._collective(name, spec, tp)
+        if calibrated:
+            with self._lock:
+                fit = self._fits.get(_fit_key(name, COLLECTIVE_IMPL))
+            if fit and fit.n:
+                line = fit.line if self.lines else None
+                return calls * (line[0] + line[1] * bare) if line else figure * fit.factor
+        return figure
+
+    def allreduce_ms(self, spec: BenchSpec, tp: int, calibrated: bool = True) -> float:
+        """A layer's two all-reduces of the hidden state under tensor parallelism."""
+        return self.collective_ms("all_reduce", spec, tp, calibrated) / (self.layers or self.shape.num_layers)
+
+    def gather_ms(self, spec: BenchSpec, tp: int, calibrated: bool = True) -> float:
+        """The step's one all-gather of its sampled rows' logits (each rank holds V/tp of them)."""
+        return self.collective_ms("gather_logits", spec, tp, calibrated)
 
     # ---- calibration ---------------------------------------------------------------------------
 
@@ -460,11 +484,21 @@ class CostModel:
                 self._once.setdefault(_head_key(plan, spec), []).append(once)
         tp = plan.parallelism.tensor_parallel
         if m.per_op_ms:
+            # An engine that times its collectives apart reports projections without them; one that
+            # does not (before session 35) has them inside o/down/lm_head, taken out by the figures.
+            apart = any(c in m.per_op_ms for c in COLLECTIVES)
+            figures = {c: self._collective(c, spec, tp) for c in COLLECTIVES
+                       if c in m.per_op_ms and tp > 1 and self.hw.link_gbps > 0}
             with self._lock:
                 for op, ms in m.per_op_ms.items():
+                    if op in figures:
+                        figure, bare, calls = figures[op]
+                        self._fits.setdefault(_fit_key(op, COLLECTIVE_IMPL), _Fit()).add(ms / figure, bare, ms / calls)
+                        continue
                     raw, bare, n = rooflines.get(op, (0.0, 0.0, 1))
                     if raw > 0:
-                        ms = max(ms - self._collectives_in(op, spec, tp, n), 0.05 * ms)
+                        if not apart:
+                            ms = max(ms - self._collectives_in(op, spec, tp, n), 0.05 * ms)
                         ch = plan.choice(op)
                         keys = [_fit_key(op, ch.impl, ch.params), _fit_key(op, ch.impl)]
                         if op in PROJECTIONS:
@@ -482,15 +516,16 @@ class CostModel:
                             m.median_ms / per_op_only)
 
     def _collectives_in(self, op: str, spec: BenchSpec, tp: int, calls: int) -> float:
-        """The ms of collectives a split model runs inside ``op``'s measured time (the all-reduce after
+        """The ms of collectives a split model ran inside ``op``'s measured time (the all-reduce after
         each o_proj / down_proj, the logits' gather in lm_head), by the link's figures: taken out
         before the fit, since ``predict`` adds them on their own. Without it a compile at degree 2
-        fitted them into o/down and its predictions for other degrees counted them twice."""
+        fitted them into o/down and its predictions for other degrees counted them twice. Only for
+        per-op timings from before the engine timed its collectives apart (ledgers of session 34)."""
         if tp <= 1 or self.hw.link_gbps <= 0:
             return 0.0
         if op in ("o_proj", "down_proj"):
-            return calls * self.allreduce_ms(spec, tp) / 2
-        return self.gather_ms(spec, tp) if op == "lm_head" else 0.0
+            return calls * self.allreduce_ms(spec, tp, calibrated=False) / 2
+        return self.gather_ms(spec, tp, calibrated=False) if op == "lm_head" else 0.0
 
     def _step_fit(self, plan: Plan, mode: str) -> _Fit | None:
         """The whole-step factor for ``plan``: fitted on plans with its fusions, else on the plans whose

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -21,6 +22,8 @@ def environment() -> dict:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
     }
     try:
         import triton
@@ -45,6 +48,18 @@ def environment() -> dict:
         except (OSError, subprocess.SubprocessError):
             pass
     return env
+
+
+def _cpu_model() -> str:
+    """The host CPU's model name: a plan without overlap scheduling spends host time in every decode
+    step, so a replay's ratio to it can move with the host (session 35: `triton.json`'s chat decode
+    steps ran 4-8% faster than in session 31 on another lease of the same GPU; host or code, not told
+    apart then)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor()
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 * 2**30, reps: int = 20) -> float:

@@ -9,6 +9,7 @@ and warm-up steps are never counted. Reports the median and p10/p90 over repetit
 from __future__ import annotations
 
 from collections import Counter
+import copy
 import random
 import statistics
 import time
@@ -118,13 +119,13 @@ def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps:
     clock on the CPU. On the GPU the device first sleeps while the host queues the op, so the events
     time its kernels back to back. Without that they timed the host's launches: on an H200 (8B shape,
     2 layers, batch 12) the ops summed to 1.51-1.64 ms for a 0.575 ms graph step (add_rmsnorm
-    240-266 µs against 21); with it, 0.622 ms."""
-    ops = engine.runner.ops
+    240-266 µs against 21); with it, 0.622 ms.
+    At tensor-parallel degree > 1 the plan's ops are timed apart from the collectives the split adds
+    (``plan.COLLECTIVES``: ``all_reduce``, ``gather_logits``), each its own entry, so a
+    projection's time is its kernels' and the link's cost is measured, not inferred."""
+    runner = engine.runner
     cuda = engine.device.type == "cuda"
     calls: list[tuple[str, Any, Any]] = []
-    originals = {name: getattr(ops, name) for name in ops.choices}
-    fused = [n for n in ops.FUSED if getattr(ops, n, None) is not None]
-    originals.update({n: getattr(ops, n) for n in fused})
 
     def wrap(name, fn):
         def timed(*a, **k):
@@ -142,32 +143,36 @@ def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps:
             return out
         return timed
 
+    plan_ops, serving = runner.plan_ops, runner.model.ops
+    timed = copy.copy(plan_ops)
+    for name in [*plan_ops.choices, *(n for n in plan_ops.FUSED if getattr(plan_ops, n, None) is not None)]:
+        setattr(timed, name, wrap(name, getattr(plan_ops, name)))
+
     # The fused lm_head + argmax runs only inside decode graphs, never in the eager steps timed
     # here (they call lm_head and argmax): timed on its own beside each step, so what a step runs
     # once whatever its layer count has a time for every plan (agents/cost_model.once_a_step_ms).
-    runner = engine.runner
-    head = None
-    if decode_only and ops.lm_head_argmax is not None:
+    # The serving table's, timed whole: at degree > 1 it gathers the logits, left out by local_only.
+    head = head_argmax = None
+    if decode_only and serving.lm_head_argmax is not None:
         head = torch.randn(len(items), engine.config.hidden_size, dtype=runner.dtype, device=engine.device)
+        head_argmax = wrap("lm_head_argmax", serving.lm_head_argmax)
 
     def step() -> None:
         runner.run(items, decode_only)
         if head is not None:
             with runner.tp.local_only():  # rank 0 alone: the other ranks run only the mirrored step
-                ops.lm_head_argmax(head, runner.model.w.lm_head)
+                head_argmax(head, runner.model.w.lm_head)
 
     try:
         with runner.eager():
-            for name, fn in originals.items():
-                setattr(ops, name, wrap(name, fn))
+            runner.model.ops = runner.tp.wrap(timed, around=wrap)
             step()  # warm-up, not counted
             calls.clear()
             for _ in range(steps):
                 step()
             _sync(engine)
     finally:
-        for name, fn in originals.items():
-            setattr(ops, name, fn)
+        runner.model.ops = serving
     # each op's time in each step, then the median step, which one slow step (a host stall, a
     # kernel built on a late first call) does not move. Session 26's chat compile (8B, 2 layers):
     # in 21 of 669 decode timings the ops summed to over 1.5x the graph step, rmsnorm once 2.84 ms

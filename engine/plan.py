@@ -225,6 +225,12 @@ class Parallelism(_Strict):
     tensor_parallel: int = Field(1, ge=1, le=8)
 
 
+# What a split step adds to the plan's ops, by the names the engine's per-op profile times them under
+# (engine/benchmark.py) and the cost model fits them by: the all-reduce after each o_proj / down_proj,
+# and the one gather of the lm_head's logits.
+COLLECTIVES = ("all_reduce", "gather_logits")
+
+
 class KernelSource(_Strict):
     """Source of an agent-written kernel registered as variant ``impl`` of ``op``."""
 

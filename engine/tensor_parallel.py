@@ -22,6 +22,7 @@ import contextlib
 import copy
 import datetime
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -128,20 +129,25 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def wrap(self, ops: OpTable) -> OpTable:
+    def wrap(self, ops: OpTable, around: Callable[[str, Callable], Callable] | None = None) -> OpTable:
         """``ops`` with the rank's collectives: an all-reduce after o_proj and down_proj (and the fused
-        SiLU + down), the lm_head's logits gathered, the fused lm_head + argmax on the whole row."""
+        SiLU + down), the lm_head's logits gathered, the fused lm_head + argmax on the whole row.
+        ``around(name, fn)`` wraps each collective (``plan.COLLECTIVES``) as an op of its own: the per-op
+        profile times them apart from the projections they follow."""
         if self.size == 1:
             return ops
         out = copy.copy(ops)
+        all_reduce, gather = self.all_reduce, self.gather_vocab
+        if around is not None:
+            all_reduce, gather = around("all_reduce", all_reduce), around("gather_logits", gather)
 
         def reduced(fn):
             def run(*args, **kw):
-                return self.all_reduce(fn(*args, **kw))
+                return all_reduce(fn(*args, **kw))
             return run
 
         def lm_head(h, w):
-            return self.gather_vocab(ops.lm_head(h, w))
+            return gather(ops.lm_head(h, w))
 
         out.o_proj, out.down_proj, out.lm_head = reduced(ops.o_proj), reduced(ops.down_proj), lm_head
         if ops.silu_mul_down is not None:

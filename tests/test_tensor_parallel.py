@@ -15,8 +15,9 @@ import openai
 import pytest
 import torch
 
+from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
 from anneal.engine.llm import Engine, EngineArgs
-from anneal.engine.plan import Plan
+from anneal.engine.plan import COLLECTIVES, Plan
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.tensor_parallel import shard_config, shard_weights
 from anneal.engine.sequence import Sequence
@@ -127,6 +128,30 @@ def test_verification_runs_on_every_rank():
         assert {c.name for c in report.checks} >= {"quality", "kv_contamination"}
     finally:
         eng.close()
+
+
+def test_the_per_op_profile_times_the_collectives_apart_from_the_projections():
+    """At degree 2 an all-reduce follows each o_proj / down_proj and a gather each lm_head; the
+    per-op profile times them as ops of their own (``plan.COLLECTIVES``), so a projection's time is
+    its kernel's and the cost model fits the link from what it measured. Under gloo on the CPU a
+    collective is a host round trip (~1 ms), so a projection that still held one would show it."""
+    spec = BenchmarkRequest(mode="decode", batch_size=3, context_len=20, steps=2, warmup=1, per_op=True)
+    one = engine(1)
+    try:
+        whole = run_benchmark(one, spec).per_op_ms
+    finally:
+        one.close()
+    two = engine(2)
+    try:
+        split = run_benchmark(two, spec).per_op_ms
+        assert two.runner.model.ops.o_proj is not two.runner.plan_ops.o_proj  # the serving table is back
+    finally:
+        two.close()
+    assert not set(COLLECTIVES) & set(whole) and set(COLLECTIVES) <= set(split)
+    layers = len(two.runner.model.w.layers)
+    # two all-reduces a layer and one gather, each slower than any projection call around it
+    assert split["all_reduce"] / (2 * layers) > max(split["o_proj"], split["down_proj"]) / layers
+    assert split["gather_logits"] > split["lm_head"]
 
 
 @pytest.mark.parametrize("plan, why", [
