@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from anneal.engine.plan import CompiledPlan, Plan
-from anneal.agents.cost_model import PROJECTION_FAMILY, PROJECTIONS, CostModel, replay_headroom
+from anneal.agents.cost_model import COLLECTIVE_IMPL, PROJECTION_FAMILY, PROJECTIONS, CostModel, replay_headroom
 from anneal.agents.types import Experiment, Measurement
 
 
@@ -205,10 +205,13 @@ STEP_SET_ROWS = 8  # the cost-model table's step rows for fusion sets: the most 
 
 
 def _calibration_label(key: str) -> str:
-    """``step/decode|a,b`` (the cost model's whole-step fit per fusion set) and ``projections/<impl>``
-    (the projections' shared line, ``cost_model.PROJECTION_FAMILY``) as words."""
+    """``step/decode|a,b`` (the cost model's whole-step fit per fusion set), ``projections/<impl>``
+    (the projections' shared line, ``cost_model.PROJECTION_FAMILY``) and ``<collective>/link`` as words."""
     if key.startswith(PROJECTION_FAMILY + "/"):
         return f"{key}: one line over {', '.join(PROJECTIONS)} (how a tensor-parallel rank's share scales)"
+    if key.endswith("/" + COLLECTIVE_IMPL):
+        return (f"{key}: the split engine's collective as timed (fixed: its latency a call; roofline: its bytes "
+                f"over the data sheet's link)")
     if not key.startswith("step/"):
         return key
     mode, sep, fusions = key.partition("|")

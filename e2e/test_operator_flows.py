@@ -18,7 +18,7 @@ import time
 import pytest
 import yaml
 
-from anneal.engine.plan import Plan
+from anneal.engine.plan import CompiledPlan, Plan
 from cluster import operator_chart as chart
 from cluster.operator_chart import OPERATOR_NS, OPERATOR_SELECTOR, module_namespace
 from cluster.waiting import wait_for
@@ -383,6 +383,39 @@ def test_real_compile_on_cpu_engines(anneal):
     compiled = CompiledPlan.model_validate_json(result["data"]["plan.json"])
     assert compiled.plan_hash == st["resultPlanHash"] and compiled.verification["passed"] is True
     wait_for(lambda: not _engine_pods(c, ns, "tiny"), 60, "CPU engines released")
+
+
+def test_a_job_for_a_split_deployment_compiles_at_its_degree(anneal):
+    """A deployment whose plan splits random:tiny two ways (a gloo worker beside each engine on the
+    runner node): the job's tier engines start split as its replicas run (`--tensor-parallel-size 2`),
+    the real coordinator searches at that degree, and the plan it proposes keeps it, so the
+    deployment can apply it. A degree-1 winner would leave the replicas' second rank with nothing."""
+    c, ns = anneal, namespace(anneal, "anneal-cjob-tp")
+    small = {"requests": {"cpu": "100m", "memory": "512Mi"}}
+    apply(c, ns, idep("split", model="random:tiny", replicas=1, gpus=0, resources=small,
+                      plan={"inline": {"parallelism": {"tensor_parallel": 2}}},
+                      serving={"extraArgs": ["--host", "$(POD_IP)"]}))
+    wait_for(lambda: status(c, "infdep", "split", ns).get("phase") == "Ready", 180, "split Ready")
+    apply(c, ns, cjob("tp2", "split", budget="40s", deadline="15m", tiers={"fastLayers": 1},
+                      agents=["scheduler-tuner", "graph-buckets"],
+                      coordinator={"resources": small}))
+    last: dict = {}
+
+    def finished():
+        last.update(status(c, "cjob", "tp2", ns))
+        return last.get("phase") in ("Succeeded", "Failed") and dict(last)
+
+    tiers = wait_for(lambda: len(p := _engine_pods(c, ns, "tp2")) == 2 and p, 120, "tier pods")
+    for pod in tiers:
+        args = pod["spec"]["containers"][0]["args"]
+        assert args[args.index("--tensor-parallel-size") + 1] == "2", args
+    st = wait_for(finished, 600, "tp2 finished")
+    logs = "".join(c.pod_log(ns, p["metadata"]["name"])[-4000:] for p in listing(c, "pods", ns, "job-name=tp2-coordinator"))
+    assert st["phase"] == "Succeeded", (st, logs)
+    compiled = CompiledPlan.model_validate_json(get(c, "configmap", "tp2-result", ns)["data"]["plan.json"])
+    assert compiled.plan.parallelism.tensor_parallel == 2 and compiled.verification["passed"] is True
+    proposed = wait_for(lambda: status(c, "infdep", "split", ns).get("proposedPlan"), 60, "proposedPlan")
+    assert proposed["hash"] == compiled.plan_hash
 
 
 def test_preview_job_proposes_without_applying(anneal):

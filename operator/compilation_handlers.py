@@ -67,6 +67,14 @@ def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -
             return None, ("SeedInvalidPlan", f"spec.seedPlans[{i}]: not a valid plan: {exc}"[:500])
         seeds.append(plan.model_dump_json())
     target = dataclasses.replace(target, seed_plans=tuple(seeds))
+    if deployment is not None:  # the tiers run at the degree of the plan its replicas serve
+        try:
+            served = plan_source.resolve(spec.target.inference_deployment, deployment, lambda cm: kube.config_map(namespace, cm))
+        except plan_source.PlanError as err:
+            return None, (f"Target{err.reason}", f"InferenceDeployment {spec.target.inference_deployment!r}: {err.message}"[:500])
+        except ValidationError as exc:
+            return None, ("TargetInvalidPlan", f"InferenceDeployment {spec.target.inference_deployment!r}: {exc}"[:500])
+        target = dataclasses.replace(target, tensor_parallel=served.plan.parallelism.tensor_parallel)
     if spec.llm is not None:
         secret = kube.get("v1", "Secret", spec.llm.credentials.name, namespace)
         if secret is None:

@@ -34,6 +34,9 @@ class Target:
     serving: Serving = field(default_factory=Serving)
     deployment: str | None = None
     seed_plans: tuple[str, ...] = ()  # plan JSON of spec.seedPlans, read when the job was resolved
+    # the deployment's plan's parallelism.tensor_parallel: the tiers start split as its replicas run,
+    # so the search measures (and its winner keeps) the degree the deployment can apply
+    tensor_parallel: int = 1
 
 
 def resolve_target(
@@ -82,6 +85,7 @@ def tier_pod(job: str, namespace: str, tier: str, spec: CompilationJobSpec, targ
         serving=target.serving,
         model_volume=target.model_volume,
         layers=spec.tiers.fast_layers if tier == "fast" else None,
+        tensor_parallel=target.tensor_parallel,
         run_as_user=settings.engine_run_as_user,
         bind_pod_ip=True,  # the coordinator dials pod IPs; two CPU engines may share a host
     )

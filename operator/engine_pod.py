@@ -30,6 +30,7 @@ class EngineConfig:
     model_volume: ModelVolume | None = None
     plan_config_map: str | None = None
     layers: int | None = None
+    tensor_parallel: int = 1  # ranks of a plan-less engine (a CompilationJob's tiers for a split deployment)
     pull_policy: str = "IfNotPresent"
     run_as_user: int = 10001
     bind_pod_ip: bool = False  # listen on the pod IP only (pods reached by IP, never port-forwarded)
@@ -49,6 +50,8 @@ def serve_args(cfg: EngineConfig) -> list[str]:
     layers = cfg.layers if cfg.layers is not None else cfg.serving.layers
     if layers is not None:
         args += ["--layers", str(layers)]
+    if cfg.tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(cfg.tensor_parallel)]
     args += ["--device", engine_device(cfg.serving, cfg.placement.gpus), *cfg.serving.extra_args]
     return args
 

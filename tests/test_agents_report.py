@@ -108,3 +108,6 @@ def test_the_cost_model_table_names_the_step_rows_and_keeps_the_most_observed_fu
     shared = calibration_table({"projections/reference": {"factor": 1.25, "n": 378, "fixed_us": 8.32, "slope": 0.968}})
     assert ("| projections/reference: one line over qkv_proj, o_proj, gate_up_proj, down_proj, lm_head (how a "
             "tensor-parallel rank's share scales) | 1.250 | 8.32 | 0.968 | 378 |") in "\n".join(shared)
+    link = "\n".join(calibration_table({"all_reduce/link": {"factor": 2.1, "n": 12, "fixed_us": 17.5, "slope": 1.4}}))
+    assert "| all_reduce/link: the split engine's collective as timed (fixed: its latency a call;" in link
+    assert "| 2.100 | 17.50 | 1.400 | 12 |" in link

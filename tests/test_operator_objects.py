@@ -139,6 +139,18 @@ def test_tier_pods_fast_loads_k_layers_and_they_repel_each_other(spread, key):
     assert _container(fast["spec"])["resources"]["limits"]["nvidia.com/gpu"] == "2"
 
 
+def test_tier_pods_of_a_split_deployment_start_at_its_degree():
+    """The tiers run the degree of the plan the deployment's replicas serve (resolved by the handler
+    into ``Target.tensor_parallel``): the search then measures, and its winner keeps, a degree the
+    deployment can apply. Degree 1 adds no flag."""
+    spec = cjob()
+    split = dataclasses.replace(_target(spec), tensor_parallel=2)
+    for tier in ("fast", "slow"):
+        args = _container(cobj.tier_pod("job1", "ml", tier, spec, split, SETTINGS)["spec"])["args"]
+        assert args[args.index("--tensor-parallel-size") + 1] == "2"
+        assert "--tensor-parallel-size" not in _container(cobj.tier_pod("job1", "ml", tier, spec, _target(spec), SETTINGS)["spec"])["args"]
+
+
 def test_coordinator_job_runs_anneal_compile_against_both_engines():
     spec = cjob(budget="30m", retries=3, agents=["plan-search", "llm-writer"],
                 llm={"credentials": {"name": "anthropic", "key": "k"}, "provider": "anthropic"})
