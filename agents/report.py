@@ -246,9 +246,10 @@ def calibration_table(calibration: dict[str, Any]) -> list[str]:
     """The cost model's fits (``CostModel.calibrations``): per op/impl, then the whole-step factors,
     the fusion sets' only for the ``STEP_SET_ROWS`` most observed."""
     L = ["", "Each op's time a call: `fixed µs + slope x its roofline` once shapes with different rooflines "
-         "were timed, else `correction x its roofline`. The `step` rows: a measured step over the sum of its "
-         "ops' predictions (the median over plans with that set of fusions, which the per-op timings of a "
-         "fused plan cannot place), the last factor of every step's prediction.", "",
+         "were timed, else `correction x its roofline`. The `step` rows: what a measured step leaves after "
+         "its once-a-step ops (lm_head, embedding, final norm), over its layers' ops' predictions (the median "
+         "over plans with that set of fusions, which the per-op timings of a fused plan cannot place), the "
+         "last factor on every step's layers.", "",
          "| op/impl | correction | fixed µs a call | slope | observations |", "|---|---|---|---|---|"]
     rows = [(k, v) for k, v in calibration.items() if k.count("/") == 1]
     sets = sorted((kv for kv in rows if "|" in kv[0] and not kv[0].endswith("|")), key=lambda kv: -kv[1]["n"])

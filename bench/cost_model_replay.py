@@ -24,6 +24,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from anneal.agents.cost_model import CostModel, shape_from_config
@@ -32,17 +33,46 @@ from anneal.agents.types import HardwareSpec
 from anneal.engine.presets import PRESETS
 
 
-def decode_experiments(ledger_path: Path) -> list:
-    """The ledger's measured fast-tier decode experiments, in the order they ran."""
+def _read(ledger_path: Path, read):
+    """``read(Ledger)`` on the ledger (gzipped or not), through a temporary copy."""
     with tempfile.TemporaryDirectory() as tmp:
         path = ledger_path
         if ledger_path.suffix == ".gz":
             path = Path(tmp) / "ledger.sqlite"
             with gzip.open(ledger_path) as src, open(path, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-        exps = Ledger(path).experiments(tier="fast", kind="benchmark")
+        return read(Ledger(path))
+
+
+def decode_experiments(ledger_path: Path) -> list:
+    """The ledger's measured fast-tier decode experiments, in the order they ran."""
+    exps = _read(ledger_path, lambda ledger: ledger.experiments(tier="fast", kind="benchmark"))
     return sorted((e for e in exps if e.spec and e.spec.mode == "decode" and e.measurement
                    and e.measurement.median_ms > 0), key=lambda e: e.id)
+
+
+def whole_model_errors(ledger_path: Path, exps: list, model: str, copy_gbps: float, layers: int) -> dict:
+    """The one whole-model decode step a compile measures (its winner served at each degree after
+    the search, ledger meta ``tp_measured``, from session 34 on) against each model's prediction from
+    every fast-tier step: what the tensor-parallel choice rests on. The spec is the fast tier's most
+    timed one (the compile's decode spec)."""
+    rows = _read(ledger_path, lambda ledger: ledger.get_meta("tp_measured")) or []
+    every = _read(ledger_path, lambda ledger: ledger.experiments())
+    plans = {e.plan.hash: e.plan for e in every if e.plan is not None}
+    spec = Counter(e.spec for e in exps).most_common(1)[0][0] if exps else None
+    out = {}
+    for row in rows:
+        plan = plans.get(row["plan_hash"])
+        if plan is None or "measured_ms" not in row or spec is None:
+            continue
+        for name, flags in ONLINE_MODELS.items():
+            cm = model_for(model, copy_gbps, layers, **flags)
+            for e in exps:
+                cm.observe(e.plan, e.spec, e.measurement)
+            ms = cm.whole_model(row["degree"]).predict(plan, spec, tp=row["degree"]).ms
+            out.setdefault(f"degree {row['degree']}", {})[name] = {
+                "predicted_ms": round(ms, 4), "measured_ms": row["measured_ms"], "error": round(ms / row["measured_ms"] - 1, 4)}
+    return out
 
 
 def timed_ops(ledger_path: Path) -> list:
@@ -56,11 +86,13 @@ def model_for(model: str, copy_gbps: float, layers: int, **flags) -> CostModel:
 
 
 # The whole step's prediction as the compile makes it, by session: factors and one step factor
-# (geometric mean over every plan); per-op lines; the step factor per fusion set, as a median.
+# (geometric mean over every plan); per-op lines; the step factor per fusion set, as a median; that
+# factor on the layers' part of the sum only (lm_head left as timed).
 ONLINE_MODELS = {
     "factors (before session 30)": dict(lines=False, fusion_steps=False),
     "lines (session 30)": dict(lines=True, fusion_steps=False),
-    "lines + fusion-set steps (session 31)": dict(lines=True, fusion_steps=True),
+    "lines + fusion-set steps (session 31)": dict(lines=True, fusion_steps=True, layer_steps=False),
+    "+ step factor on the layers (session 35)": dict(lines=True, fusion_steps=True, layer_steps=True),
 }
 
 
@@ -139,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         out["online"][name] = row
         print(f"online, {name:34s} " + "   ".join(
             f"{k} {v['median']:.3f} (n={v['n']})" for k, v in row.items() if v["median"] is not None), file=sys.stderr)
+    out["whole_model"] = whole_model_errors(args.ledger, steps, args.model, args.copy_gbps, args.layers)
+    for degree, by_model in out["whole_model"].items():
+        for name, r in by_model.items():
+            print(f"whole model, {degree}, {name:34s} predicted {r['predicted_ms']:.3f} ms, measured "
+                  f"{r['measured_ms']:.3f}: {r['error']:+.3f}", file=sys.stderr)
     print(json.dumps(out, indent=1))
     return 0
 
