@@ -465,7 +465,8 @@ class CostModel:
         figures (the data sheet's bandwidth and latency) until a split engine's per-op profile has
         timed the collective; then, calibrated, from its fit: the line ``fixed + slope x bytes over
         the link`` a call once the sizes seen span ``LINE_SPREAD`` (the fixed part is the measured
-        latency), else the figures times the measured factor."""
+        latency), else the figures times the measured factor. One fit serves every degree: a compile
+        times the degree its engines run, and other degrees take its latency with their own bytes."""
         if tp <= 1:
             return 0.0
         if self.hw.link_gbps <= 0:
