@@ -389,7 +389,7 @@ class CostModel:
         a factor on the whole sum, fitted on the 2-layer fast tier where lm_head is ~43% of the
         step, corrected the whole model's 32 layers by 0.95 where they needed ~0.90, and the
         compile's TP table read the 8B step 11% slow (5.386 ms predicted, 4.859 measured)."""
-        return sum(ms for op, ms in per_op.items() if op in PER_LAYER_OPS or op.startswith("attention"))
+        return sum(ms for op, ms in per_op.items() if _per_layer(op))
 
     def _family_line(self, op: str, plan: Plan) -> tuple[float, float] | None:
         """The projections' shared line for ``op``'s implementation (``PROJECTIONS``), if fitted."""
@@ -404,7 +404,7 @@ class CostModel:
         """How many times the whole model runs ``op`` in a step for each time the loaded layers do:
         the fast tier's 2 layers time o_proj twice, the 8B model runs it 32 times; lm_head runs
         once in both. What a fast-tier millisecond of ``op`` is worth on the deployment."""
-        per_layer = op in PER_LAYER_OPS or op.startswith("attention")
+        per_layer = _per_layer(op)
         return self.shape.num_layers / self.layers if per_layer and self.layers else 1.0
 
     def whole_model_ms(self, plan: Plan, spec: BenchSpec, step_ms: float) -> float:
@@ -661,6 +661,11 @@ class CostModel:
             )
         best = min(table, key=lambda k: (table[k], k))
         return best, table
+
+
+def _per_layer(op: str) -> bool:
+    """Whether every layer runs ``op`` (a prediction's keys name attention by mode: ``attention_decode``)."""
+    return op in PER_LAYER_OPS or op.startswith("attention")
 
 
 def _fit_key(op: str, impl: str, params: dict[str, Any] | None = None) -> str:

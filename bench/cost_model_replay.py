@@ -56,20 +56,19 @@ def whole_model_errors(ledger_path: Path, exps: list, model: str, copy_gbps: flo
     the search, ledger meta ``tp_measured``, from session 34 on) against each model's prediction from
     every fast-tier step: what the tensor-parallel choice rests on. The spec is the fast tier's most
     timed one (the compile's decode spec)."""
-    rows = _read(ledger_path, lambda ledger: ledger.get_meta("tp_measured")) or []
-    every = _read(ledger_path, lambda ledger: ledger.experiments())
+    rows, every = _read(ledger_path, lambda ledger: (ledger.get_meta("tp_measured") or [], ledger.experiments()))
     plans = {e.plan.hash: e.plan for e in every if e.plan is not None}
     spec = Counter(e.spec for e in exps).most_common(1)[0][0] if exps else None
-    out = {}
-    for row in rows:
-        plan = plans.get(row["plan_hash"])
-        if plan is None or "measured_ms" not in row or spec is None:
-            continue
-        for name, flags in ONLINE_MODELS.items():
-            cm = model_for(model, copy_gbps, layers, **flags)
-            for e in exps:
-                cm.observe(e.plan, e.spec, e.measurement)
-            ms = cm.whole_model(row["degree"]).predict(plan, spec, tp=row["degree"]).ms
+    rows = [r for r in rows if r["plan_hash"] in plans and "measured_ms" in r and spec is not None]
+    out: dict = {}
+    for name, flags in ONLINE_MODELS.items():
+        if not rows:
+            break
+        cm = model_for(model, copy_gbps, layers, **flags)
+        for e in exps:
+            cm.observe(e.plan, e.spec, e.measurement)
+        for row in rows:
+            ms = cm.whole_model(row["degree"]).predict(plans[row["plan_hash"]], spec, tp=row["degree"]).ms
             out.setdefault(f"degree {row['degree']}", {})[name] = {
                 "predicted_ms": round(ms, 4), "measured_ms": row["measured_ms"], "error": round(ms / row["measured_ms"] - 1, 4)}
     return out

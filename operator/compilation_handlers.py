@@ -57,10 +57,14 @@ def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -
         except ValueError as exc:
             return None, ("InvalidTraffic", str(exc)[:500])
     target = objects.resolve_target(spec, deployment, ctx.settings)
+
+    def read(cm: str):
+        return kube.config_map(namespace, cm)
+
     seeds = []
     for i, src in enumerate(spec.seed_plans):
         try:
-            plan = plan_source.from_source(src, lambda cm: kube.config_map(namespace, cm), f"spec.seedPlans[{i}]")
+            plan = plan_source.from_source(src, read, f"spec.seedPlans[{i}]")
         except plan_source.PlanError as err:
             return None, (f"Seed{err.reason}", err.message)
         except ValidationError as exc:  # an inline plan that is not one
@@ -69,7 +73,7 @@ def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -
     target = dataclasses.replace(target, seed_plans=tuple(seeds))
     if deployment is not None:  # the tiers run at the degree of the plan its replicas serve
         try:
-            served = plan_source.resolve(spec.target.inference_deployment, deployment, lambda cm: kube.config_map(namespace, cm))
+            served = plan_source.resolve(spec.target.inference_deployment, deployment, read)
         except plan_source.PlanError as err:
             return None, (f"Target{err.reason}", f"InferenceDeployment {spec.target.inference_deployment!r}: {err.message}"[:500])
         except ValidationError as exc:
