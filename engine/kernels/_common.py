@@ -11,6 +11,11 @@ import triton.language as tl
 
 from anneal.engine.ops.registry import interpreting
 
+if interpreting():
+    from anneal.engine.kernels.interpreter import patch_language_once_a_launch
+
+    patch_language_once_a_launch()
+
 
 class KernelInputError(ValueError):
     """Inputs a kernel cannot take (wrong device, dtype, layout or shape), with what to do instead."""
