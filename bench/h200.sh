@@ -15,6 +15,8 @@
 #   tp                              issue 5: the 8B decode step at tensor-parallel degree N (every GPU of the host) beside
 #                                   degree 1 and the cost model's prediction (bench/tp_probe.py; a 2+ GPU kind),
 #                                   then the serving engine at both degrees (bench/tp_serve.py) and its GPU test
+#   layer-sweep                     issue 5: the decode step at 1-32 layers: the part a step runs once, and the compile's
+#                                   projection from its 2-layer fast tier to the whole model (bench/layer_sweep.py)
 #   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)
 #   prefill-attention               issue 5: the paged prefill kernel vs torch SDPA at agentic's prompt shapes
 #   profile-mixed-agentic           issue 5: one eager 3072-token prompt step with 7 decode rows (agentic's prompt steps)
@@ -116,6 +118,9 @@ for s in "$@"; do
       ;;
     attention-oproj)  # issue 5: does a persistent attention + o_proj kernel with per-tile flags beat the two kernels?
       stage attention-oproj 240 $py bench/attention_oproj.py --out "$OUT" ${ATTENTION_OPROJ_ARGS:-}
+      ;;
+    layer-sweep)  # issue 5: is the whole-model step predicted 6-12% slow for a per-step constant counted 16 times?
+      stage layer-sweep 360 $py bench/layer_sweep.py --out "$OUT" ${LAYER_SWEEP_ARGS:-}
       ;;
     attention-stages)  # issue 5: is decode attention at 50% at chat's batch because its loop is one tile deep?
       stage attention-stages 240 $py bench/attention_stages.py --out "$OUT"

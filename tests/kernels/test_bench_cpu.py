@@ -43,6 +43,7 @@ def test_bench_kernels_tiny_cpu(tmp_path):
     ("persistent_chain.py", "every variant computes the reference chain"),
     ("pdl_batch.py", "every variant computes the fp32 chain"),
     ("attention_oproj.py", "the fused kernel computes attention then o_proj"),
+    ("layer_sweep.py", "each engine ran the layers asked, and its profile names every projection"),
 ])
 def test_gpu_probes_check_their_premise_on_the_cpu(script, says):
     """The device probes' CPU mode: the two cache layouts give the same attention, so do the
