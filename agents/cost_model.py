@@ -27,9 +27,11 @@ from anneal.engine.plan import COLLECTIVES, Plan, token_graph_size
 from anneal.agents.types import BenchSpec, EngineState, HardwareSpec, Measurement, ModelShape, Prediction
 
 # Data-sheet numbers (dense bf16; per-direction NVLink per GPU). Microbenchmarks override bandwidth
-# and matmul rate when the engine reports them.
+# and matmul rate when the engine reports them. ``graph_step_us``: measured, not from a sheet (session
+# 36, bench/layer_sweep.py on the 8B: 10-18 µs over two plans, batches 1 / 16, contexts 416 / 1024;
+# none measured on the other GPUs).
 GPU_SPECS: dict[str, dict[str, float]] = {
-    "H200": dict(mem_gbps=4800, matmul_tflops=989, memory_gb=141, link_gbps=450),
+    "H200": dict(mem_gbps=4800, matmul_tflops=989, memory_gb=141, link_gbps=450, graph_step_us=13.0),
     "H100": dict(mem_gbps=3350, matmul_tflops=989, memory_gb=80, link_gbps=450),
     "A100": dict(mem_gbps=2039, matmul_tflops=312, memory_gb=80, link_gbps=300),
     "L40S": dict(mem_gbps=864, matmul_tflops=362, memory_gb=48, link_gbps=0),
@@ -49,7 +51,6 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2,
 
 PER_LAYER_OPS = ("add_rmsnorm", "qkv_proj", "qk_rope_store", "attention", "o_proj",
                  "gate_up_proj", "silu_and_mul", "down_proj")
-ONCE_OPS = ("embedding", "rmsnorm", "lm_head", "sample")
 # Weight-streaming projections: one kind of kernel on weights of different sizes. Each one's own
 # rooflines barely move with the batch (its weights dominate), so it fits a factor, never a line; the
 # family spans 8-250 µs of bytes and fits one (``PROJECTION_FAMILY``), which says how a projection's
@@ -57,15 +58,16 @@ ONCE_OPS = ("embedding", "rmsnorm", "lm_head", "sample")
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 PROJECTION_FAMILY = "projections"
 # The plan ops behind what a decode step runs once, whatever its layer count.
-HEAD_OPS = ("embedding", "lm_head", "argmax")
+HEAD_OPS = ("embedding", "rmsnorm", "lm_head", "argmax")
 # The fits of the collectives a split engine times as ops of their own (``plan.COLLECTIVES``) are keyed
 # ``<collective>/link``: one link, whatever the plan.
 COLLECTIVE_IMPL = "link"
 
 
 def once_a_step_ms(per_op_ms: dict[str, float]) -> float | None:
-    """What a decode step runs once, from the engine's per-op timing of it: the embedding and the
-    head. A plan with the fused lm_head + argmax runs that in its graph in place of lm_head and
+    """What a decode step runs once, from the engine's per-op timing of it: the embedding, the first
+    layer's input norm (``rmsnorm``: the layers after it, and the final norm, take ``add_rmsnorm``)
+    and the head. A plan with the fused lm_head + argmax runs that in its graph in place of lm_head and
     argmax (the engine times it beside its eager steps, which still call the two). A split engine
     times the gather of the head's logits apart (``gather_logits``). None when the timing has no head
     (a prompt step's, a fake engine's)."""
@@ -75,7 +77,8 @@ def once_a_step_ms(per_op_ms: dict[str, float]) -> float | None:
         head = per_op_ms["lm_head"] + per_op_ms.get("argmax", 0.0)
     else:
         return None
-    return head + per_op_ms.get("embedding", 0.0) + per_op_ms.get("gather_logits", 0.0)
+    once = ("embedding", "rmsnorm", "gather_logits")
+    return head + sum(per_op_ms.get(op, 0.0) for op in once)
 
 
 def _head_key(plan: Plan, spec: BenchSpec) -> tuple[int, str]:
@@ -170,7 +173,7 @@ def padded_costs(costs: dict[str, OpCost], shape: ModelShape, tokens: int, tp: i
     """A token graph's step: every per-token op runs the bucket's ``tokens`` rows, padding included;
     attention, the final norm, lm_head and sampling see only the step's own rows."""
     padded = _costs(shape, tokens=tokens, rows=1, keys=0, tp=tp)
-    own = ("attention", "rmsnorm", "lm_head", "sample")
+    own = ("attention", "rmsnorm", "lm_head", "argmax")
     return {op: c if op in own else padded[op] for op, c in costs.items()}
 
 
@@ -207,7 +210,9 @@ def _costs(shape: ModelShape, tokens: float, rows: float, keys: float, tp: int) 
         "down_proj": linear(H, I / tp),
         "rmsnorm": OpCost(bytes=3.0 * b * B * H, flops=6.0 * B * H),
         "lm_head": OpCost(bytes=b * (V * H / tp + B * (H + V / tp)), flops=2.0 * B * V * H / tp),
-        "sample": OpCost(bytes=4.0 * B * V * 2, flops=10.0 * B * V),
+        # the greedy pick, by the name the engine times it (its benchmarks decode greedily; before
+        # session 36 this was "sample", which no timing matched, so it was never calibrated)
+        "argmax": OpCost(bytes=4.0 * B * V * 2, flops=10.0 * B * V),
     }
 
 
@@ -295,6 +300,7 @@ class CostModel:
     lines: bool = True  # fit fixed + slope lines where the shapes allow (False: factors only, as before session 30)
     fusion_steps: bool = True  # whole-step factor: median, per set of fusions (False: one geometric mean over every plan, as before session 31)
     layer_steps: bool = True  # the step factor scales the per-layer ops' part only (False: the whole sum, as before session 35)
+    step_constant: bool = True  # a graphed decode step's fixed cost counted once (hw.graph_step_us; False: folded into the factor, as before session 36)
     _fits: dict[str, _Fit] = field(default_factory=dict)
     _once: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # _head_key -> once_a_step_ms
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -380,7 +386,18 @@ class CostModel:
                 total += (factor - 1.0) * scaled
                 corrected = True
         total += sum(self.collective_ms(c, spec, tp, calibrated=calibrated) for c in COLLECTIVES)
+        total += self.step_constant_ms(plan, spec) if calibrated else 0.0
         return Prediction(ms=total, per_op_ms=per_op, corrected=corrected)
+
+    def step_constant_ms(self, plan: Plan, spec: BenchSpec) -> float:
+        """What a graphed decode step of ``plan`` costs once beyond its ops (``hw.graph_step_us``).
+        Session 36 (bench/layer_sweep.py, 8B, H200): the step over 1-32 layers is a line whose
+        intercept exceeds the timed once-a-step ops by 10-18 µs. Fitted into the layers' factor on the
+        2-layer fast tier, it was counted 16 times in the whole model's step: predicted 4-7% slow."""
+        if not self.step_constant or spec.mode != "decode":
+            return 0.0
+        graphed = spec.batch_size <= max(plan.cuda_graph_batch_sizes or [0])
+        return self.hw.graph_step_us / 1e3 if graphed else 0.0
 
     def _layers_part(self, per_op: dict[str, float]) -> float:
         """The ms of a prediction's per-op sum the model's layers run (what the step factor scales):
@@ -416,7 +433,8 @@ class CostModel:
         is the median of the per-op timings of the plans with the same head choices at this batch;
         untimed there, the same head's at other batches (lm_head reads its weights once, whatever
         the batch), then any head's at this batch, then any; none timed, the calibrated prediction
-        of the ops run once. On an engine with every layer, the step itself."""
+        of the ops run once. Beside it, once too, a graphed step's constant (``step_constant_ms``).
+        On an engine with every layer, the step itself."""
         if not self.layers or self.layers >= self.shape.num_layers:
             return step_ms
         batch, head = _head_key(plan, spec)
@@ -427,7 +445,7 @@ class CostModel:
                     or [x for xs in self._once.values() for x in xs])
         once = statistics.median(seen) if seen else sum(
             ms for op, ms in self.predict(plan, spec).per_op_ms.items() if self.full_model_factor(op) == 1.0)
-        once = min(once, step_ms)
+        once = min(once + self.step_constant_ms(plan, spec), step_ms)
         return once + (step_ms - once) * self.shape.num_layers / self.layers
 
     def whole_model_ratio(self, base: Plan, spec: BenchSpec, base_ms: float, ms: float, per_layer: bool) -> float:
@@ -523,7 +541,7 @@ class CostModel:
         if spec.mode in ("decode", "prefill", "mixed"):
             # What the per-op model still misses (kernels overlapping in a graph, framework overhead
             # between ops, fusions) as one factor on the layers' part (``_layers_part``).
-            pred = self.predict(plan, spec, step_factor=False)
+            pred = self.predict(plan, spec, step_factor=False)  # the step's constant included
             scaled = self._layers_part(pred.per_op_ms) if self.layer_steps else pred.ms
             ratio = (m.median_ms - (pred.ms - scaled)) / scaled if scaled > 0 else 0.0
             if ratio > 0:
@@ -635,7 +653,7 @@ class CostModel:
             fits, once = copy.deepcopy(self._fits), copy.deepcopy(self._once)
         hw = self.hw if num_devices is None else self.hw.model_copy(update={"num_devices": num_devices})
         return CostModel(shape=self.shape, hw=hw, layers=None, lines=self.lines, fusion_steps=self.fusion_steps,
-                         layer_steps=self.layer_steps, _fits=fits, _once=once)
+                         layer_steps=self.layer_steps, step_constant=self.step_constant, _fits=fits, _once=once)
 
     def choose_tp(
         self, spec: BenchSpec, objective: str = "latency", kv_gb: float = 0.0, plan: Plan | None = None,

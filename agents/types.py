@@ -236,6 +236,10 @@ class HardwareSpec(BaseModel):
     link_latency_us: float = 8.0
     launch_us: float = 5.0  # per-kernel launch cost outside a CUDA graph
     graph_launch_us: float = 1.1  # per-kernel cost replayed from a CUDA graph
+    # What a graphed decode step costs once, beyond its ops' eager per-op timings, whatever its layer
+    # count (bench/layer_sweep.py: the step over 1-32 layers is a line whose intercept exceeds the
+    # timed once-a-step ops by this). 0: not measured for this GPU.
+    graph_step_us: float = 0.0
 
 
 class CompileSettings(BaseModel):
