@@ -27,12 +27,13 @@ from anneal.engine.plan import COLLECTIVES, Plan, token_graph_size
 from anneal.agents.types import BenchSpec, EngineState, HardwareSpec, Measurement, ModelShape, Prediction
 
 # Data-sheet numbers (dense bf16; per-direction NVLink per GPU). Microbenchmarks override bandwidth
-# and matmul rate when the engine reports them. ``graph_step_us``: measured, not from a sheet (session
-# 36, bench/layer_sweep.py on the 8B: 10-18 µs over two plans, batches 1 / 16, contexts 416 / 1024;
-# none measured on the other GPUs).
+# and matmul rate when the engine reports them. ``graph_step_us``: measured, not from a sheet, the
+# median over the 8B's fits of bench/layer_sweep.py (two plans, batches 1 / 16, contexts 416 / 1024):
+# H200 10-18 µs (session 36), H100 4.6-11.8, median 8.4 (session 37; the 1B's four: -1.2-9.0); none
+# measured on the other GPUs.
 GPU_SPECS: dict[str, dict[str, float]] = {
     "H200": dict(mem_gbps=4800, matmul_tflops=989, memory_gb=141, link_gbps=450, graph_step_us=13.0),
-    "H100": dict(mem_gbps=3350, matmul_tflops=989, memory_gb=80, link_gbps=450),
+    "H100": dict(mem_gbps=3350, matmul_tflops=989, memory_gb=80, link_gbps=450, graph_step_us=8.4),
     "A100": dict(mem_gbps=2039, matmul_tflops=312, memory_gb=80, link_gbps=300),
     "L40S": dict(mem_gbps=864, matmul_tflops=362, memory_gb=48, link_gbps=0),
 }
@@ -59,6 +60,11 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 PROJECTION_FAMILY = "projections"
 # The plan ops behind what a decode step runs once, whatever its layer count.
 HEAD_OPS = ("embedding", "rmsnorm", "lm_head", "argmax")
+# What a decode graph of a plan with the ``lm_head_argmax`` fusion runs in place of lm_head and argmax
+# (the engine times it apart, ``engine/benchmark.py``). Predicted as the two until it is timed; then as
+# itself: session 37 (bench/layer_sweep.py, 1B, H100) found the two 18 µs over it at batch 1, an excess
+# the 2-layer step factor took out of the layers' part, and so 8 times over in the whole model's step.
+FUSED_HEAD = "lm_head_argmax"
 # The fits of the collectives a split engine times as ops of their own (``plan.COLLECTIVES``) are keyed
 # ``<collective>/link``: one link, whatever the plan.
 COLLECTIVE_IMPL = "link"
@@ -249,13 +255,16 @@ class _Fit:
     x_min: float = math.inf
     x_max: float = 0.0
     ratios: list[float] = field(default_factory=list)  # every ratio seen, for ``median``
+    sizes: list[float | None] = field(default_factory=list)  # the step size each ratio was seen at, for ``median_near``
 
-    def add(self, ratio: float, bare: float | None = None, observed: float | None = None) -> None:
+    def add(self, ratio: float, bare: float | None = None, observed: float | None = None,
+            size: float | None = None) -> None:
         if not (ratio > 0 and math.isfinite(ratio)):
             return
         self.log_sum += math.log(ratio)
         self.n += 1
         self.ratios.append(ratio)
+        self.sizes.append(size)
         if bare is not None and observed is not None and 0 < bare < math.inf and 0 < observed < math.inf:
             w = 1.0 / observed ** 2
             self.sw += w
@@ -275,6 +284,17 @@ class _Fit:
         timings say little about their graphed step (the reference attention's: x0.3-x1.8, session
         31's chat compile) do not move every other plan's prediction."""
         return statistics.median(self.ratios) if self.ratios else 1.0
+
+    def median_near(self, size: float) -> float:
+        """The median ratio among those seen at the step size nearest ``size`` (by ratio of sizes):
+        what a whole-step factor is at the batch asked. Session 37 (bench/layer_sweep.py, 1B, H100):
+        the bs=1 GEMV plan's graphed step is 0.61 of its eager per-op sum at batch 1 and 0.73 at 16;
+        one median over both put the whole model's step at batch 16 15% low."""
+        seen = [s for s in self.sizes if s and s > 0]
+        if not seen or size <= 0:
+            return self.median
+        near = min(seen, key=lambda s: abs(math.log(s / size)))
+        return statistics.median(r for r, s in zip(self.ratios, self.sizes) if s == near)
 
     @property
     def line(self) -> tuple[float, float] | None:
@@ -301,6 +321,8 @@ class CostModel:
     fusion_steps: bool = True  # whole-step factor: median, per set of fusions (False: one geometric mean over every plan, as before session 31)
     layer_steps: bool = True  # the step factor scales the per-layer ops' part only (False: the whole sum, as before session 35)
     step_constant: bool = True  # a graphed decode step's fixed cost counted once (hw.graph_step_us; False: folded into the factor, as before session 36)
+    size_steps: bool = True  # the step factor from the steps seen at the nearest size (False: from every size, as before session 37)
+    fused_head: bool = True  # a graph's fused lm_head + argmax predicted as timed (False: as lm_head and argmax, as before session 37)
     _fits: dict[str, _Fit] = field(default_factory=dict)
     _once: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # _head_key -> once_a_step_ms
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -349,6 +371,9 @@ class CostModel:
         for op, cost in costs.items():
             n = layers if op in PER_LAYER_OPS else 1
             out[_op_key(op, spec)] = (n * self.roofline_ms(cost, graphs), self.roofline_ms(cost, launch=False), n)
+        if self.fused_head and _fused_head(plan, spec, graphs):  # what the graph runs in their place, fitted apart (``predict``)
+            (raw_l, bare_l, _), (raw_a, bare_a, _) = out["lm_head"], out["argmax"]
+            out[FUSED_HEAD] = (raw_l + raw_a, bare_l + bare_a, 1)
         return out
 
     def predict(
@@ -377,11 +402,19 @@ class CostModel:
             else:
                 per_op[name] = raw * (fit.factor if fit else 1.0)
             corrected |= fit is not None
+        if FUSED_HEAD in per_op:  # the graph's fused head once it is timed, else its two ops' predictions
+            if self._known(FUSED_HEAD, plan) and calibrated:
+                per_op.pop("lm_head"), per_op.pop("argmax")
+            else:
+                per_op.pop(FUSED_HEAD)
         total = sum(per_op.values())
         if calibrated and step_factor:
             step = self._step_fit(plan, spec.mode)
             if step is not None:
-                factor = step.median if self.fusion_steps else step.factor
+                if not self.fusion_steps:
+                    factor = step.factor
+                else:
+                    factor = step.median_near(_step_size(spec)) if self.size_steps else step.median
                 scaled = self._layers_part(per_op) if self.layer_steps else total
                 total += (factor - 1.0) * scaled
                 corrected = True
@@ -545,10 +578,11 @@ class CostModel:
             scaled = self._layers_part(pred.per_op_ms) if self.layer_steps else pred.ms
             ratio = (m.median_ms - (pred.ms - scaled)) / scaled if scaled > 0 else 0.0
             if ratio > 0:
+                size = _step_size(spec)
                 with self._lock:
-                    self._fits.setdefault(_step_key(spec.mode), _Fit()).add(ratio)
+                    self._fits.setdefault(_step_key(spec.mode), _Fit()).add(ratio, size=size)
                     if self.fusion_steps:
-                        self._fits.setdefault(_step_key(spec.mode, plan.fusions), _Fit()).add(ratio)
+                        self._fits.setdefault(_step_key(spec.mode, plan.fusions), _Fit()).add(ratio, size=size)
 
     def _collectives_in(self, op: str, spec: BenchSpec, tp: int, calls: int) -> float:
         """The ms of collectives a split model ran inside ``op``'s measured time (the all-reduce after
@@ -653,7 +687,8 @@ class CostModel:
             fits, once = copy.deepcopy(self._fits), copy.deepcopy(self._once)
         hw = self.hw if num_devices is None else self.hw.model_copy(update={"num_devices": num_devices})
         return CostModel(shape=self.shape, hw=hw, layers=None, lines=self.lines, fusion_steps=self.fusion_steps,
-                         layer_steps=self.layer_steps, step_constant=self.step_constant, _fits=fits, _once=once)
+                         layer_steps=self.layer_steps, step_constant=self.step_constant, size_steps=self.size_steps,
+                         fused_head=self.fused_head, _fits=fits, _once=once)
 
     def choose_tp(
         self, spec: BenchSpec, objective: str = "latency", kv_gb: float = 0.0, plan: Plan | None = None,
@@ -681,6 +716,11 @@ class CostModel:
         return best, table
 
 
+def _fused_head(plan: Plan, spec: BenchSpec, graphs: bool) -> bool:
+    """Whether a step of ``spec`` runs ``FUSED_HEAD``: a graphed decode step of a plan with the fusion."""
+    return bool(plan.fusions.get(FUSED_HEAD)) and spec.mode == "decode" and graphs
+
+
 def _per_layer(op: str) -> bool:
     """Whether every layer runs ``op`` (a prediction's keys name attention by mode: ``attention_decode``)."""
     return op in PER_LAYER_OPS or op.startswith("attention")
@@ -701,6 +741,11 @@ def _op_diff(base: Plan, plan: Plan) -> list[str]:
 def _delta_key(op: str, plan: Plan, spec: BenchSpec) -> str:
     ch = plan.choice(op)
     return f"delta/{_fit_key(op, ch.impl, ch.params)}|{spec.key()}"
+
+
+def _step_size(spec: BenchSpec) -> float:
+    """The size a whole-step factor is kept by: a decode step's batch, another step's tokens."""
+    return float(spec.batch_size if spec.mode == "decode" else step_tokens(spec))
 
 
 def _step_key(mode: str, fusions: dict[str, bool] | None = None) -> str:

@@ -88,13 +88,20 @@ def model_for(model: str, copy_gbps: float, layers: int, **flags) -> CostModel:
 # The whole step's prediction as the compile makes it, by session: factors and one step factor
 # (geometric mean over every plan); per-op lines; the step factor per fusion set, as a median; that
 # factor on the layers' part of the sum only (lm_head left as timed); a graphed step's constant
-# counted once, out of that factor.
+# counted once, out of that factor; that factor from the steps at the nearest batch, and a fused
+# lm_head + argmax predicted as itself once timed (``FUSED_HEAD``).
+_BEFORE_37 = dict(size_steps=False, fused_head=False)
 ONLINE_MODELS = {
-    "factors (before session 30)": dict(lines=False, fusion_steps=False, step_constant=False),
-    "lines (session 30)": dict(lines=True, fusion_steps=False, step_constant=False),
-    "lines + fusion-set steps (session 31)": dict(lines=True, fusion_steps=True, layer_steps=False, step_constant=False),
-    "+ step factor on the layers (session 35)": dict(lines=True, fusion_steps=True, layer_steps=True, step_constant=False),
-    "+ a graphed step's constant once (session 36)": dict(lines=True, fusion_steps=True, layer_steps=True),
+    "factors (before session 30)": dict(lines=False, fusion_steps=False, step_constant=False, **_BEFORE_37),
+    "lines (session 30)": dict(lines=True, fusion_steps=False, step_constant=False, **_BEFORE_37),
+    "lines + fusion-set steps (session 31)": dict(lines=True, fusion_steps=True, layer_steps=False,
+                                                  step_constant=False, **_BEFORE_37),
+    "+ step factor on the layers (session 35)": dict(lines=True, fusion_steps=True, layer_steps=True,
+                                                     step_constant=False, **_BEFORE_37),
+    "+ a graphed step's constant once (session 36)": dict(lines=True, fusion_steps=True, layer_steps=True,
+                                                          **_BEFORE_37),
+    "+ its factor at the nearest batch, the fused head as timed (session 37)": dict(
+        lines=True, fusion_steps=True, layer_steps=True),
 }
 
 

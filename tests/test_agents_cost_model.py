@@ -193,7 +193,6 @@ def test_collectives_the_engine_timed_apart_replace_the_data_sheet_s_link_figure
         assert whole.collective_ms(c, spec, 2) == pytest.approx(planted(sheet, c, spec, 2), rel=0.02)
         assert sheet.collective_ms(c, spec, 2) < 0.6 * planted(sheet, c, spec, 2)
         assert whole.collective_ms(c, spec, 2, calibrated=False) == sheet.collective_ms(c, spec, 2)
-    # the projections keep what they measured: nothing taken out for collectives they did not hold
     # the projections keep what they measured (nothing taken out for collectives they did not hold):
     # their shared line is the planted 6 µs + bytes a call
     assert (cal["projections/reference"]["fixed_us"], cal["projections/reference"]["slope"]) == pytest.approx((6.0, 1.0))
@@ -432,6 +431,51 @@ def test_a_graphed_step_s_constant_is_counted_once_in_the_whole_model():
         s = BenchSpec(batch_size=batch, context_len=ctx)
         old.observe(plan, s, graphed_step(old, s))
     assert old.whole_model().predict(plan, spec).ms > truth * 1.03
+
+
+def test_a_fused_head_plans_step_factor_is_taken_at_its_batch_and_its_head_as_timed():
+    """Session 37 (bench/layer_sweep.py, 1B, H100): the bs=1 GEMV plan's graphed layers ran at 0.61 of
+    their eager per-op sum at batch 1 and 0.73 at batch 16, and its graph's fused lm_head + argmax
+    18 µs under the two ops the engine times eagerly. One median over both batches, and the head
+    predicted as its two ops, put the whole model's step 15% low at batch 16. Planted here: graphed
+    layers at 0.6 / 0.75 of their timings, the fused head at 0.85 of lm_head + argmax."""
+    state = EngineState(model="random:llama-3.2-1b", device="cuda", gpu_name="NVIDIA H200", dtype="bfloat16",
+                        num_layers_total=16, num_layers_loaded=2)
+    plan = Plan(fusions={"lm_head_argmax": True})
+    layer_factor = {1: 0.6, 16: 0.75}
+
+    def graphed_step(cm: CostModel, spec: BenchSpec) -> Measurement:
+        per_op = _fixed_cost_timing(cm, plan, spec, 4.0).per_op_ms
+        per_op.pop("lm_head_argmax", None)  # an eager step runs the two ops; the head is timed apart
+        per_op["lm_head_argmax"] = 0.85 * (per_op["lm_head"] + per_op["argmax"])
+        layers = sum(ms for op, ms in per_op.items() if op in PER_LAYER_OPS or op.startswith("attention"))
+        once = per_op["embedding"] + per_op["rmsnorm"] + per_op["lm_head_argmax"]
+        step = once + layer_factor[spec.batch_size] * layers + cm.hw.graph_step_us / 1e3
+        return Measurement(median_ms=step, p10_ms=step, p90_ms=step, per_op_ms=per_op)
+
+    def fitted(**flags) -> CostModel:
+        cm = CostModel.from_state(state)
+        for name, on in flags.items():
+            setattr(cm, name, on)
+        for batch, ctx in ((1, 416), (1, 1024), (16, 416), (16, 1024)):
+            spec = BenchSpec(batch_size=batch, context_len=ctx)
+            cm.observe(plan, spec, graphed_step(cm, spec))
+        return cm
+
+    every = CostModel(shape=fitted().shape, hw=fitted().hw)  # every layer, for the truth
+    new, old = fitted(), fitted(size_steps=False, fused_head=False)
+    for batch in (1, 16):
+        spec = BenchSpec(batch_size=batch, context_len=800)
+        truth = graphed_step(every, spec).median_ms
+        assert new.predict(plan, spec).ms == pytest.approx(graphed_step(new, spec).median_ms, rel=0.01)
+        assert new.whole_model().predict(plan, spec).ms == pytest.approx(truth, rel=0.01)
+        assert "lm_head_argmax" in new.predict(plan, spec).per_op_ms and "lm_head" not in new.predict(plan, spec).per_op_ms
+        assert abs(old.whole_model().predict(plan, spec).ms / truth - 1) > 0.03
+    # untimed, the fused head is predicted as its two ops; eager steps run the two
+    bare = CostModel.from_state(state)
+    spec = BenchSpec(batch_size=1, context_len=800)
+    assert {"lm_head", "argmax"} <= set(bare.predict(plan, spec).per_op_ms)
+    assert "lm_head_argmax" not in bare.predict(plan, BenchSpec(mode="prefill", batch_size=1, prompt_len=64)).per_op_ms
 
 
 def _attention_timing(cm: CostModel, plan: Plan, spec: BenchSpec, fixed_us: float, slope: float) -> Measurement:

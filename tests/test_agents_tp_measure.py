@@ -23,7 +23,10 @@ def test_each_degree_is_served_and_measured_beside_its_prediction(tmp_path):
     rows = {r["degree"]: r for r in json.loads(raw)}
     assert rows[1]["measured_ms"] > 0 and rows[1]["measured_ratio"] == 1.0 and rows[1]["predicted_ms"] > 0
     assert rows[2]["measured_ms"] > 0 and rows[2]["measured_ratio"] > 0
-    assert rows[2]["predicted_ms"] > rows[1]["predicted_ms"]  # gloo's collectives: the CPU's figures
+    # the prediction beside it (whether degree 2 reads slower depends on this machine's CPU timings, as
+    # fitted: the collectives' part is checked in test_agents_cost_model.py)
+    assert rows[2]["predicted_ms"] > 0
+    assert rows[2]["predicted_ratio"] == round(rows[2]["predicted_ms"] / rows[1]["predicted_ms"], 4)
     assert rows[2]["ratio_error"] == round(rows[2]["predicted_ratio"] - rows[2]["measured_ratio"], 4)
     assert "do not split 3 ways" in rows[3]["error"] and "measured_ms" not in rows[3]
     served = load_plan((out / "tp2" / "plan.json").read_text())
