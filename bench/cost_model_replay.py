@@ -51,7 +51,8 @@ def decode_experiments(ledger_path: Path) -> list:
                    and e.measurement.median_ms > 0), key=lambda e: e.id)
 
 
-def whole_model_errors(ledger_path: Path, exps: list, model: str, copy_gbps: float, layers: int) -> dict:
+def whole_model_errors(ledger_path: Path, exps: list, model: str, copy_gbps: float, layers: int,
+                       gpu: str = "H200") -> dict:
     """The one whole-model decode step a compile measures (its winner served at each degree after
     the search, ledger meta ``tp_measured``, from session 34 on) against each model's prediction from
     every fast-tier step: what the tensor-parallel choice rests on. The spec is the fast tier's most
@@ -64,7 +65,7 @@ def whole_model_errors(ledger_path: Path, exps: list, model: str, copy_gbps: flo
     for name, flags in ONLINE_MODELS.items():
         if not rows:
             break
-        cm = model_for(model, copy_gbps, layers, **flags)
+        cm = model_for(model, copy_gbps, layers, gpu, **flags)
         for e in exps:
             cm.observe(e.plan, e.spec, e.measurement)
         for row in rows:
@@ -79,9 +80,11 @@ def timed_ops(ledger_path: Path) -> list:
     return [e for e in decode_experiments(ledger_path) if e.measurement.per_op_ms]
 
 
-def model_for(model: str, copy_gbps: float, layers: int, **flags) -> CostModel:
-    hw = HardwareSpec(name="NVIDIA H200", mem_gbps=copy_gbps, matmul_tflops=780, memory_gb=141,
-                      graph_step_us=GPU_SPECS["H200"]["graph_step_us"])
+def model_for(model: str, copy_gbps: float, layers: int, gpu: str = "H200", **flags) -> CostModel:
+    """The compile's cost model on ``gpu`` (a ``GPU_SPECS`` name: its memory and graphed-step
+    constant), at the run's measured copy bandwidth and the matmul rate measured on the H200."""
+    hw = HardwareSpec(name=f"NVIDIA {gpu}", mem_gbps=copy_gbps, matmul_tflops=780,
+                      memory_gb=GPU_SPECS[gpu]["memory_gb"], graph_step_us=GPU_SPECS[gpu].get("graph_step_us", 0.0))
     return CostModel(shape=shape_from_config(dict(PRESETS[model])), hw=hw, layers=layers, **flags)
 
 
@@ -105,11 +108,12 @@ ONLINE_MODELS = {
 }
 
 
-def online_errors(exps: list, model: str, copy_gbps: float, layers: int, **flags) -> dict[str, list[float]]:
+def online_errors(exps: list, model: str, copy_gbps: float, layers: int, gpu: str = "H200",
+                  **flags) -> dict[str, list[float]]:
     """The compile's own use: each step predicted before it is measured, then observed, in ledger
     order. |predicted / measured - 1| of the whole step, for plans with and without fusions, counted
     once the model has seen a step (the first is the bare roofline)."""
-    cm = model_for(model, copy_gbps, layers, **flags)
+    cm = model_for(model, copy_gbps, layers, gpu, **flags)
     errs: dict[str, list[float]] = {"fused": [], "unfused": []}
     for e in exps:
         pred = cm.predict(e.plan, e.spec)
@@ -119,9 +123,10 @@ def online_errors(exps: list, model: str, copy_gbps: float, layers: int, **flags
     return errs
 
 
-def held_out_errors(exps: list, train: set, model: str, copy_gbps: float, layers: int, lines: bool) -> dict:
+def held_out_errors(exps: list, train: set, model: str, copy_gbps: float, layers: int, lines: bool,
+                    gpu: str = "H200") -> dict:
     """|predicted / measured - 1| per op at the shapes outside ``train`` ((batch, context) pairs)."""
-    cm = model_for(model, copy_gbps, layers, lines=lines)
+    cm = model_for(model, copy_gbps, layers, gpu, lines=lines)
     shape_of = lambda e: (e.spec.batch_size, e.spec.context_len)  # noqa: E731
     for e in exps:
         if shape_of(e) in train:
@@ -148,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, default=2, help="layers the fast tier loaded")
     ap.add_argument("--copy-gbps", type=float, default=4037.0, help="the run's copy bandwidth (its report)")
+    ap.add_argument("--gpu", default="H200", choices=sorted(GPU_SPECS), help="the GPU the run had (its report's title)")
     args = ap.parse_args(argv)
     if not args.ledger.is_file():  # Ledger() would create an empty one
         print(f"{args.ledger}: no such ledger", file=sys.stderr)
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         splits[f"context {contexts[0]} -> longer"] = {s for s in shapes if s[1] == contexts[0]}
     out = {"ledger": str(args.ledger), "shapes": shapes, "experiments": len(exps), "splits": {}}
     for name, train in splits.items():
-        row = {kind: summary(held_out_errors(exps, train, args.model, args.copy_gbps, args.layers, kind == "lines"))
+        row = {kind: summary(held_out_errors(exps, train, args.model, args.copy_gbps, args.layers, kind == "lines",
+                                                 args.gpu))
                for kind in ("lines", "factors")}
         out["splits"][name] = row
         print(f"{name:28s} lines: median {row['lines']['median']:.3f} p90 {row['lines']['p90']:.3f}   "
@@ -173,14 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     out["online"] = {}
     steps = decode_experiments(args.ledger)
     for name, flags in ONLINE_MODELS.items():
-        errs = online_errors(steps, args.model, args.copy_gbps, args.layers, **flags)
+        errs = online_errors(steps, args.model, args.copy_gbps, args.layers, args.gpu, **flags)
         row = {k: {"n": len(v), "median": statistics.median(v) if v else None} for k, v in errs.items()}
         every = errs["fused"] + errs["unfused"]
         row["all"] = {"n": len(every), "median": statistics.median(every) if every else None}
         out["online"][name] = row
         print(f"online, {name:34s} " + "   ".join(
             f"{k} {v['median']:.3f} (n={v['n']})" for k, v in row.items() if v["median"] is not None), file=sys.stderr)
-    out["whole_model"] = whole_model_errors(args.ledger, steps, args.model, args.copy_gbps, args.layers)
+    out["whole_model"] = whole_model_errors(args.ledger, steps, args.model, args.copy_gbps, args.layers, args.gpu)
     for degree, by_model in out["whole_model"].items():
         for name, r in by_model.items():
             print(f"whole model, {degree}, {name:34s} predicted {r['predicted_ms']:.3f} ms, measured "

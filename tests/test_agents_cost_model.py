@@ -566,7 +566,7 @@ def test_a_fusion_sets_saving_is_learned_from_its_steps_and_outliers_do_not_move
 
 
 def _replay(compile_dir: str, *args: str) -> dict:
-    """``bench/cost_model_replay.py`` on a stored compile's H200 ledger: its JSON."""
+    """``bench/cost_model_replay.py`` on a stored compile's ledger: its JSON."""
     import json
     import subprocess
     import sys
@@ -621,3 +621,20 @@ def test_the_whole_model_step_a_compile_measured_is_predicted_closer_with_the_la
     online = out["online"]
     for name in ("+ step factor on the layers (session 35)", "+ a graphed step's constant once (session 36)"):
         assert online[name]["all"]["median"] <= online["lines + fusion-set steps (session 31)"]["all"]["median"] + 0.002
+
+
+def test_a_fused_head_winners_whole_model_step_is_predicted_from_its_fused_head():
+    """Session 37's chat compile on an H100 (`compile-chat-s37-h100`): its winner fuses lm_head +
+    argmax, served whole after the search at 6.521 ms. Session 36's model predicted the fused plans'
+    head as lm_head + argmax, above what their graphs run; the 2-layer step factor took that out of
+    the layers' part and the whole model's step read 10% fast. Predicting the fused head as timed and
+    the step factor at the nearest batch: within 4%, the fast tier's own steps no worse."""
+    out = _replay("compile-chat-s37-h100", "--copy-gbps", "2920", "--gpu", "H100")
+    whole = out["whole_model"]["degree 1"]
+    old = whole["+ a graphed step's constant once (session 36)"]
+    new = whole["+ its factor at the nearest batch, the fused head as timed (session 37)"]
+    assert new["measured_ms"] == pytest.approx(6.521, abs=0.001)
+    assert abs(new["error"]) < 0.04 < 0.08 < abs(old["error"])
+    online = out["online"]
+    assert (online["+ its factor at the nearest batch, the fused head as timed (session 37)"]["all"]["median"]
+            <= online["+ a graphed step's constant once (session 36)"]["all"]["median"] + 0.002)
