@@ -29,7 +29,7 @@ from anneal.agents.types import BenchSpec, EngineState, HardwareSpec, Measuremen
 # Data-sheet numbers (dense bf16; per-direction NVLink per GPU). Microbenchmarks override bandwidth
 # and matmul rate when the engine reports them. ``graph_step_us``: measured, not from a sheet, the
 # median over the 8B's fits of bench/layer_sweep.py (two plans, batches 1 / 16, contexts 416 / 1024):
-# H200 10-18 µs (session 36), H100 4.6-11.8, median 8.4 (session 37; the 1B's four: -1.2-9.0); none
+# H200 10-18 µs (session 36), H100 4.6-11.8, median 8.4 (session 37; the 1B's four: -1.2 to 9.0); none
 # measured on the other GPUs.
 GPU_SPECS: dict[str, dict[str, float]] = {
     "H200": dict(mem_gbps=4800, matmul_tflops=989, memory_gb=141, link_gbps=450, graph_step_us=13.0),
