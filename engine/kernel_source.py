@@ -9,8 +9,11 @@ as a result, and the server keeps serving. Only a kernel that passed is executed
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,10 +36,30 @@ class KernelCheck(BaseModel):
     seconds: float = 0.0
 
 
+_source_dir: Path | None = None
+
+
+def source_dir() -> Path:
+    """One folder per process for the kernels' source files, removed when the process exits.
+
+    A serving engine registers kernels for as long as it runs; a folder per kernel left hundreds
+    behind in /tmp after a day of compiles.
+    """
+    global _source_dir
+    if _source_dir is None or not _source_dir.is_dir():
+        _source_dir = Path(tempfile.mkdtemp(prefix="anneal-kernel-"))
+        atexit.register(shutil.rmtree, _source_dir, ignore_errors=True)
+    return _source_dir
+
+
 def load_module(ks: KernelSource) -> types.ModuleType:
-    """Execute the source as a fresh module (written to a file so Triton can read its source)."""
-    d = Path(tempfile.mkdtemp(prefix="anneal-kernel-"))
-    path = d / f"{ks.op}_{ks.impl}.py".replace("-", "_")
+    """Execute the source as a fresh module (written to a file so Triton can read its source).
+
+    The file name carries the source's hash: a second source for the same op and impl gets its own
+    file, so the first one's tracebacks still show its own lines.
+    """
+    digest = hashlib.sha256(ks.source.encode()).hexdigest()[:12]
+    path = source_dir() / f"{ks.op}_{ks.impl}_{digest}.py".replace("-", "_")
     path.write_text(ks.source)
     mod = types.ModuleType(f"anneal_kernel_{ks.op}_{ks.impl}".replace("-", "_"))
     mod.__file__ = str(path)

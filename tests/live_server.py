@@ -80,6 +80,7 @@ class LiveServer:
         return httpx.get(self.url + "/metrics", timeout=5.0).text
 
     def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then the exit code; the log file is kept only when the server exited non-zero."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -87,6 +88,9 @@ class LiveServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
+        if self.proc.returncode == 0:
+            Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
 
 
