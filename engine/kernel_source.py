@@ -37,6 +37,7 @@ class KernelCheck(BaseModel):
 
 
 _source_dir: Path | None = None
+SOURCE_DIR_ENV = "ANNEAL_KERNEL_SOURCE_DIR"
 
 
 def source_dir() -> Path:
@@ -47,8 +48,13 @@ def source_dir() -> Path:
     """
     global _source_dir
     if _source_dir is None or not _source_dir.is_dir():
-        _source_dir = Path(tempfile.mkdtemp(prefix="anneal-kernel-"))
-        atexit.register(shutil.rmtree, _source_dir, ignore_errors=True)
+        given = os.environ.get(SOURCE_DIR_ENV)
+        if given:  # a checker child: its parent owns the folder (a killed child runs no atexit)
+            _source_dir = Path(given)
+            _source_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            _source_dir = Path(tempfile.mkdtemp(prefix="anneal-kernel-"))
+            atexit.register(shutil.rmtree, _source_dir, ignore_errors=True)
     return _source_dir
 
 
@@ -96,15 +102,18 @@ def check_in_subprocess(
     payload = json.dumps({"kernel": ks.model_dump(), "config": model_config,
                           "device": device, "dtype": dtype})
     t0 = time.perf_counter()
-    env = dict(os.environ)
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "anneal.engine.kernel_source"], input=payload,
-            capture_output=True, text=True, timeout=timeout_s, env=env,
-        )
-    except subprocess.TimeoutExpired:
-        return KernelCheck(ok=False, stage="timeout", seconds=time.perf_counter() - t0,
-                           error=f"the check did not finish within {timeout_s:g} s")
+    # The child writes the source under a folder of ours, removed here whatever became of the child
+    # (a kernel that hangs is killed, one that calls os._exit skips the child's atexit).
+    with tempfile.TemporaryDirectory(prefix="anneal-kernel-check-") as child_dir:
+        env = {**os.environ, SOURCE_DIR_ENV: child_dir}
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "anneal.engine.kernel_source"], input=payload,
+                capture_output=True, text=True, timeout=timeout_s, env=env,
+            )
+        except subprocess.TimeoutExpired:
+            return KernelCheck(ok=False, stage="timeout", seconds=time.perf_counter() - t0,
+                               error=f"the check did not finish within {timeout_s:g} s")
     dt = time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

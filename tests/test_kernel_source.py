@@ -28,3 +28,23 @@ def test_kernel_sources_share_one_folder_that_goes_with_the_process():
     assert len(seen["files"]) == 2 and all(f.startswith("silu_and_mul_agent_v1_") for f in seen["files"])
     assert seen["a_line"] == "return 1"
     assert not Path(seen["dir"]).exists(), "the process left its kernel sources behind"
+
+
+def test_a_checker_child_that_dies_or_hangs_leaves_no_source_behind(tmp_path, monkeypatch):
+    """A crashing kernel (os._exit skips atexit) and a hanging one (killed at the time limit): the
+    child writes under a folder the parent removes, so neither leaves its source in the temp dir."""
+    import tempfile
+
+    from anneal.engine.kernel_source import check_in_subprocess
+    from anneal.engine.plan import KernelSource
+    from anneal.engine.presets import preset_config
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    cfg = preset_config("tiny").model_dump(mode="json")
+    crash = KernelSource(op="silu_and_mul", impl="crash", source="import os\n\ndef build():\n    os._exit(7)\n")
+    hang = KernelSource(op="silu_and_mul", impl="hang", source="def build():\n    while True:\n        pass\n")
+    crashed = check_in_subprocess(crash, cfg, "cpu", "float32", timeout_s=60)
+    assert crashed.stage == "crash" and "exited with 7" in crashed.error, crashed
+    assert check_in_subprocess(hang, cfg, "cpu", "float32", timeout_s=8).stage == "timeout"
+    assert list(tmp_path.iterdir()) == []
