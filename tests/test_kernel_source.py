@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_admin import SILU_CRASH, SILU_HANG
+
 CHILD = r'''
 import json, linecache
 from anneal.engine.kernel_source import load_module, source_dir
@@ -42,8 +44,8 @@ def test_a_checker_child_that_dies_or_hangs_leaves_no_source_behind(tmp_path, mo
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     cfg = preset_config("tiny").model_dump(mode="json")
-    crash = KernelSource(op="silu_and_mul", impl="crash", source="import os\n\ndef build():\n    os._exit(7)\n")
-    hang = KernelSource(op="silu_and_mul", impl="hang", source="def build():\n    while True:\n        pass\n")
+    crash = KernelSource(op="silu_and_mul", impl="crash", source=SILU_CRASH)
+    hang = KernelSource(op="silu_and_mul", impl="hang", source=SILU_HANG)
     crashed = check_in_subprocess(crash, cfg, "cpu", "float32", timeout_s=60)
     assert crashed.stage == "crash" and "exited with 7" in crashed.error, crashed
     assert check_in_subprocess(hang, cfg, "cpu", "float32", timeout_s=8).stage == "timeout"
