@@ -6,9 +6,10 @@ are measured on the slow tier with the traffic shape's workload, in the same run
 within the latency bounds must pass ``POST /admin/verify``; then winner and baseline are measured
 again, interleaved, on other request samples, and the winner is rejected when its ratio to the
 baseline on the same sample disagrees with itself (spread above ``max_spread``) — a kernel that
-defers work or races another stream does not time consistently. The gain reported (and required)
-comes from those other samples only: on the sample the candidates were ranked on, the winner's
-reading is the best of several noisy ones, biased up. The latency bounds are judged the same way:
+defers work or races another stream does not time consistently. Of those two gates the one that
+has cost less so far in the run goes first (verification, until one has been timed). The gain
+reported (and required) comes from those other samples only: on the sample the candidates were
+ranked on, the winner's reading is the best of several noisy ones, biased up. The latency bounds are judged the same way:
 the ranking sample only screens out what is clearly over them, and the fresh samples decide.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +83,9 @@ def promote(
     long budget buys is more plans judged where the fast tier cannot judge them.
     """
     base_cand = Candidate(plan=baseline, agent="baseline", note="baseline (same run)")
-    base_exp = lab.measure(base_cand, spec, "slow", prune=False, budgeted=False)
+    costs = _GateCosts(rounds)
+    with costs.timing("replay"):
+        base_exp = lab.measure(base_cand, spec, "slow", prune=False, budgeted=False)
     if base_exp.measurement is None:
         raise RuntimeError(f"the baseline could not be measured on the slow tier: {base_exp.verdict.reason}")
     bm = base_exp.measurement
@@ -103,7 +107,8 @@ def promote(
         if why:
             rejected.append((cand.hash, why))
             return None
-        exp = lab.measure(cand, spec, "slow", prune=False, budgeted=False)
+        with costs.timing("replay"):
+            exp = lab.measure(cand, spec, "slow", prune=False, budgeted=False)
         if exp.measurement is None or exp.verdict.status != "measured":
             rejected.append((cand.hash, exp.verdict.reason or exp.verdict.status))
             return None
@@ -132,24 +137,28 @@ def promote(
     ranked.sort(key=lambda t: -t[0])
     tried = {c.hash for _, c, _ in ranked} | {baseline.hash}
 
-    while ranked:
-        s, cand, exp = ranked.pop(0)
-        if s <= score(bm):
-            break  # slower than the baseline on the slow tier: not worth serving
-        rep, _ = lab.verify(cand, "slow", **(verify_kwargs or {}))
-        if not rep.passed:
-            rejected.append((cand.hash, f"verification failed: {rep.reason()}"))
-            # Its fusions are the likeliest cause (a fused kernel rounds differently; on the H200's 8B
-            # in bf16 folded_norm failed quality inside a composite that replayed x1.21, and the
-            # compile kept the baseline): the same plan without them is measured and ranked too.
-            fallback = without_own_fusions(cand, baseline)
-            if fallback is not None and fallback.hash not in tried and time.monotonic() <= deadline:
-                tried.add(fallback.hash)
-                entry = measured(fallback)
-                if entry is not None:
-                    ranked.append(entry)
-                    ranked.sort(key=lambda t: -t[0])
-            continue
+    def verified(cand: Candidate) -> VerifyReport | None:
+        """``cand`` verified; None (its reason in ``rejected``, its fallback ranked) when it fails."""
+        with costs.timing("verify"):
+            rep, _ = lab.verify(cand, "slow", **(verify_kwargs or {}))
+        if rep.passed:
+            return rep
+        rejected.append((cand.hash, f"verification failed: {rep.reason()}"))
+        # Its fusions are the likeliest cause (a fused kernel rounds differently; on the H200's 8B
+        # in bf16 folded_norm failed quality inside a composite that replayed x1.21, and the
+        # compile kept the baseline): the same plan without them is measured and ranked too.
+        fallback = without_own_fusions(cand, baseline)
+        if fallback is not None and fallback.hash not in tried and time.monotonic() <= deadline:
+            tried.add(fallback.hash)
+            entry = measured(fallback)
+            if entry is not None:
+                ranked.append(entry)
+                ranked.sort(key=lambda t: -t[0])
+        return None
+
+    def timed(cand: Candidate, exp: Experiment) -> _Timed | None:
+        """``cand`` and the baseline on fresh request samples; None (reason in ``rejected``) when its
+        timing disagrees with itself, breaks the latency bounds or shows no gain there."""
         wins, bases = [exp.measurement], [bm]
         for r in range(1, rounds + 1):
             again = spec.model_copy(update={"seed": spec.seed + r})
@@ -157,7 +166,10 @@ def promote(
             # a round's first slot read ~3% low on the H200, and always putting the baseline there
             # would flatter every winner.
             order = (cand, base_cand) if r % 2 else (base_cand, cand)
-            got = {c.hash: lab.measure(c, again, "slow", prune=False, budgeted=False).measurement for c in order}
+            got = {}
+            for c in order:
+                with costs.timing("replay"):
+                    got[c.hash] = lab.measure(c, again, "slow", prune=False, budgeted=False).measurement
             b, w = got[base_cand.hash], got[cand.hash]
             if b is not None and w is not None:
                 bases.append(b)
@@ -172,24 +184,75 @@ def promote(
                                         f"sample x{', x'.join(f'{x:.3f}' for x in ratios)} "
                                         f"(spread {_spread(ratios):.2f}, worst own spread {worst_own:.2f}, "
                                         f"limit {max_spread})"))
-            continue
+            return None
         # The first sample ranked the candidates, so the winner's ratio there is the best of several
         # noisy readings, biased up: what is reported and required comes from the fresh samples.
         fresh = slice(1, None) if len(ratios) > 1 else slice(None)
         late = _over_latency_bounds(bound, paired_bounds, latency_slack, wins[fresh], bases[fresh])
         if late:
             rejected.append((cand.hash, late))
-            continue
+            return None
         gain = statistics.median(ratios[fresh])
         if gain < 1.0 + min_gain:
             rejected.append((cand.hash, f"no gain over the baseline on fresh request samples: median "
                                         f"x{gain:.3f}, needs x{1 + min_gain:.3f}"))
+            return None
+        return _Timed(wins, bases, ratios, fresh)
+
+    while ranked:
+        s, cand, exp = ranked.pop(0)
+        if s <= score(bm):
+            break  # slower than the baseline on the slow tier: not worth serving
+        # Both gates must pass; the cheaper goes first (_GateCosts), so a candidate the other gate
+        # rejects costs as little as it can.
+        if costs.timing_first():
+            t = timed(cand, exp)
+            rep = verified(cand) if t is not None else None
+        else:
+            rep = verified(cand)
+            t = timed(cand, exp) if rep is not None else None
+        if t is None or rep is None:
             continue
-        return Promotion(winner=cand.plan, baseline=baseline, winner_m=wins, baseline_m=bases,
-                         verification=rep, gains=gains(bases[fresh], wins[fresh]), rejected=rejected,
-                         paired=ratios[fresh], ranked_on=ratios[0] if len(ratios) > 1 else None)
+        return Promotion(winner=cand.plan, baseline=baseline, winner_m=t.wins, baseline_m=t.bases,
+                         verification=rep, gains=gains(t.bases[t.fresh], t.wins[t.fresh]), rejected=rejected,
+                         paired=t.ratios[t.fresh], ranked_on=t.ratios[0] if len(t.ratios) > 1 else None)
     return Promotion(winner=baseline, baseline=baseline, winner_m=[bm], baseline_m=[bm],
                      verification=None, gains=gains([bm], [bm]), rejected=rejected, is_baseline=True)
+
+
+@dataclass
+class _Timed:
+    """A candidate's and the baseline's replays, sample by sample, and what promotion reads of them."""
+    wins: list[Measurement]
+    bases: list[Measurement]
+    ratios: list[float]
+    fresh: slice
+
+
+class _GateCosts:
+    """Which of a winner's two gates to run first: the one that has cost less in this promotion.
+
+    Why: either gate can reject a candidate, and what the first one rejects never pays for the
+    second. Their costs differ by machine: on the H200's 8B a verification took 6-9 s against 10-13 s
+    a replay (a timing check is 2 x rounds replays), on CI's loaded CPU (the drift job, session 39)
+    43-53 s against 0.4-3 s, and there two verified candidates were then rejected for their timing.
+    Until a verification has been timed, it goes first (what promotion always did)."""
+
+    def __init__(self, rounds: int):
+        self.rounds = rounds
+        self.seconds: dict[str, list[float]] = {"replay": [], "verify": []}
+
+    @contextmanager
+    def timing(self, gate: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[gate].append(time.monotonic() - t0)
+
+    def timing_first(self) -> bool:
+        replay, verify = self.seconds["replay"], self.seconds["verify"]
+        return bool(replay and verify) and 2 * self.rounds * statistics.median(replay) < verify[-1]
 
 
 def _over_latency_bounds(bound: LatencyObjective, paired_bounds: set[str], slack: float,

@@ -184,6 +184,51 @@ def test_promotion_judges_consistency_against_the_baseline_on_the_same_request_s
     led.close()
 
 
+def test_promotion_runs_the_cheaper_gate_first():
+    """Session 39, the drift e2e test's CompilationJob on CI's loaded CPU: two candidates were
+    verified (43-53 s each) and then rejected for their timing (replays 0.4-3 s), 96 s of a 191-s
+    job. Once a verification has been timed, a gate that costs less goes first; each winner still
+    passes both."""
+    import time as _time
+
+    from anneal.agents.types import Measurement
+    from anneal.engine.plan import OpChoice, Plan
+
+    a, b, c = [Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": k})) for k in (2, 4, 8)]
+    tokens = {a.hash: [400.0, 150.0, 400.0], b.hash: [350.0, 150.0, 350.0], c.hash: [300.0, 290.0, 295.0]}
+
+    def run(verify_s: float, replay_s: float):
+        events = []
+
+        class TimedLab(SampleLab):
+            def measure(self, cand, spec, tier, **kw):
+                _time.sleep(replay_s)
+                events.append(("replay", spec.seed, cand.plan.hash))
+                return super().measure(cand, spec, tier, **kw)
+
+            def verify(self, cand, tier, **kw):
+                _time.sleep(verify_s)
+                events.append(("verify", cand.plan.hash))
+                return super().verify(cand, tier, **kw)
+
+        lab = TimedLab(lambda h, seed: Measurement(median_ms=1.0, tokens_per_s=tokens.get(h, [100.0] * 3)[seed]))
+        promo = promote(lab, [Candidate(plan=p, agent="t") for p in (a, b, c)], Plan(), BenchSpec(mode="workload"),
+                        rounds=2, max_spread=0.3)
+        assert promo.winner == c and promo.verification is not None
+        assert [h for h, why in promo.rejected if why.startswith("inconsistent timing")] == [a.hash, b.hash]
+        return [e[1] for e in events if e[0] == "verify"], events
+
+    # verification dear, replays cheap: the first candidate is verified first (no verification timed
+    # yet), then the timing goes first; b never pays for its verification; c's comes after its replays
+    verified, events = run(verify_s=0.3, replay_s=0.0)
+    assert verified == [a.hash, c.hash]
+    assert events.index(("verify", c.hash)) > max(i for i, e in enumerate(events) if e[-1] == c.hash and e[0] == "replay")
+    # replays dear, verification cheap: verification first for every candidate, as before
+    verified, events = run(verify_s=0.0, replay_s=0.02)
+    assert verified == [a.hash, b.hash, c.hash]
+    assert events.index(("verify", c.hash)) < events.index(("replay", 1, c.hash))
+
+
 def test_promotion_gain_comes_from_fresh_request_samples_only():
     """The sample the candidates were ranked on favours the winner (the best of several noisy
     readings): a plan x1.30 there and x0.98-1.02 on fresh samples is no gain. Counting the ranked
