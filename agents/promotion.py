@@ -9,8 +9,9 @@ baseline on the same sample disagrees with itself (spread above ``max_spread``) 
 defers work or races another stream does not time consistently. Of those two gates the one that
 has cost less so far in the run goes first (verification, until one has been timed). The gain
 reported (and required) comes from those other samples only: on the sample the candidates were
-ranked on, the winner's reading is the best of several noisy ones, biased up. The latency bounds are judged the same way:
-the ranking sample only screens out what is clearly over them, and the fresh samples decide.
+ranked on, the winner's reading is the best of several noisy ones, biased up. The latency bounds
+are judged the same way: the ranking sample only screens out what is clearly over them, and the
+fresh samples decide.
 """
 
 from __future__ import annotations
