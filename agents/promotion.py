@@ -234,9 +234,10 @@ class _GateCosts:
     """Which of a winner's two gates to run first: the one that has cost less in this promotion.
 
     Why: either gate can reject a candidate, and what the first one rejects never pays for the
-    second. Their costs differ by machine: on the H200's 8B a verification took 6-9 s against 10-13 s
-    a replay (a timing check is 2 x rounds replays), on CI's loaded CPU (the drift job, session 39)
-    43-53 s against 0.4-3 s, and there two verified candidates were then rejected for their timing.
+    second. Their costs differ by machine: in the 8B compiles on the H200 and H100 a verification took
+    6-9 s against 9-16 s a replay (a timing check is 2 x rounds replays), on CI's loaded CPU (the
+    drift job, session 39) 43-57 s against 0.4-4 s, and there two verified candidates were then
+    rejected for their timing.
     Until a verification has been timed, it goes first (what promotion always did)."""
 
     def __init__(self, rounds: int):
