@@ -296,13 +296,16 @@ def _write_if_changed(target: Path, text: str) -> None:
 
 
 def base_env(venv: Path, pod_dir: Path, marker: tuple[str, str]) -> dict[str, str]:
-    """A clean environment like a container's: the venv's bin on PATH, HOME in the pod directory."""
+    """A clean environment like a container's: the venv's bin on PATH, HOME in the pod directory.
+    The host's thread counts carry over: every pod shares the host's cores, as a container's CPU
+    limit would cap them, and torch's default of a thread a core makes each spin on the others."""
     path = f"{venv / 'bin'}{os.pathsep}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     env = {"PATH": path, "HOME": str(pod_dir / "home"), "TMPDIR": str(pod_dir / "tmp"),
            "LANG": os.environ.get("LANG", "C.UTF-8"), "PYTHONUNBUFFERED": "1", marker[0]: marker[1]}
     (pod_dir / "home").mkdir(parents=True, exist_ok=True)
     (pod_dir / "tmp").mkdir(parents=True, exist_ok=True)
-    for k in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+    for k in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+              "OMP_NUM_THREADS"):
         if k in os.environ:
             env[k] = os.environ[k]
     return env
