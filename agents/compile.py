@@ -436,7 +436,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     verification_doc: dict[str, Any] = {**report.model_dump(), "tier": "slow"}
     if promo.is_baseline:
         verification_doc["note"] = "no candidate beat the baseline and passed every gate; the baseline is kept"
-    tp_measured = _measure_tp(settings, cost, winner, setting.decode_spec, tp_choice, stop_tiers, progress)
+    tp_measured = _measure_tp(settings, cost, winner, setting.decode_spec, tp_choice, stop_tiers, progress,
+                              slow_state.config)
     if tp_measured is not None:
         ledger.set_meta("tp_measured", tp_measured)
     compiled = CompiledPlan(
@@ -467,7 +468,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     return compiled
 
 
-def _measure_tp(settings, cost, winner: Plan, spec: BenchSpec, tp_choice, stop_tiers, progress: bool):
+def _measure_tp(settings, cost, winner: Plan, spec: BenchSpec, tp_choice, stop_tiers, progress: bool,
+                config: dict | None):
     """The winner served at the degrees ``--measure-tp`` names (auto: 1 and the recommended one)
     beside the cost model's predictions (agents/tp_measure.py); None when none are measured. The
     tier engines stop first: the degree-N engines need the GPUs' memory they hold."""
@@ -483,7 +485,7 @@ def _measure_tp(settings, cost, winner: Plan, spec: BenchSpec, tp_choice, stop_t
         return cost.whole_model(degree).predict(plan, spec, tp=degree).ms
 
     return measure_degrees(settings.model, settings.device, Path(settings.out), winner, spec, predict, degrees,
-                           say=lambda m: _say(progress, m))
+                           say=lambda m: _say(progress, m), config=config)
 
 
 def _slow_roofline(state) -> CostModel | None:

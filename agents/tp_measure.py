@@ -19,6 +19,7 @@ from anneal.agents.engine_client import EngineError
 from anneal.agents.local_engines import LocalEngines
 from anneal.agents.types import BenchSpec
 from anneal.agents.space import normalized
+from anneal.engine.config import ModelConfig
 from anneal.engine.plan import Plan
 
 
@@ -37,11 +38,19 @@ def degrees_to_measure(asked: list[int] | None, recommended: int | None) -> list
 
 def measure_degrees(model: str, device: str, out: Path, plan: Plan, spec: BenchSpec,
                     predict: Callable[[Plan, int], float], degrees: list[int],
-                    say: Callable[[str], None] = lambda _m: None) -> list[dict[str, Any]]:
+                    say: Callable[[str], None] = lambda _m: None,
+                    config: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per degree: the predicted and measured decode-step ms (or why it could not run),
-    and both as ratios to degree 1's when it was measured."""
+    and both as ratios to degree 1's when it was measured. ``config`` (the served model's, as the
+    tiers report it): a degree the model does not split is reported without starting an engine."""
+    cfg = _model_config(config)
     rows = []
     for d in degrees:
+        refused = cfg.split_error(d) if cfg is not None else None
+        if refused:
+            say(f"tensor-parallel degree {d} not measured: {refused}")
+            rows.append({"degree": d, "plan_hash": at_degree(plan, d).hash, "predicted_ms": None, "error": refused})
+            continue
         p = at_degree(plan, d)
         predicted = predict(p, d)  # inf where the hardware has no link figures (a GPU without a data sheet)
         row: dict[str, Any] = {"degree": d, "plan_hash": p.hash,
@@ -73,3 +82,12 @@ def measure_degrees(model: str, device: str, out: Path, plan: Plan, spec: BenchS
                 r["predicted_ratio"] = round(r["predicted_ms"] / base["predicted_ms"], 4)
                 r["ratio_error"] = round(r["predicted_ratio"] - r["measured_ratio"], 4)
     return rows
+
+
+def _model_config(config: dict[str, Any] | None) -> ModelConfig | None:
+    """The tiers' reported config as a ModelConfig; None when absent or of another shape (the engine
+    then says why a degree cannot start, as before)."""
+    try:
+        return ModelConfig.model_validate(config) if config else None
+    except ValueError:
+        return None

@@ -35,6 +35,9 @@ class RopeScaling(BaseModel):
     original_max_position_embeddings: int = 8192
 
 
+SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")  # a TP rank's shares
+
+
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -92,6 +95,14 @@ class ModelConfig(BaseModel):
     def kv_bytes_per_token(self, layers: int | None = None, dtype_bytes: int = 2) -> int:
         L = self.num_hidden_layers if layers is None else layers
         return 2 * L * self.kv_size * dtype_bytes
+
+    def split_error(self, tp: int) -> str | None:
+        """Why ``tp`` ranks cannot split this model (None when they can): each rank takes an equal
+        share of the heads, the MLP's rows and the vocabulary. Torch-free, so the compile can refuse a
+        degree before it starts an engine for it."""
+        bad = [f"{name}={getattr(self, name)}" for name in SPLIT_FIELDS if getattr(self, name) % tp]
+        return f"tensor_parallel={tp}: {', '.join(bad)} of {self.name} do not split {tp} ways" if bad else None
+
 
 
 def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:

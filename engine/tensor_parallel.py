@@ -31,15 +31,14 @@ from anneal.engine.config import ModelConfig
 from anneal.engine.op_table import OpTable
 from anneal.engine.weights import LayerWeights, Weights
 
-SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective no other rank joins fails after this
 
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """What one rank of ``tp`` runs: the engine's decoder on fewer heads, rows and vocabulary."""
-    bad = [f"{name}={getattr(cfg, name)}" for name in SPLIT_FIELDS if getattr(cfg, name) % tp]
-    if bad:
-        raise ValueError(f"tensor_parallel={tp}: {', '.join(bad)} of {cfg.name} do not split {tp} ways")
+    err = cfg.split_error(tp)
+    if err:
+        raise ValueError(err)
     return cfg.model_copy(update={
         "num_attention_heads": cfg.num_attention_heads // tp, "num_key_value_heads": cfg.num_key_value_heads // tp,
         "intermediate_size": cfg.intermediate_size // tp, "vocab_size": cfg.vocab_size // tp})

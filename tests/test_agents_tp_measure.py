@@ -29,6 +29,7 @@ def test_each_degree_is_served_and_measured_beside_its_prediction(tmp_path):
     assert rows[2]["predicted_ratio"] == round(rows[2]["predicted_ms"] / rows[1]["predicted_ms"], 4)
     assert rows[2]["ratio_error"] == round(rows[2]["predicted_ratio"] - rows[2]["measured_ratio"], 4)
     assert "do not split 3 ways" in rows[3]["error"] and "measured_ms" not in rows[3]
+    assert not (out / "tp3").exists()  # refused from the tiers' config, no engine started for it
     served = load_plan((out / "tp2" / "plan.json").read_text())
     assert served.parallelism.tensor_parallel == 2 and served.hash == rows[2]["plan_hash"]
     report = (out / "report.md").read_text()
