@@ -104,7 +104,6 @@ class ModelConfig(BaseModel):
         return f"tensor_parallel={tp}: {', '.join(bad)} of {self.name} do not split {tp} ways" if bad else None
 
 
-
 def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
     if key not in cfg:
         raise ModelError(f"{path}: config.json has no {key!r}")
