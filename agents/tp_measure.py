@@ -46,12 +46,12 @@ def measure_degrees(model: str, device: str, out: Path, plan: Plan, spec: BenchS
     cfg = _model_config(config)
     rows = []
     for d in degrees:
+        p = at_degree(plan, d)
         refused = cfg.split_error(d) if cfg is not None else None
         if refused:
             say(f"tensor-parallel degree {d} not measured: {refused}")
-            rows.append({"degree": d, "plan_hash": at_degree(plan, d).hash, "predicted_ms": None, "error": refused})
+            rows.append({"degree": d, "plan_hash": p.hash, "predicted_ms": None, "error": refused})
             continue
-        p = at_degree(plan, d)
         predicted = predict(p, d)  # inf where the hardware has no link figures (a GPU without a data sheet)
         row: dict[str, Any] = {"degree": d, "plan_hash": p.hash,
                                "predicted_ms": round(predicted, 4) if math.isfinite(predicted) else None}
