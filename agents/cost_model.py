@@ -755,7 +755,8 @@ def _step_key(mode: str, fusions: dict[str, bool] | None = None) -> str:
     return f"step/{mode}|" + ",".join(sorted(f for f, on in fusions.items() if on))
 
 
-def replay_headroom(split: dict[str, float], model: CostModel) -> dict[str, float] | None:
+def replay_headroom(split: dict[str, float], model: CostModel,
+                    speculation: dict[str, Any] | None = None) -> dict[str, float] | None:
     """How much faster a workload replay (``time_split`` of a slow-tier benchmark) could get from
     plan changes that keep its tokens: every step at the roofline (``roofline_step_ms`` at the
     steps' mean tokens, rows and positions attended), nothing between steps.
@@ -764,7 +765,11 @@ def replay_headroom(split: dict[str, float], model: CostModel) -> dict[str, floa
     time) per op, never more than the steps' own rooflines summed: ``bound`` is an upper bound on
     the tokens/s any plan can multiply this replay's by without reading or computing less per token
     (quantization, speculative decoding). None when the split lacks what it needs (an engine from
-    before it reported the positions attended)."""
+    before it reported the positions attended).
+
+    With ``speculation`` (the replay's n-gram drafter figures, engine/ngram_draft.py), also the bound
+    with speculative decoding: the decode tokens in ``tokens_per_step`` times fewer steps, each a
+    verify step at the roofline computing ``1 + drafted_per_step`` rows a sequence (``spec_bound``)."""
     need = ("total_ms", "decode_ms", "decode_steps", "decode_mean_batch", "decode_mean_context",
             "prefill_ms", "prefill_steps", "tokens_in_prefill_steps", "prefill_mean_rows", "prefill_mean_context")
     if not split or any(k not in split for k in need) or not split["decode_steps"]:
@@ -778,6 +783,14 @@ def replay_headroom(split: dict[str, float], model: CostModel) -> dict[str, floa
             per_step, split["prefill_mean_rows"], split["prefill_mean_context"])
     step = split["decode_ms"] / split["decode_steps"]
     best = prefill + split["decode_steps"] * decode
-    return {"roofline_step_ms": decode, "decode_step_ms": step, "of_roofline": decode / step,
-            "prefill_roofline_ms": prefill, "prefill_ms": split["prefill_ms"],
-            "bound_ms": best, "bound": split["total_ms"] / best if best > 0 else math.inf}
+    out = {"roofline_step_ms": decode, "decode_step_ms": step, "of_roofline": decode / step,
+           "prefill_roofline_ms": prefill, "prefill_ms": split["prefill_ms"],
+           "bound_ms": best, "bound": split["total_ms"] / best if best > 0 else math.inf}
+    if speculation and speculation.get("verify_steps"):
+        per_step = speculation["tokens_per_step"]
+        verify = model.roofline_step_ms(rows * (1 + speculation["drafted_per_step"]), rows,
+                                        split["decode_mean_context"])
+        spec = prefill + split["decode_steps"] / per_step * verify
+        out.update(spec_tokens_per_step=per_step, spec_verify_roofline_ms=verify, spec_bound_ms=spec,
+                   spec_bound=split["total_ms"] / spec if spec > 0 else math.inf)
+    return out

@@ -95,7 +95,7 @@ class EngineClient:
         data = self.benchmark_answer(body)
         # Workload latency tails may come nested under "extra"; lift the ones the compiler reads.
         extra = data.get("extra") or {}
-        for k in ("itl_p90_ms", "ttft_p90_ms", "per_op_ms", "time_split", "decode_batches"):
+        for k in ("itl_p90_ms", "ttft_p90_ms", "per_op_ms", "time_split", "decode_batches", "speculation"):
             if data.get(k) is None and extra.get(k) is not None:
                 data[k] = extra[k]
         return Measurement.model_validate(data)

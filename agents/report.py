@@ -171,8 +171,8 @@ def headroom_table(base: list[Measurement], win: list[Measurement], model: CostM
     most any plan that keeps the tokens could gain on this workload (``replay_headroom``). Says
     whether a gain target is still open, or only reachable by reading fewer bytes per token."""
     def med(ms: list[Measurement]) -> dict[str, float] | None:
-        rows = [h for m in ms if (h := replay_headroom(m.time_split or {}, model)) is not None]
-        return {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else None
+        rows = [h for m in ms if (h := replay_headroom(m.time_split or {}, model, m.speculation)) is not None]
+        return {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]} if rows else None
 
     if model is None:
         return []
@@ -194,6 +194,22 @@ def headroom_table(base: list[Measurement], win: list[Measurement], model: CostM
         "",
         f"No plan that keeps the tokens and reads and computes as much per token (no quantization, no "
         f"speculative decoding) can beat the baseline's replay by more than x{b['bound']:.3f}.",
+    ] + speculation_lines(base, b)
+
+
+def speculation_lines(base: list[Measurement], b: dict[str, float]) -> list[str]:
+    """What speculative decoding could add: an n-gram drafter replayed over the baseline's own greedy
+    outputs (engine/ngram_draft.py), and the replay's bound with its verify steps at the roofline."""
+    spec = next((m.speculation for m in base if m.speculation and m.speculation.get("verify_steps")), None)
+    if spec is None or "spec_bound" not in b:
+        return []
+    return [
+        "", f"Speculative decoding, measured on these outputs: an n-gram drafter (k={spec['k']}, suffixes of up to "
+        f"{spec['max_n']} tokens) over the baseline replay's greedy outputs would accept {spec['accepted']} of "
+        f"{spec['drafted']} drafted tokens, **{b['spec_tokens_per_step']:.3f} tokens a verify step**; with every "
+        f"verify step at the roofline the replay could gain at most **x{b['spec_bound']:.3f}** (x{b['bound']:.3f} "
+        "without). The prompts are synthetic: a real model on real traffic repeats its context more or less "
+        "than this one did.",
     ]
 
 

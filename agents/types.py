@@ -72,6 +72,9 @@ class Measurement(_Wire):
         None, description="workload replays: where the wall time went (engine/benchmark.py _TimeSplit)")
     decode_batches: dict[int, int] | None = Field(
         None, description="workload replays: decode-only steps per batch size (what CUDA graphs replay)")
+    speculation: dict[str, Any] | None = Field(
+        None, description="workload replays: an n-gram drafter over the replay's greedy outputs "
+                          "(engine/ngram_draft.py): verify steps, tokens a step, drafted, accepted")
 
     @property
     def spread(self) -> float:

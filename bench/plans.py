@@ -208,7 +208,7 @@ def _measure(args, plans, device: str, eng, start_s: float) -> int:
                                              num_requests=n, steps=1, warmup=1, seed=args.seed + r))
         row = {"round": r, "seed": args.seed + r, "tokens_per_s": res.tokens_per_s, "wall_ms": res.median_ms,
                "apply_s": apply_s, **res.extra}
-        head = replay_headroom(res.extra["time_split"], roofline)
+        head = replay_headroom(res.extra["time_split"], roofline, res.extra.get("speculation"))
         if head:
             row["headroom"] = head
         runs.setdefault((label, sname), []).append(row)
@@ -222,7 +222,9 @@ def _measure(args, plans, device: str, eng, start_s: float) -> int:
                 "gc {gc_ms:.0f} ms ({gc_collections} collections, {gc_full_collections} full)".format(
                     **{"pipelined_steps": 0, "engine_steps": 0, **res.extra["time_split"]})
               + (f"; decode steps at {head['of_roofline']:.1%} of the roofline, bound x{head['bound']:.3f}"
-                 if head else ""),
+                 if head else "")
+              + (f"; an n-gram drafter: {head['spec_tokens_per_step']:.3f} tokens a verify step, bound with it "
+                 f"x{head['spec_bound']:.3f}" if head and "spec_bound" in head else ""),
               file=sys.stderr, flush=True)
 
     table = {}

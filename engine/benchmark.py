@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from anneal.engine.plan import Plan
 from anneal.engine.gc_control import GcClock, collection_paused
+from anneal.engine.ngram_draft import draft_stats
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.sequence import Sequence
 
@@ -277,6 +278,8 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         # within the workload is the traffic shape's own and still hits.
         engine.blocks.reset_prefix_cache()
         in_flight: set[str] = set()
+        prompts: dict[str, list[int]] = {}
+        produced: dict[str, list[int]] = {}  # greedy outputs: what a drafter would have accepted (after the run)
 
         def admit(now_s: float) -> None:
             while pending:
@@ -290,6 +293,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
                 engine.add_request(rid, r.prompt_token_ids, SamplingParams(
                     max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
                 in_flight.add(rid)
+                prompts[rid] = r.prompt_token_ids
                 starts[rid] = time.perf_counter()
 
         _sync(engine)
@@ -317,6 +321,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
                 split.add(engine.stats(), now - t_step, draining=not pending)
                 for o in outs:
                     n_out += len(o.new_token_ids)
+                    produced.setdefault(o.request_id, []).extend(o.new_token_ids)
                     if steady_end is None:
                         steady_out += len(o.new_token_ids)
                     if o.request_id not in first:
@@ -333,7 +338,8 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
         steady_s = (steady_end or t0) - t0  # ~0 when all requests were admitted at once: no steady part
         summary.update(steady_ms=steady_s * 1e3, steady_output_tokens=steady_out,
                        steady_tokens_per_s=steady_out / steady_s if steady_s > 0 else 0.0)
-        runs.append((total, n_out, sorted(first.values()), itl, summary, dict(sorted(split.decode_batches.items()))))
+        runs.append((total, n_out, sorted(first.values()), itl, summary, dict(sorted(split.decode_batches.items())),
+                     [(prompts[rid], out) for rid, out in produced.items()]))
     if req.warmup and len(runs) > 1:
         runs = runs[1:]
     totals = [r[0] for r in runs]
@@ -350,7 +356,7 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
                "ttft_p50_ms": _quantile(ttft, 0.5) * 1e3, "ttft_p90_ms": _quantile(ttft, 0.9) * 1e3,
                "itl_p50_ms": _quantile(itl, 0.5) * 1e3, "itl_p90_ms": _quantile(itl, 0.9) * 1e3,
                "steady_tokens_per_s": runs[-1][4]["steady_tokens_per_s"] or None, "time_split": runs[-1][4],
-               "decode_batches": runs[-1][5]},
+               "decode_batches": runs[-1][5], "speculation": draft_stats(runs[-1][6]).as_dict()},
     )
 
 

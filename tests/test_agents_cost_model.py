@@ -638,3 +638,21 @@ def test_a_fused_head_winners_whole_model_step_is_predicted_from_its_fused_head(
     online = out["online"]
     assert (online["+ its factor at the nearest batch, the fused head as timed (session 37)"]["all"]["median"]
             <= online["+ a graphed step's constant once (session 36)"]["all"]["median"] + 0.002)
+
+
+def test_replay_headroom_with_speculation_counts_fewer_wider_steps():
+    """With an n-gram drafter's figures the bound takes ``tokens_per_step`` times fewer decode steps,
+    each computing the drafted rows too; a drafter that never drafts leaves the bound as it was."""
+    cm = CostModel.from_state(H200)
+    split = {"total_ms": 9745.0, "decode_ms": 8938.0, "decode_steps": 1669, "decode_mean_batch": 10.6,
+             "decode_mean_context": 800.0, "prefill_ms": 758.0, "prefill_steps": 47,
+             "tokens_in_prefill_steps": 30000, "prefill_mean_rows": 9.0, "prefill_mean_context": 400.0}
+    plain = replay_headroom(split, cm)
+    assert "spec_bound" not in plain
+    none = replay_headroom(split, cm, {"verify_steps": 100, "tokens_per_step": 1.0, "drafted_per_step": 0.0})
+    assert none["spec_bound"] == pytest.approx(plain["bound"])
+    spec = replay_headroom(split, cm, {"verify_steps": 100, "tokens_per_step": 3.0, "drafted_per_step": 3.5})
+    verify = cm.roofline_step_ms(10.6 * 4.5, 10.6, 800.0)
+    assert verify > spec["roofline_step_ms"]  # the drafted rows cost something
+    assert spec["spec_bound_ms"] == pytest.approx(plain["prefill_roofline_ms"] + 1669 / 3.0 * verify)
+    assert spec["spec_bound"] > 2 * plain["bound"]  # decode dominates and is memory-bound at 48 rows

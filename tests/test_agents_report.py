@@ -111,3 +111,15 @@ def test_the_cost_model_table_names_the_step_rows_and_keeps_the_most_observed_fu
     link = "\n".join(calibration_table({"all_reduce/link": {"factor": 2.1, "n": 12, "fixed_us": 17.5, "slope": 1.4}}))
     assert "| all_reduce/link: the split engine's collective as timed (fixed: its latency a call;" in link
     assert "| 2.100 | 17.50 | 1.400 | 12 |" in link
+
+
+def test_headroom_table_says_what_speculative_decoding_could_add():
+    cm = CostModel.from_state(H200)
+    spec = {"drafter": "ngram", "k": 4, "max_n": 3, "verify_steps": 17000, "tokens": 17690, "drafted": 3000,
+            "accepted": 690, "tokens_per_step": 17690 / 17000, "drafted_per_step": 3000 / 17000}
+    base = Measurement(median_ms=9745.0, tokens_per_s=1900.0, time_split=SPLIT, speculation=spec)
+    text = "\n".join(headroom_table([base], [_m(SPLIT)], cm))
+    head = replay_headroom(SPLIT, cm, spec)
+    assert "accept 690 of 3000 drafted tokens, **1.041 tokens a verify step**" in text
+    assert f"at most **x{head['spec_bound']:.3f}** (x{head['bound']:.3f} without)" in text
+    assert "Speculative decoding" not in "\n".join(headroom_table([_m(SPLIT)], [_m(SPLIT)], cm))

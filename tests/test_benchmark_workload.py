@@ -299,3 +299,24 @@ def test_per_op_times_the_fused_head_a_decode_graph_runs_beside_the_eager_steps(
     assert shapes == [(3, eng.config.hidden_size)] * 4  # one warm-up and three timed steps
     assert per_op["lm_head_argmax"] > 0 and {"lm_head", "argmax"} <= set(per_op)
     assert "lm_head_argmax" not in prompt
+
+
+def test_replay_reports_what_an_ngram_drafter_would_accept_on_its_outputs(eng):
+    """The drafter is replayed over the replay's own greedy outputs: the same figures as the
+    drafter over what the engine generates for those prompts; the tiny random model loops, so it
+    accepts most drafts (a large-vocabulary random model accepts none: bench/NOTES.md, session 41)."""
+    from anneal.engine.ngram_draft import draft_stats
+    from anneal.engine.sampling_params import SamplingParams
+    from anneal.engine.traffic import make_workload
+
+    shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": 2.0})
+    res = _replay_stepping(eng, shape, 4, lambda step: step())
+    spec = res.extra["speculation"]
+    wl = make_workload(shape, 4, seed=0, vocab_size=eng.config.vocab_size, max_model_len=eng.max_model_len)
+    prompts = [r.prompt_token_ids for r in wl.requests]
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+                                  for r in wl.requests])
+    want = draft_stats(list(zip(prompts, outs))).as_dict()
+    assert spec == want
+    assert spec["tokens"] == sum(len(o) - 1 for o in outs) and spec["accepted"] > 0
+    assert 1.0 < spec["tokens_per_step"] <= spec["k"] + 1
