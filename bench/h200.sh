@@ -259,7 +259,7 @@ for s in "$@"; do
     quality-truth)  # issue 5: folded_norm failed quality on the 8B in bf16 (session 20): less accurate, or rounded otherwise?
       stage quality-truth 300 $py bench/quality_truth.py --model random:llama-3.1-8b --plans "${TRUTH_PLANS:-reference,\
 bench/plans/triton.json,bench/plans/triton-overlap-token-graphs.json,bench/plans/triton-overlap-token-graphs-ropeattn.json,\
-bench/plans/triton-overlap-token-graphs-folded.json}" --name quality-truth-8b --out "$OUT"
+bench/plans/triton-overlap-token-graphs-folded.json}" --name "${TRUTH_NAME:-quality-truth-8b}" --out "$OUT" ${TRUTH_ARGS:-}
       ;;
     gpu-tests)
       stage gpu-tests-engine 240 $py -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py

@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--name", default="quality-truth")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fp8-weights", action="store_true",
+                    help="after the truth and the reference plan's logits, round every layer's projection weights "
+                         "to float8_e4m3 (one scale an output row, as weight-only fp8 serving stores them) in place "
+                         "and measure the plans again: the quality an fp8-weight plan would reach, against the "
+                         "truth of the weights as served")
     args = ap.parse_args(argv)
 
     import torch
@@ -66,13 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     tol = tolerance(served)
 
     rows = {}
-    for label, plan in plans:
-        served.apply_plan(plan if label != "reference" else reference_of(plan))
+    runs = list(plans)
+    if args.fp8_weights:
+        runs += [(f"{label}+fp8-weights", plan) for label, plan in plans]
+    rounded = False
+    for label, plan in runs:
+        if label.endswith("+fp8-weights") and not rounded:
+            _round_to_fp8(served)
+            rounded = True
+        served.apply_plan(plan if not label.startswith("reference") else reference_of(plan))
         got = _Forcer(served).run(prompts, forced)
         vs_truth = _compare("truth", got, truth, tol, False)
         vs_ref = _compare("reference", got, reference, tol, False)
         gate = _quality(got, reference, truth, tol, False, 0.98)
-        rows[label] = {"plan_hash": plan.hash, "vs_truth": vs_truth.metrics, "vs_reference": vs_ref.metrics,
+        rows[label] = {"plan_hash": plan.hash, "fp8_weights": label.endswith("+fp8-weights"), "vs_truth": vs_truth.metrics, "vs_reference": vs_ref.metrics,
                        "quality": {"passed": gate.passed, "detail": gate.detail, **gate.metrics}}
         print(f"{label:<40} vs fp32 truth: max rel err {vs_truth.metrics['max_rel_err']:.4f}, greedy "
               f"{vs_truth.metrics['argmax_agreement']:.3f} of {vs_truth.metrics['decisive_positions']} | vs the "
@@ -85,9 +97,27 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(), "model": args.model, "device": device, "dtype": args.dtype,
         "num_prompts": args.num_prompts, "steps": args.steps, "seed": args.seed, "tolerance": tol,
         "plans": {label: plan.model_dump(mode="json") for label, plan in plans}, "results": rows,
+        "fp8_weights": "float8_e4m3fn, one scale an output row (amax / 448), qkv / o / gate_up / down of every layer; "
+                       "embedding, norms and lm_head as served" if args.fp8_weights else None,
     }, Path(args.out) if args.out else None)
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _round_to_fp8(served) -> None:
+    """Every layer's projection weights rounded to float8_e4m3fn with a scale per output row and
+    stored back in the served dtype: what a weight-only fp8 plan's kernels would multiply by (they
+    dequantize exactly), so its only new error is the weights' rounding. In place: the truth and the
+    reference plan's logits were taken before."""
+    import torch
+
+    for layer in served.weights.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(layer, name)
+            scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448.0
+            q = (w.float() / scale).to(torch.float8_e4m3fn)
+            w.copy_((q.float() * scale).to(w.dtype))
+    served.weights.folded = None  # folded_norm copies are made from the weights at its next apply
 
 
 if __name__ == "__main__":

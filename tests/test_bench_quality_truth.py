@@ -27,3 +27,20 @@ def test_the_reference_plan_sits_at_bf16_rounding_from_the_truth_and_an_equal_pl
     # verification's quality check, judged against the same truth
     assert ref["quality"]["passed"] and ov["quality"]["passed"]
     assert ov["quality"]["truth_rel_err"] == ref["vs_truth"]["max_rel_err"]
+
+
+def test_fp8_weights_sit_several_times_further_from_the_truth(tmp_path):
+    """--fp8-weights rounds the layers' projections to float8_e4m3 after the truth was taken: the
+    plan's distance from the served weights' truth grows several-fold (whether the gate refuses it
+    depends on the model: on the tiny one it lands near the dtype's floor of 0.05)."""
+    script = Path(__file__).parent.parent / "bench" / "quality_truth.py"
+    subprocess.run([sys.executable, str(script), "--model", "random:tiny", "--plans", "reference", "--dtype",
+                    "bfloat16", "--fp8-weights", "--num-prompts", "3", "--steps", "6", "--max-prompt-len", "40",
+                    "--device", "cpu", "--name", "q", "--out", str(tmp_path)], check=True, capture_output=True,
+                   timeout=300)
+    result = json.loads(next(tmp_path.glob("q-*.json")).read_text())
+    ref, fp8 = result["results"]["reference"], result["results"]["reference+fp8-weights"]
+    assert not ref["fp8_weights"] and fp8["fp8_weights"] and result["fp8_weights"]
+    assert fp8["vs_truth"]["max_rel_err"] > 4 * ref["vs_truth"]["max_rel_err"]
+    assert fp8["quality"]["truth_rel_err"] == fp8["vs_truth"]["max_rel_err"]
+    assert fp8["quality"]["reference_truth_rel_err"] == ref["vs_truth"]["max_rel_err"]
