@@ -139,3 +139,40 @@ def test_two_runs_that_differ_by_rounding_at_the_tolerance_agree_at_every_decisi
     got[1][2, 8] = got[1][2, 7] + 1.0  # another token wins there, every other logit equal
     r = _compare("prefix_cache", got, want, tol, False, 1.0)
     assert not r.passed and "argmax agreement" in r.detail, r.detail
+
+
+def test_the_reference_side_is_computed_once_for_the_candidates_of_one_request(monkeypatch):
+    """Every candidate verified with one request shape has the same reference run (greedy tokens,
+    teacher-forced logits, truth): kept per engine, it is computed once, lazily for the truth, and
+    anew for other prompts; the checks read what a fresh computation gives."""
+    import anneal.engine.verify as v
+
+    engine = _engine("random:tiny", "bfloat16")
+    calls = {"generate": 0, "truth": 0}
+    generate, truth = engine.generate, v.truth_logits
+
+    def counting_generate(*a, **k):
+        calls["generate"] += 1
+        return generate(*a, **k)
+
+    def counting_truth(*a, **k):
+        calls["truth"] += 1
+        return truth(*a, **k)
+
+    monkeypatch.setattr(engine, "generate", counting_generate)
+    monkeypatch.setattr(v, "truth_logits", counting_truth)
+    req = dict(num_prompts=3, steps=6, max_prompt_len=50)
+    first = verify(engine, VerifyRequest(plan=Plan(), checks=["determinism"], **req))
+    assert first.passed and calls == {"generate": 1, "truth": 0}
+    graphs = Plan(cuda_graph_batch_sizes=[1, 2])  # another candidate, the same reference plan
+    a = verify(engine, VerifyRequest(plan=graphs, checks=["quality"], **req))
+    assert a.passed and calls == {"generate": 1, "truth": 1}
+    b = verify(engine, VerifyRequest(plan=Plan(), checks=["quality"], **req))
+    assert calls == {"generate": 1, "truth": 1}
+    verify(engine, VerifyRequest(plan=Plan(), checks=["quality"], seed=5, **req))  # other prompts
+    assert calls == {"generate": 2, "truth": 2}
+    v._REFERENCE_RUNS.clear()
+    fresh = verify(engine, VerifyRequest(plan=Plan(), checks=["quality"], **req))
+    assert calls == {"generate": 3, "truth": 3}
+    assert fresh.checks[0].metrics == b.checks[0].metrics == a.checks[0].metrics
+    assert engine.plan == Plan()  # the plan it found is in place
