@@ -192,7 +192,9 @@ class CandidateSpace:
     def mutate_scheduler(self, s: SchedulerKnobs, rng: random.Random) -> SchedulerKnobs:
         knob = rng.choice(["max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "mixed_prefill",
                            "overlap"])
-        if knob in ("mixed_prefill", "overlap"):
+        if knob == "overlap":  # an overlapped step cannot check drafts: speculation goes with it
+            return s.model_copy(update={"overlap": not s.overlap, "speculative_tokens": 0})
+        if knob == "mixed_prefill":
             return s.model_copy(update={knob: not getattr(s, knob)})
         if knob == "chunked_prefill":
             chunked = not s.chunked_prefill

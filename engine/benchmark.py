@@ -397,6 +397,10 @@ class _TimeSplit:
             # (overlap scheduling; the step() calls above count differently when it pipelines)
             "engine_steps": end.steps - self.start.steps,
             "pipelined_steps": end.pipelined_steps - self.start.pipelined_steps,
+            # decode steps that checked n-gram drafts (scheduler.speculative_tokens), and their drafts
+            "speculative_steps": end.speculative_steps - self.start.speculative_steps,
+            "drafted_tokens": end.drafted_tokens - self.start.drafted_tokens,
+            "accepted_tokens": end.accepted_tokens - self.start.accepted_tokens,
             "total_ms": total_s * 1e3,
             "decode_ms": self.decode_s * 1e3, "decode_steps": decode_steps,
             "decode_mean_batch": decode_seqs / max(1, decode_steps),

@@ -25,6 +25,7 @@ from anneal.engine.runner import ModelRunner
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.scheduler import Scheduler
 from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
+from anneal.engine.speculation import Speculator
 from anneal.engine.tensor_parallel import TensorParallel, rank_device, shard_config, shard_weights
 from anneal.engine.tp_workers import Workers, free_address
 from anneal.engine.weights import DTYPES, fold_norms, load_weights, resolve_config
@@ -71,6 +72,9 @@ class EngineStats:
     last_decode_only: bool = False  # the last step carried no prompt tokens
     pipelined_steps: int = 0  # decode steps launched before the last one's tokens were read (overlap)
     last_context_tokens: int = 0  # KV positions the last step's tokens attend, summed (its KV reads)
+    speculative_steps: int = 0  # decode steps that checked n-gram drafts (scheduler.speculative_tokens)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -231,6 +235,7 @@ class Engine:
                         "warmup_s": captured["warmup_s"], "capture_s": captured["capture_s"]}
         self._rng = random.Random(args.seed)
         self._overlap = OverlapStepper(self)  # scheduler.overlap: the decode step in flight
+        self._speculator = Speculator()  # scheduler.speculative_tokens: drafts and their n-gram indexes
         self._requests: dict[str, Sequence] = {}
         self._steps = 0
         self._last = (0, 0, False, 0)  # batch, tokens, decode-only, tokens attended (see stats)
@@ -303,6 +308,7 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
+        self._speculator.forget(request_id)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -322,6 +328,12 @@ class Engine:
         # Read before the step: afterwards a sequence that finished has had its blocks freed
         # (num_computed_tokens 0), and the property would call the step a prefill.
         decode_only = batch.decode_only
+        knobs = self.plan.scheduler
+        if decode_only and knobs.speculative_tokens:
+            drafts = self._speculator.propose(batch.items, knobs.speculative_tokens, knobs.max_num_batched_tokens,
+                                              self.max_model_len)
+            if drafts is not None:
+                return self._speculator.step(self, batch.items, drafts)
         attended = positions_attended(batch.items)
         result = self.runner.run(batch.items, decode_only)
         outputs = []
@@ -335,6 +347,7 @@ class Engine:
             if reason:
                 self.scheduler.finish(seq, reason)
                 self._requests.pop(seq.request_id, None)
+                self._speculator.forget(seq.request_id)
             outputs.append(
                 RequestOutput(
                     request_id=seq.request_id,
@@ -347,9 +360,13 @@ class Engine:
                     new_logprobs=[lp] if lp is not None else None,
                 )
             )
-        self._steps += 1
-        self._last = (len(batch), batch.num_tokens, decode_only, attended)
+        self._note_step(len(batch), batch.num_tokens, decode_only, attended)
         return outputs
+
+    def _note_step(self, batch: int, tokens: int, decode_only: bool, attended: int) -> None:
+        """A step ran: what ``stats`` reports of the last one."""
+        self._steps += 1
+        self._last = (batch, tokens, decode_only, attended)
 
     def _stop_reason(self, seq: Sequence, token: int, length: int | None = None) -> str | None:
         """Why ``seq`` ends with ``token``, if it does; ``length``: its length with that token
@@ -380,6 +397,9 @@ class Engine:
             last_decode_only=self._last[2],
             last_context_tokens=self._last[3],
             pipelined_steps=self._overlap.pipelined,
+            speculative_steps=self._speculator.steps,
+            drafted_tokens=self._speculator.drafted,
+            accepted_tokens=self._speculator.accepted,
         )
 
     # ---- plans ------------------------------------------------------------------------------------

@@ -210,11 +210,17 @@ class SchedulerKnobs(_Strict):
         "only steps without log-probs, nothing waiting; engine/overlap.py), so the host's per-step work "
         "runs while the GPU computes; no gain on the CPU, whose steps run synchronously",
     )
+    speculative_tokens: int = Field(
+        0, ge=0, le=8,
+        description="speculative decoding with an n-gram drafter (prompt lookup, engine/ngram_draft.py): up to "
+        "this many drafted tokens a sequence, checked in one step; greedy requests only, the tokens unchanged. "
+        "0: off. Pays where outputs repeat their context (a replay's extra.speculation says how much)",
+    )
 
 
 # Knobs added after plans were stored and hashed (ledgers, CompiledPlans): left out of the hash
 # while they hold their default. A path: a plan field, or a group and its knob.
-_HASHED_WHEN_SET = (("scheduler", "overlap"), ("cuda_graph_token_sizes",))
+_HASHED_WHEN_SET = (("scheduler", "overlap"), ("cuda_graph_token_sizes",), ("scheduler", "speculative_tokens"))
 
 
 class Parallelism(_Strict):

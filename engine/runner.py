@@ -346,6 +346,18 @@ class ModelRunner:
                                    pos, slots, cu, [s.num_computed_tokens + n for s, n in items],
                                    [s.block_table for s, _ in items], False, list(range(cu[-1])))
 
+    @mirrored()
+    @torch.inference_mode()
+    def verify_drafts(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Speculative decoding's check (engine/speculation.py): each item's next ``n`` tokens (its last
+        token, then its drafts) in one eager varlen pass, and the greedy token after every one of them."""
+        ids, pos, slots, cu, _ = self._rows(items)
+        logits = self._varlen_logits(self.model, self.kv, torch.tensor(ids, dtype=torch.int64, device=self.device),
+                                     pos, slots, cu, [s.num_computed_tokens + n for s, n in items],
+                                     [s.block_table for s, _ in items], False, list(range(cu[-1])))
+        tokens = self.ops.argmax(logits).tolist()  # the step's one host sync
+        return [tokens[a:b] for a, b in zip(cu, cu[1:])]
+
     # ---- CUDA graphs ----------------------------------------------------------------------------
 
     def _static_buffers(self, max_bs: int) -> dict[str, torch.Tensor]:

@@ -56,6 +56,9 @@ class Scheduler:
                 "without chunked prefill, max_num_batched_tokens "
                 f"({knobs.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
             )
+        if knobs.speculative_tokens and knobs.overlap:
+            raise ValueError("speculative_tokens and overlap cannot be combined: an overlapped step is launched "
+                             "before the last one's tokens, which its drafts need, are known")
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING

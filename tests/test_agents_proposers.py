@@ -639,3 +639,33 @@ def test_a_fast_tier_plan_goes_to_the_slow_tier_with_the_chosen_serving_knobs():
     assert served.cuda_graph_token_sizes == [64, 128] and served.fusions == fast.fusions
     own = fast.model_copy(update={"scheduler": SchedulerKnobs(max_num_seqs=128), "cuda_graph_token_sizes": [256]})
     assert board.serving(own, base) == own
+
+
+@pytest.mark.parametrize("per_step, tried", [(1.0, False), (2.5, True)])
+def test_scheduler_tuner_tries_speculation_only_where_the_replay_promises_it(tmp_path, per_step, tried):
+    """The base's replay says what an n-gram drafter would emit a verify step: at 1.0 (the 8B's
+    random weights) speculation is noted and not measured; at 2.5 it is probed, wins, and every
+    grid setting after the probes speculates too (with overlap off: the two do not combine)."""
+    srv, url = serve_in_thread(FakeEngine(token="tok", drafted_tokens_per_step=per_step))
+    client = EngineClient(url, "tok")
+    ledger = Ledger(tmp_path / "l.sqlite")
+    try:
+        state = client.state()
+        setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+        lab = Lab(ledger=ledger, engines={"fast": client}, cost_model=CostModel.from_state(state))
+        board = Board()
+        SchedulerTuner(max_settings=8).run(lab, setting, board)
+        knobs = [r.plan.scheduler for r in ledger.experiments()]
+        assert len(knobs) == 8 and not knobs[0].speculative_tokens
+        speculating = [k for k in knobs if k.speculative_tokens]
+        if tried:
+            assert knobs[2].speculative_tokens == 4 and not knobs[2].overlap
+            assert all(k.speculative_tokens == 4 and not k.overlap for k in knobs[3:])
+            assert board.scheduler.speculative_tokens == 4
+        else:
+            assert not speculating and board.scheduler.speculative_tokens == 0
+            assert any("speculative decoding not tried" in n and "1.000 tokens" in n for n in board.notes)
+    finally:
+        ledger.close()
+        client.close()
+        srv.shutdown()

@@ -320,3 +320,22 @@ def test_replay_reports_what_an_ngram_drafter_would_accept_on_its_outputs(eng):
     assert spec == want
     assert spec["tokens"] == sum(len(o) - 1 for o in outs) and spec["accepted"] > 0
     assert 1.0 < spec["tokens_per_step"] <= spec["k"] + 1
+
+
+def test_a_speculating_plan_replays_the_same_tokens_in_fewer_steps(eng):
+    """With scheduler.speculative_tokens the replay's decode steps check drafts (the tiny model loops,
+    so most hold): the same output tokens, fewer engine steps, the drafts counted in the time split."""
+    from anneal.engine.plan import Plan
+
+    shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": 2.0})
+    plain = _replay_stepping(eng, shape, 4, lambda step: step()).extra
+    eng.apply_plan(Plan(scheduler={"speculative_tokens": 4}))
+    try:
+        spec = _replay_stepping(eng, shape, 4, lambda step: step()).extra
+    finally:
+        eng.apply_plan(Plan())
+    assert spec["output_tokens"] == plain["output_tokens"] and spec["speculation"] == plain["speculation"]
+    s, p = spec["time_split"], plain["time_split"]
+    assert p["speculative_steps"] == 0 and s["speculative_steps"] > 0
+    assert 0 < s["accepted_tokens"] <= s["drafted_tokens"]
+    assert s["engine_steps"] < p["engine_steps"]

@@ -54,7 +54,7 @@ class FakeEngine:
                  per_op: bool = True, sample_spread: float = 0.0, token_graph_gain: float = 0.0,
                  extra_variants: dict | None = None, drift: float = 0.0, fusion_gains: dict[str, float] | None = None,
                  decode_drift: float = 0.0, bad_fusions: tuple[str, ...] = (), token_plan_decode_noise: float = 0.0,
-                 step_penalties: dict[tuple[str, str], float] | None = None):
+                 step_penalties: dict[tuple[str, str], float] | None = None, drafted_tokens_per_step: float | None = None):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
@@ -72,6 +72,9 @@ class FakeEngine:
         # (op, impl) -> ms each layer's step loses with it, which its own per-op time does not show
         # (session 27: a ticket merge faster alone, slower inside the graph)
         self.step_penalties = step_penalties or {}
+        # workload replays report an n-gram drafter emitting this many tokens a verify step (their
+        # extra.speculation), and a speculating plan's decode steps run that many times fewer
+        self.drafted_tokens_per_step = drafted_tokens_per_step
         self.bad_impls, self.delay_s, self.device = set(bad_impls), delay_s, device
         self.per_op = per_op  # False: an engine that cannot time ops even when asked
         self.plan = Plan()
@@ -127,6 +130,8 @@ class FakeEngine:
             step *= 1 + self.sample_spread * (int(body.get("seed") or 0) % 3 - 1)
             # a quarter of a replay is its prompt steps; token graphs change those alone
             prompt, rest = step * PROMPT_SHARE, step * (1 - PROMPT_SHARE)
+            if self.drafted_tokens_per_step and s.speculative_tokens:
+                rest /= self.drafted_tokens_per_step
             if self.device == "cuda" and plan.cuda_graph_token_sizes:  # prompt steps without host launches
                 prompt *= 1 - self.token_graph_gain / PROMPT_SHARE
                 rest *= 1 + self.token_plan_decode_noise
@@ -149,6 +154,10 @@ class FakeEngine:
             scale = med / step  # the median replay's split; the same requests, so the same prompt tokens
             out["time_split"] = {"total_ms": med, "prefill_ms": prompt * scale, "tokens_in_prefill_steps": 4096,
                                  "decode_ms": med - prompt * scale}
+            if self.drafted_tokens_per_step is not None:
+                out["extra"] = {"speculation": {"drafter": "ngram", "k": 4, "max_n": 3, "verify_steps": 100,
+                                                "tokens_per_step": self.drafted_tokens_per_step,
+                                                "drafted_per_step": 1.0}}
         return out
 
     def verify(self, body: dict) -> dict:
