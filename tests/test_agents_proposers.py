@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -22,18 +23,26 @@ from anneal.agents.swarm import run_swarm
 from anneal.agents.types import LatencyObjective
 
 
+@contextlib.contextmanager
+def _lab_on(tmp_path, **fake):
+    """A lab whose fast tier is a FakeEngine(``fake``), the chat setting on it, and a board."""
+    srv, url = serve_in_thread(FakeEngine(token="tok", **fake))
+    client = EngineClient(url, "tok")
+    ledger = Ledger(tmp_path / "l.sqlite")
+    try:
+        state = client.state()
+        setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+        yield Lab(ledger=ledger, engines={"fast": client}, cost_model=CostModel.from_state(state)), setting, Board()
+    finally:
+        ledger.close()
+        client.close()
+        srv.shutdown()
+
+
 @pytest.fixture
 def env(tmp_path):
-    srv, url = serve_in_thread(FakeEngine(token="tok"))
-    client = EngineClient(url, "tok")
-    state = client.state()
-    setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, num_requests=4)
-    ledger = Ledger(tmp_path / "l.sqlite")
-    lab = Lab(ledger=ledger, engines={"fast": client}, cost_model=CostModel.from_state(state))
-    yield lab, setting, Board()
-    ledger.close()
-    client.close()
-    srv.shutdown()
+    with _lab_on(tmp_path) as lab_setting_board:
+        yield lab_setting_board
 
 
 def _budget_measurements(lab, monkeypatch, limit: int) -> list[str]:
@@ -573,14 +582,8 @@ def test_op_trials_drop_a_tuned_op_whose_own_time_wins_and_whose_step_loses(tmp_
     whose steps win."""
     from anneal.agents.op_trials import OP_TRIAL_SEED, op_trials, trial_batches
 
-    srv, url = serve_in_thread(FakeEngine(token="tok", step_penalties={("attention_decode", "splitk"): 1.5}))
-    client = EngineClient(url, "tok")
-    ledger = Ledger(tmp_path / "l.sqlite")
-    try:
-        state = client.state()
-        setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, num_requests=4)
-        lab = Lab(ledger=ledger, engines={"fast": client}, cost_model=CostModel.from_state(state))
-        board = Board()
+    with _lab_on(tmp_path, step_penalties={("attention_decode", "splitk"): 1.5}) as (lab, setting, board):
+        ledger = lab.ledger
         KernelTuner().run(lab, setting, board)
         assert board.best_ops["attention_decode"][0].impl == "splitk"  # its own time: half the reference's
         tuned = {op for op, (ch, _) in board.best_ops.items() if ch != setting.base.choice(op)}
@@ -616,10 +619,6 @@ def test_op_trials_drop_a_tuned_op_whose_own_time_wins_and_whose_step_loses(tmp_
         op_trials(lab, setting, late, deadline=0.0)
         assert lab.run == run and set(late.best_ops) == {"rmsnorm"}
         assert any(n.startswith("op trial silu_and_mul:") and "not tried" in n for n in late.notes)
-    finally:
-        ledger.close()
-        client.close()
-        srv.shutdown()
 
 
 def test_a_fast_tier_plan_goes_to_the_slow_tier_with_the_chosen_serving_knobs():
@@ -646,16 +645,9 @@ def test_scheduler_tuner_tries_speculation_only_where_the_replay_promises_it(tmp
     """The base's replay says what an n-gram drafter would emit a verify step: at 1.0 (the 8B's
     random weights) speculation is noted and not measured; at 2.5 it is probed, wins, and every
     grid setting after the probes speculates too (with overlap off: the two do not combine)."""
-    srv, url = serve_in_thread(FakeEngine(token="tok", drafted_tokens_per_step=per_step))
-    client = EngineClient(url, "tok")
-    ledger = Ledger(tmp_path / "l.sqlite")
-    try:
-        state = client.state()
-        setting, _ = make_setting(state, load_traffic("chat"), seed=0, max_len=256, num_requests=4)
-        lab = Lab(ledger=ledger, engines={"fast": client}, cost_model=CostModel.from_state(state))
-        board = Board()
+    with _lab_on(tmp_path, drafted_tokens_per_step=per_step) as (lab, setting, board):
         SchedulerTuner(max_settings=8).run(lab, setting, board)
-        knobs = [r.plan.scheduler for r in ledger.experiments()]
+        knobs = [r.plan.scheduler for r in lab.ledger.experiments()]
         assert len(knobs) == 8 and not knobs[0].speculative_tokens
         speculating = [k for k in knobs if k.speculative_tokens]
         if tried:
@@ -665,7 +657,3 @@ def test_scheduler_tuner_tries_speculation_only_where_the_replay_promises_it(tmp
         else:
             assert not speculating and board.scheduler.speculative_tokens == 0
             assert any("speculative decoding not tried" in n and "1.000 tokens" in n for n in board.notes)
-    finally:
-        ledger.close()
-        client.close()
-        srv.shutdown()
