@@ -25,10 +25,10 @@ def _propose_slow(ts: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list
     return []
 
 
-def _stats_slow(prompt: list[int], output: list[int], k: int) -> tuple[int, int, int, int]:
+def _stats_slow(prompt: list[int], output: list[int], k: int, min_n: int) -> tuple[int, int, int, int]:
     ctx, j, steps, tokens, drafted, accepted = prompt + output[:1], 1, 0, 0, 0, 0
     while j < len(output):
-        d = _propose_slow(ctx, min(k, len(output) - j - 1))
+        d = _propose_slow(ctx, min(k, len(output) - j - 1), min_n=min_n)
         a = 0
         while a < len(d) and d[a] == output[j + a]:
             a += 1
@@ -38,35 +38,37 @@ def _stats_slow(prompt: list[int], output: list[int], k: int) -> tuple[int, int,
     return steps, tokens, drafted, accepted
 
 
+@pytest.mark.parametrize("min_n", [1, 2])
 @pytest.mark.parametrize("seed", range(6))
-def test_proposals_match_the_brute_force_drafter(seed):
+def test_proposals_match_the_brute_force_drafter(seed, min_n):
     rng = random.Random(seed)
     vocab = rng.choice([3, 5, 12, 40])
     ts = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
-    index = NgramIndex(ts[:1])
+    index = NgramIndex(ts[:1], min_n=min_n)
     for i in range(1, len(ts) + 1):
         for k in (1, 3, 6):
-            assert index.propose(k) == _propose_slow(ts[:i], k), (ts[:i], k)
+            assert index.propose(k) == _propose_slow(ts[:i], k, min_n=min_n), (ts[:i], k)
         if i < len(ts):
             index.extend(ts[i:i + 1])
 
 
+@pytest.mark.parametrize("min_n", [1, 2])
 @pytest.mark.parametrize("seed", range(6))
-def test_replayed_stats_match_the_brute_force_drafter(seed):
+def test_replayed_stats_match_the_brute_force_drafter(seed, min_n):
     rng = random.Random(100 + seed)
     vocab = rng.choice([4, 9, 30, 1000])
     pairs = [([rng.randrange(vocab) for _ in range(rng.randrange(1, 30))],
               [rng.randrange(vocab) for _ in range(rng.randrange(0, 60))]) for _ in range(5)]
-    got = draft_stats(pairs, k=4)
-    want = [sum(x) for x in zip(*(_stats_slow(p, o, 4) for p, o in pairs if len(o) >= 2))] or [0, 0, 0, 0]
+    got = draft_stats(pairs, k=4, min_n=min_n)
+    want = [sum(x) for x in zip(*(_stats_slow(p, o, 4, min_n) for p, o in pairs if len(o) >= 2))] or [0, 0, 0, 0]
     assert (got.verify_steps, got.tokens, got.drafted, got.accepted) == tuple(want)
     # every output token after each sequence's first is emitted by exactly one verify step
     assert got.tokens == sum(max(len(o) - 1, 0) for _, o in pairs)
 
 
 def test_a_loop_is_drafted_whole_and_fresh_tokens_never():
-    loop = draft_stats([([7, 8, 9], [1, 2] * 20 + [1])], k=4)  # two fresh tokens, then 5 a step
-    assert loop.accepted == loop.drafted == 30 and loop.verify_steps == 10  # 1, 1, 5 x 7, 3 (capped)
+    loop = draft_stats([([7, 8, 9], [1, 2] * 20 + [1])], k=4)  # one token a step until (1, 2) recurs
+    assert loop.accepted == loop.drafted == 29 and loop.verify_steps == 11  # 1, 1, 1, 5 x 7, 2 (capped)
     fresh = draft_stats([(list(range(100)), list(range(100, 300)))], k=4)
     assert fresh.drafted == 0 and fresh.tokens_per_step == 1.0 and fresh.verify_steps == 199
 
