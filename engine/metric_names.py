@@ -21,6 +21,8 @@ KV_FREE_BLOCKS = "anneal_kv_cache_free_blocks"  # gauge
 # Counters (exported as <name>_total).
 PREFIX_QUERIED = "anneal_prefix_cache_queried_tokens"
 PREFIX_HIT = "anneal_prefix_cache_hit_tokens"
+SPEC_DRAFTED = "anneal_spec_decode_draft_tokens"  # drafted by speculative decoding (scheduler.speculative_tokens)
+SPEC_ACCEPTED = "anneal_spec_decode_accepted_tokens"  # of those, the ones the model agreed with
 PROMPT_TOKENS_TOTAL = "anneal_prompt_tokens"
 GENERATION_TOKENS_TOTAL = "anneal_generation_tokens"
 REQUESTS = "anneal_requests"  # label status=success|error|aborted, finish_reason

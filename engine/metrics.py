@@ -3,7 +3,8 @@
 Per request (when it ends): prompt and generation token histograms, end-to-end latency, token
 totals and a request counter by status and finish reason. Per token: TTFT and inter-token latency.
 Per engine turn: batch size (only after a step ran), running/waiting requests, free KV blocks, and
-the prefix-cache counters (the engine reports them cumulatively; the delta is added here).
+the prefix-cache and speculative-decoding counters (the engine reports them cumulatively; the delta
+is added here).
 ``anneal_plan_info{plan_hash}`` is 1 for the plan being served and absent for every other hash.
 
 The registry is private to the server (not the process-global default) so tests and several
@@ -54,12 +55,15 @@ class EngineMetrics:
         self.running = Gauge(names.NUM_RUNNING, "Requests running in the engine.", registry=r)
         self.waiting = Gauge(names.NUM_WAITING, "Requests waiting in the engine.", registry=r)
         self.free_blocks = Gauge(names.KV_FREE_BLOCKS, "Free KV-cache blocks.", registry=r)
-        self.prefix_queried = Counter(
-            names.PREFIX_QUERIED, "Prompt tokens looked up in the prefix cache.", registry=r
-        )
-        self.prefix_hit = Counter(
-            names.PREFIX_HIT, "Prompt tokens found in the prefix cache.", registry=r
-        )
+        # Counters the engine reports cumulatively (EngineStats field -> counter): each turn adds the delta.
+        self._cumulative = {
+            "prefix_queried_tokens": Counter(names.PREFIX_QUERIED, "Prompt tokens looked up in the prefix cache.",
+                                             registry=r),
+            "prefix_hit_tokens": Counter(names.PREFIX_HIT, "Prompt tokens found in the prefix cache.", registry=r),
+            "drafted_tokens": Counter(names.SPEC_DRAFTED, "Tokens drafted by speculative decoding (n-gram drafter).",
+                                      registry=r),
+            "accepted_tokens": Counter(names.SPEC_ACCEPTED, "Drafted tokens the model agreed with.", registry=r),
+        }
         self.prompt_tokens_total = Counter(
             names.PROMPT_TOKENS_TOTAL, "Prompt tokens of ended requests.", registry=r
         )
@@ -76,7 +80,7 @@ class EngineMetrics:
             names.PLAN_INFO, "1 for the plan being served.", ["plan_hash"], registry=r
         )
         self._lock = threading.Lock()
-        self._prefix_seen = (0, 0)
+        self._seen = dict.fromkeys(self._cumulative, 0)
         self._steps_seen = 0
 
     # Per request.
@@ -116,15 +120,11 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.free_blocks.set(stats.num_free_blocks)
         with self._lock:
-            queried, hit = self._prefix_seen
-            if stats.prefix_queried_tokens > queried:
-                self.prefix_queried.inc(stats.prefix_queried_tokens - queried)
-            if stats.prefix_hit_tokens > hit:
-                self.prefix_hit.inc(stats.prefix_hit_tokens - hit)
-            self._prefix_seen = (
-                max(queried, stats.prefix_queried_tokens),
-                max(hit, stats.prefix_hit_tokens),
-            )
+            for field, counter in self._cumulative.items():
+                value = getattr(stats, field, 0)
+                if value > self._seen[field]:
+                    counter.inc(value - self._seen[field])
+                    self._seen[field] = value
 
     def set_plan(self, plan_hash: str) -> None:
         """Mark ``plan_hash`` as the plan being served (the previous hash's series goes away)."""

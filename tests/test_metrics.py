@@ -33,7 +33,7 @@ def test_every_contract_name_is_exported_with_its_type():
     for name in (names.NUM_RUNNING, names.NUM_WAITING, names.KV_FREE_BLOCKS, names.PLAN_INFO):
         assert types[name] == "gauge", name
     for name in (names.PREFIX_QUERIED, names.PREFIX_HIT, names.PROMPT_TOKENS_TOTAL,
-                 names.GENERATION_TOKENS_TOTAL, names.REQUESTS):
+                 names.GENERATION_TOKENS_TOTAL, names.REQUESTS, names.SPEC_DRAFTED, names.SPEC_ACCEPTED):
         assert types[name] == "counter", name
 
 
@@ -80,3 +80,12 @@ def test_each_server_has_its_own_registry():
     a.observe_ttft(0.5)
     assert samples(a)[(names.TTFT + "_count", ())] == 1
     assert samples(b)[(names.TTFT + "_count", ())] == 0
+
+
+def test_speculative_decoding_counters_add_the_engines_deltas():
+    m = EngineMetrics()
+    m.observe_engine(stats(drafted_tokens=12, accepted_tokens=5, steps=3), stepped=True)
+    m.observe_engine(stats(drafted_tokens=20, accepted_tokens=5, steps=4), stepped=True)
+    m.observe_engine(stats(drafted_tokens=20, accepted_tokens=5, steps=4), stepped=False)
+    s = samples(m)
+    assert s[(names.SPEC_DRAFTED + "_total", ())] == 20 and s[(names.SPEC_ACCEPTED + "_total", ())] == 5
