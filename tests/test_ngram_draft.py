@@ -83,3 +83,21 @@ def test_empty_figures_mean_no_help():
     assert stats.tokens_per_step == 1.0 and stats.drafted_per_step == 0.0
     with pytest.raises(ValueError, match="min_n"):
         NgramIndex([1, 2], max_n=1, min_n=2)
+
+
+@pytest.mark.parametrize("min_n", [1, 2])
+def test_a_long_context_indexed_at_once_proposes_as_one_token_at_a_time(min_n):
+    """Prompts are indexed with numpy in one pass (BULK tokens or more), generated tokens one by one:
+    the two give the same proposals, on large token ids too."""
+    rng = random.Random(7)
+    ts = [rng.choice([5, 6, 7, 128_000, 151_935]) for _ in range(400)]
+    bulk = NgramIndex(ts[:300], min_n=min_n)
+    single = NgramIndex(ts[:1], min_n=min_n)
+    for t in ts[1:300]:
+        single.extend([t])
+    for i in range(300, len(ts)):
+        assert bulk.propose(5) == single.propose(5) == _propose_slow(ts[:i], 5, min_n=min_n)
+        bulk.extend(ts[i:i + 1])
+        single.extend(ts[i:i + 1])
+    with pytest.raises(ValueError, match="token ids"):
+        bulk.extend([1 << 20])
