@@ -205,8 +205,8 @@ def speculation_lines(base: list[Measurement], b: dict[str, float]) -> list[str]
         return []
     return [
         "", f"Speculative decoding, measured on these outputs: an n-gram drafter (k={spec['k']}, suffixes of "
-        f"{spec.get('min_n', 1)}-{spec['max_n']} tokens) over the baseline replay's greedy outputs would accept {spec['accepted']} of "
-        f"{spec['drafted']} drafted tokens, **{b['spec_tokens_per_step']:.3f} tokens a verify step**; with every "
+        f"{spec.get('min_n', 1)}-{spec['max_n']} tokens) over the baseline replay's greedy outputs would accept "
+        f"{spec['accepted']} of {spec['drafted']} drafted tokens, **{b['spec_tokens_per_step']:.3f} tokens a verify step**; with every "
         f"verify step at the roofline the replay could gain at most **x{b['spec_bound']:.3f}** (x{b['bound']:.3f} "
         "without). The prompts are synthetic: a real model on real traffic repeats its context more or less "
         "than this one did.",

@@ -1,9 +1,10 @@
 """Scheduler knobs against a latency objective: the most tokens/s whose p90 ITL and TTFT stay in bounds.
 
 Why a workload and not a step: max_num_seqs, the token budget, chunked and mixed prefill, overlap
-scheduling and speculative decoding only show in how a stream of requests is scheduled, so each setting replays the traffic shape's workload on the
-fast tier. Settings are tried in a seeded random order (a resumed run retries the same ones) and
-the grid is small, so no exhaustive sweep is needed to stay within budget.
+scheduling and speculative decoding only show in how a stream of requests is scheduled, so each
+setting replays the traffic shape's workload on the fast tier. Settings are tried in a seeded random
+order (a resumed run retries the same ones) and the grid is small, so no exhaustive sweep is needed
+to stay within budget.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ class SchedulerTuner:
             while i < len(grid):
                 knobs, probe = grid[i], i < len(probes)
                 i += 1
-                if not probe:
-                    knobs = knobs.model_copy(update=dict(zip(("overlap", "speculative_tokens"),
-                                                             max(scores, key=scores.get, default=tuple(_orthogonal(base).values())))))
+                if not probe:  # the best probe's orthogonal knobs
+                    best_probe = max(scores, key=scores.get, default=tuple(_orthogonal(base).values()))
+                    knobs = knobs.model_copy(update=dict(zip(("overlap", "speculative_tokens"), best_probe)))
                 plan = setting.base.model_copy(update={"scheduler": knobs, "name": None})
                 exp = lab.measure(Candidate(plan=plan, agent=self.name, note=_label(knobs)), spec)
                 m = exp.measurement

@@ -4,8 +4,8 @@ Speculative decoding with greedy verification emits exactly the tokens plain gre
 does, so how many tokens a verify step would have accepted can be read off the outputs a replay
 already produced, without building the drafter into the engine. The drafter is prompt lookup
 (vLLM's ``ngram`` method): find the longest suffix of the sequence, ``max_n`` tokens down to
-``min_n`` (3 and 2), that occurred before, and propose the ``k`` tokens that followed its latest occurrence
-(continued periodically when they run into the suffix itself, so a loop is proposed whole).
+``min_n`` (3 and 2), that occurred before, and propose the ``k`` tokens that followed its latest
+occurrence (continued periodically when they run into the suffix itself, so a loop is proposed whole).
 
 The figures say whether the lever exists for a traffic before anyone pays for it: on real models,
 agentic and code-editing outputs copy their context and accept several tokens a step; on random
@@ -35,13 +35,6 @@ DEFAULT_MIN_N = 2
 # with nothing drafted); int keys in a dict still 26-43 ms.
 RADIX_BITS = 20
 BULK = 64
-
-
-def _key(gram) -> int:
-    k = 0
-    for t in gram:
-        k = (k << RADIX_BITS) | t
-    return k
 
 
 class NgramIndex:
@@ -118,6 +111,7 @@ class NgramIndex:
             return out
         return []
 
+
 @dataclass
 class DraftStats:
     """A drafter replayed over greedy outputs: verify steps it would have taken for the tokens
@@ -161,8 +155,9 @@ class DraftStats:
             self.accepted += a
 
     def as_dict(self) -> dict[str, float | int | str]:
-        return {"drafter": "ngram", "k": self.k, "max_n": self.max_n, "min_n": self.min_n, "verify_steps": self.verify_steps,
-                "tokens": self.tokens, "drafted": self.drafted, "accepted": self.accepted,
+        return {"drafter": "ngram", "k": self.k, "max_n": self.max_n, "min_n": self.min_n,
+                "verify_steps": self.verify_steps, "tokens": self.tokens, "drafted": self.drafted,
+                "accepted": self.accepted,
                 "tokens_per_step": self.tokens_per_step, "drafted_per_step": self.drafted_per_step}
 
 
