@@ -326,8 +326,9 @@ def _workload(engine, req: BenchmarkRequest) -> BenchmarkResult:
                         steady_out += len(o.new_token_ids)
                     if o.request_id not in first:
                         first[o.request_id] = now - starts[o.request_id]  # TTFT from its own admission
-                    else:
-                        itl.append(now - last[o.request_id])
+                    elif o.new_token_ids:  # per token, as the server's metrics count it: an output of
+                        n = len(o.new_token_ids)  # several (speculative decoding) spreads its gap over them
+                        itl.extend([(now - last[o.request_id]) / n] * n)
                     last[o.request_id] = now
                     if o.finished:
                         in_flight.discard(o.request_id)

@@ -339,3 +339,26 @@ def test_a_speculating_plan_replays_the_same_tokens_in_fewer_steps(eng):
     assert p["speculative_steps"] == 0 and s["speculative_steps"] > 0
     assert 0 < s["accepted_tokens"] <= s["drafted_tokens"]
     assert s["engine_steps"] < p["engine_steps"]
+
+
+def test_itl_is_per_token_when_a_step_emits_several(eng):
+    """A speculating step delivers several tokens at once; the replay's ITL spreads the gap over
+    them, as the server's Prometheus ITL does. Every step here takes at least 20 ms, so plain decoding
+    reads >= 20 ms a token, and the tiny model's accepted loops read well under it."""
+    import time
+
+    from anneal.engine.plan import Plan
+
+    def slow(step):
+        time.sleep(0.02)
+        return step()
+
+    shape = load_traffic("chat").scaled(100).model_copy(update={"concurrency": 2.0})
+    plain = _replay_stepping(eng, shape, 3, slow).extra
+    eng.apply_plan(Plan(scheduler={"speculative_tokens": 4}))
+    try:
+        spec = _replay_stepping(eng, shape, 3, slow).extra
+    finally:
+        eng.apply_plan(Plan())
+    assert plain["itl_p50_ms"] >= 20 and spec["time_split"]["accepted_tokens"] > 0
+    assert spec["itl_p50_ms"] < plain["itl_p50_ms"] / 2
