@@ -42,7 +42,7 @@ class SchedulerTuner:
         # (those knobs are orthogonal to the others).
         flipped = base.model_copy(update={"overlap": not base.overlap, "speculative_tokens": 0})
         probes = [base, flipped]
-        grid = [*probes, *[g for g in grid if g.model_copy(update=_orthogonal(base)) != base]]
+        grid = [*probes, *[g for g in grid if g.model_copy(update=dict(_orthogonal(base))) != base]]
         grid = grid[: self.max_settings or len(grid)]
         spec = setting.workload_spec()
         best = None
@@ -54,8 +54,7 @@ class SchedulerTuner:
                 knobs, probe = grid[i], i < len(probes)
                 i += 1
                 if not probe:  # the best probe's orthogonal knobs
-                    best_probe = max(scores, key=scores.get, default=tuple(_orthogonal(base).values()))
-                    knobs = knobs.model_copy(update=dict(zip(("overlap", "speculative_tokens"), best_probe)))
+                    knobs = knobs.model_copy(update=dict(max(scores, key=scores.get, default=_orthogonal(base))))
                 plan = setting.base.model_copy(update={"scheduler": knobs, "name": None})
                 exp = lab.measure(Candidate(plan=plan, agent=self.name, note=_label(knobs)), spec)
                 m = exp.measurement
@@ -72,7 +71,7 @@ class SchedulerTuner:
                                f"(itl p90 {m.itl_p90_ms}, ttft p90 {m.ttft_p90_ms})")
                     continue
                 if probe:
-                    scores[tuple(_orthogonal(knobs).values())] = score(m)
+                    scores[_orthogonal(knobs)] = score(m)
                 ok.append((score(m), knobs))
                 if best is None or score(m) > best[0]:
                     best = (score(m), knobs)
@@ -100,9 +99,9 @@ class SchedulerTuner:
         return base.model_copy(update={"overlap": False, "speculative_tokens": SPECULATIVE_TOKENS})
 
 
-def _orthogonal(k) -> dict:
-    """The knobs the probes settle for every grid setting."""
-    return {"overlap": k.overlap, "speculative_tokens": k.speculative_tokens}
+def _orthogonal(k) -> tuple:
+    """The knobs the probes settle for every grid setting, as ``(name, value)`` pairs."""
+    return (("overlap", k.overlap), ("speculative_tokens", k.speculative_tokens))
 
 
 def _label(k) -> str:

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         vs_truth = _compare("truth", got, truth, tol, False)
         vs_ref = _compare("reference", got, reference, tol, False)
         gate = _quality(got, reference, truth, tol, False, 0.98)
-        rows[label] = {"plan_hash": plan.hash, "fp8_weights": label.endswith("+fp8-weights"), "vs_truth": vs_truth.metrics, "vs_reference": vs_ref.metrics,
+        rows[label] = {"plan_hash": plan.hash, "fp8_weights": label.endswith("+fp8-weights"),
+                       "vs_truth": vs_truth.metrics, "vs_reference": vs_ref.metrics,
                        "quality": {"passed": gate.passed, "detail": gate.detail, **gate.metrics}}
         print(f"{label:<40} vs fp32 truth: max rel err {vs_truth.metrics['max_rel_err']:.4f}, greedy "
               f"{vs_truth.metrics['argmax_agreement']:.3f} of {vs_truth.metrics['decisive_positions']} | vs the "

@@ -345,9 +345,7 @@ class Engine:
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             if reason:
-                self.scheduler.finish(seq, reason)
-                self._requests.pop(seq.request_id, None)
-                self._speculator.forget(seq.request_id)
+                self._finish(seq, reason)
             outputs.append(
                 RequestOutput(
                     request_id=seq.request_id,
@@ -362,6 +360,12 @@ class Engine:
             )
         self._note_step(len(batch), batch.num_tokens, decode_only, attended)
         return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """``seq`` ends (its stop token or length): its blocks freed, the engine forgets it."""
+        self.scheduler.finish(seq, reason)
+        self._requests.pop(seq.request_id, None)
+        self._speculator.forget(seq.request_id)
 
     def _note_step(self, batch: int, tokens: int, decode_only: bool, attended: int) -> None:
         """A step ran: what ``stats`` reports of the last one."""

@@ -124,8 +124,7 @@ class OverlapStepper:
             reason = e._stop_reason(seq, token, length=i + 1)
             if reason:
                 del seq.token_ids[i + 1:]  # a later step's placeholder: its row is dropped
-                e.scheduler.finish(seq, reason)
-                e._requests.pop(seq.request_id, None)
+                e._finish(seq, reason)
             outputs.append(RequestOutput(
                 request_id=seq.request_id, new_token_ids=[token], finished=reason is not None,
                 finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 import traceback
@@ -351,12 +352,9 @@ class ModelRunner:
     def verify_drafts(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
         """Speculative decoding's check (engine/speculation.py): each item's next ``n`` tokens (its last
         token, then its drafts) in one eager varlen pass, and the greedy token after every one of them."""
-        ids, pos, slots, cu, _ = self._rows(items)
-        logits = self._varlen_logits(self.model, self.kv, torch.tensor(ids, dtype=torch.int64, device=self.device),
-                                     pos, slots, cu, [s.num_computed_tokens + n for s, n in items],
-                                     [s.block_table for s, _ in items], False, list(range(cu[-1])))
-        tokens = self.ops.argmax(logits).tolist()  # the step's one host sync
-        return [tokens[a:b] for a, b in zip(cu, cu[1:])]
+        tokens = self.ops.argmax(self.prefill_all_logits(items)).tolist()  # the step's one host sync
+        ends = itertools.accumulate(n for _, n in items)
+        return [tokens[end - n:end] for (_, n), end in zip(items, ends)]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
 

@@ -86,9 +86,7 @@ class Speculator:
             seq.num_computed_tokens = min(seq.num_computed_tokens + 1 + a, len(seq))
             engine.blocks.mark_computed(seq)
             if reason:
-                engine.scheduler.finish(seq, reason)
-                engine._requests.pop(seq.request_id, None)
-                self.forget(seq.request_id)
+                engine._finish(seq, reason)
             outputs.append(RequestOutput(
                 request_id=seq.request_id, new_token_ids=new, finished=reason is not None, finish_reason=reason,
                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
