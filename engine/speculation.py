@@ -8,7 +8,8 @@ plain decoding would (a different kernel path may round a near-tie otherwise), s
 speed only: up to ``k + 1`` tokens a sequence for a step that reads the weights once.
 
 A step whose sequences draft nothing stays a plain decode step (its CUDA graph), so a traffic whose
-outputs never repeat their context pays only the host's lookups. Sampled requests and requests
+outputs never repeat their context pays only the host's lookups, and those back off (a sequence whose
+lookups keep giving nothing is looked up every 2nd, 4th, ... 64th step). Sampled requests and requests
 asking for log-probs are never drafted for (a step holding one does not speculate). The draft's KV
 rows past the accepted ones are left in the cache beyond the sequence's length, where the next
 steps overwrite them; their slots come from blocks the sequence would fill next anyway.
@@ -16,20 +17,53 @@ steps overwrite them; their slots come from blocks the sequence would fill next 
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
 from anneal.engine.ngram_draft import NgramIndex
 from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
 
+# A sequence whose lookup found nothing to draft, or whose drafts were all rejected, skips its next
+# lookups: 1, 2, 4, ... up to this many steps, and back to every step once a draft is accepted. On
+# outputs that never repeat their context (the 8B's random weights) the lookups were the knob's whole
+# cost, ~10-20 µs a sequence a step on the step's critical path (session 41: 2-4% of the replays with
+# nothing drafted); a sequence that starts copying its context is found again within this many steps.
+MAX_BACKOFF = 64
+# Contexts at least this long are indexed on a helper thread (numpy does most of it outside the GIL)
+# while the sequence decodes without drafts; shorter ones inline (under ~0.3 ms). A 32k-token agentic prompt
+# took 14-22 ms to index, all of it one decode step's latency.
+BACKGROUND_INDEX_MIN = 512
+
+
+@dataclass
+class _Drafting:
+    """One request's drafting state: its index (or the build that will give it), and its backoff."""
+
+    index: NgramIndex | None = None
+    build: Future | None = None
+    skip: int = 0  # lookups still to skip
+    backoff: int = 1  # what the next miss skips
+
+    def missed(self) -> None:
+        self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
+
+    def hit(self) -> None:
+        self.skip, self.backoff = 0, 1
+
 
 class Speculator:
-    """The n-gram index of each running request (built once from its prompt, then extended with what
+    """The n-gram index of each running request (built once from its context, then extended with what
     it generates), the drafts of a step, and the step that checks them."""
 
     def __init__(self) -> None:
-        self._index: dict[str, NgramIndex] = {}
+        self._state: dict[str, _Drafting] = {}
+        self._pool: ThreadPoolExecutor | None = None  # builds of long contexts' indexes
         self.steps = self.drafted = self.accepted = 0  # speculative steps and their drafts (stats)
 
     def forget(self, request_id: str) -> None:
-        self._index.pop(request_id, None)
+        st = self._state.pop(request_id, None)
+        if st is not None and st.build is not None:
+            st.build.cancel()
 
     def propose(self, items: list[tuple[Sequence, int]], k: int, token_budget: int,
                 max_model_len: int) -> list[list[int]] | None:
@@ -42,18 +76,42 @@ class Speculator:
         drafts = []
         for seq, _ in items:
             room = min(k, spare, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - len(seq) - 1)
-            d = self._index_of(seq).propose(room) if room > 0 else []
+            d: list[int] = []
+            if room > 0:
+                st = self._state_of(seq)
+                if st.skip:
+                    st.skip -= 1
+                else:
+                    index = self._index_of(seq, st)
+                    d = index.propose(room) if index is not None else []
+                    if not d and index is not None:
+                        st.missed()
             spare -= len(d)
             drafts.append(d)
         return drafts if any(drafts) else None
 
-    def _index_of(self, seq: Sequence) -> NgramIndex:
-        index = self._index.get(seq.request_id)
-        if index is None or len(index.tokens) > len(seq.token_ids):
-            index = self._index[seq.request_id] = NgramIndex(seq.token_ids)
+    def _state_of(self, seq: Sequence) -> _Drafting:
+        st = self._state.get(seq.request_id)
+        if st is None:
+            st = self._state[seq.request_id] = _Drafting()
+        return st
+
+    def _index_of(self, seq: Sequence, st: _Drafting) -> NgramIndex | None:
+        """``seq``'s index, caught up with its tokens; None while a helper thread still builds it."""
+        if st.index is None and st.build is not None:
+            if not st.build.done():
+                return None
+            st.index, st.build = st.build.result(), None
+        if st.index is None or len(st.index.tokens) > len(seq.token_ids):  # new, or preempted and shorter
+            if len(seq.token_ids) >= BACKGROUND_INDEX_MIN:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngram-index")
+                st.index, st.build = None, self._pool.submit(NgramIndex, list(seq.token_ids))
+                return None
+            st.index = NgramIndex(seq.token_ids)
         else:
-            index.extend(seq.token_ids[len(index.tokens):])
-        return index
+            st.index.extend(seq.token_ids[len(st.index.tokens):])
+        return st.index
 
     def step(self, engine, items: list[tuple[Sequence, int]], drafts: list[list[int]]) -> list[RequestOutput]:
         """Check ``drafts`` (one list per decode item) in one pass; emit what the model agrees with."""
@@ -75,6 +133,12 @@ class Speculator:
                 a += 1
             self.drafted += len(drafted)
             self.accepted += a
+            if drafted:
+                st = self._state_of(seq)
+                if a:
+                    st.hit()
+                else:
+                    st.missed()
             new, reason = [], None
             for token in picks[: a + 1]:
                 seq.token_ids.append(token)
