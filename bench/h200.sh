@@ -39,6 +39,9 @@
 #   iteration-ahead-threads         the same, compiled on a thread of the server process
 #   quality-truth                   issue 5: each plan's logits against the fp32 truth on the same weights
 #                                   (bench/quality_truth.py; is a plan that fails quality less accurate?)
+#   trained-checks                  issues 4/5: on weights trained here (bench/train_small.py; carry .ckpt): greedy
+#                                   identity over 256 steps, the n-gram drafter and fp8 weights, beside the same
+#                                   model untrained (bench/trained_checks.py, bench/quality_truth.py)
 #   gpu-tests                       pytest -m gpu
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -260,6 +263,16 @@ for s in "$@"; do
       stage quality-truth 300 $py bench/quality_truth.py --model random:llama-3.1-8b --plans "${TRUTH_PLANS:-reference,\
 bench/plans/triton.json,bench/plans/triton-overlap-token-graphs.json,bench/plans/triton-overlap-token-graphs-ropeattn.json,\
 bench/plans/triton-overlap-token-graphs-folded.json}" --name "${TRUTH_NAME:-quality-truth-8b}" --out "$OUT" ${TRUTH_ARGS:-}
+      ;;
+    trained-checks)  # issues 4/5: the claims that rest on random weights, on trained ones (carry .ckpt)
+      models=${TRAINED_MODELS:-.ckpt/stdlib-llama,.ckpt/stdlib-llama-init}
+      stage trained-checks 300 $py bench/trained_checks.py --models "$models" --plans "${TRAINED_PLANS:-reference,\
+bench/plans/triton.json,bench/plans/gemv-pdl-rope-gu-prefetch-down2-s1.json}" --out "$OUT"
+      for m in ${models//,/ }; do
+        stage "quality-fp8-${m##*/}" 200 $py bench/quality_truth.py --model "$m" --plans reference,bench/plans/triton.json \
+          --fp8-weights --prompts-file "$m/heldout.json" --num-prompts 8 --steps 32 --max-prompt-len 192 \
+          --name "quality-truth-fp8-${m##*/}" --out "$OUT"
+      done
       ;;
     gpu-tests)
       stage gpu-tests-engine 240 $py -m pytest -m gpu -q -p no:cacheprovider tests/test_engine_gpu.py

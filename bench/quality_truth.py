@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--max-prompt-len", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts-file", default=None,
+                    help="JSON with a \"prompts\" list of token-id lists (a trained checkpoint's heldout.json) "
+                         "instead of verification's random prompts; each is cut to --max-prompt-len")
     ap.add_argument("--device", default=None)
     ap.add_argument("--name", default="quality-truth")
     ap.add_argument("--out", default=None)
@@ -61,8 +64,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(args.seed)  # as verify() draws them
     V = served.config.vocab_size
-    prompts = [[rng.randrange(V) for _ in range(rng.randint(8, args.max_prompt_len))]
-               for _ in range(args.num_prompts)]
+    if args.prompts_file:  # text the model was trained on the like of: its logits are as peaked as served
+        import json
+
+        prompts = [p[: args.max_prompt_len] for p in json.loads(Path(args.prompts_file).read_text())["prompts"]]
+        prompts = prompts[: args.num_prompts]
+    else:
+        prompts = [[rng.randrange(V) for _ in range(rng.randint(8, args.max_prompt_len))]
+                   for _ in range(args.num_prompts)]
     served.apply_plan(reference_of(Plan()))
     greedy = served.generate(prompts, SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True))
     forced = [g[: args.steps] for g in greedy]
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(args.name, {
         "benchmark": "teacher-forced logits of each plan against the fp32 truth and the reference plan",
         "environment": environment(), "model": args.model, "device": device, "dtype": args.dtype,
-        "num_prompts": args.num_prompts, "steps": args.steps, "seed": args.seed, "tolerance": tol,
+        "num_prompts": args.num_prompts, "prompts_file": args.prompts_file, "steps": args.steps, "seed": args.seed, "tolerance": tol,
         "plans": {label: plan.model_dump(mode="json") for label, plan in plans}, "results": rows,
         "fp8_weights": "float8_e4m3fn, one scale an output row (amax / 448), qkv / o / gate_up / down of every layer; "
                        "embedding, norms and lm_head as served" if args.fp8_weights else None,
