@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     # Held-out prompts: windows of files the model never saw, for the GPU checks.
     rng = np.random.default_rng(args.seed)
     starts = rng.integers(0, len(held) - args.prompt_len, size=args.prompts)
-    (out / "heldout.json").write_text(json.dumps(
-        {"source": f"{len(held_files)} held-out stdlib files", "prompts": [held[s:s + args.prompt_len].tolist() for s in starts]}))
+    prompts = [held[s:s + args.prompt_len].tolist() for s in starts]
+    (out / "heldout.json").write_text(json.dumps({"source": f"{len(held_files)} held-out stdlib files",
+                                                  "prompts": prompts}))
 
     config = model_config(tok.get_vocab_size(), tok.token_to_id(BOS), tok.token_to_id(EOS), args)
     model = LlamaForCausalLM(config)
@@ -180,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         hx = torch.from_numpy(np.stack([held[s:s + args.seq_len + 1] for s in starts[:8]]).astype(np.int64))
         state["heldout_loss"] = round(model(input_ids=hx[:, :-1], labels=hx[:, :-1].clone()).loss.item(), 4)
     save()
-    print(f"{n_params:,} parameters, {state['step']} steps in {state['seconds']:.0f} s, "
-          f"train loss {np.mean(state['losses'][-20:]) if state['losses'] else float('nan'):.3f}, held-out {state['heldout_loss']:.3f} -> {out}",
-          file=sys.stderr)
+    last = np.mean(state["losses"][-20:]) if state["losses"] else float("nan")
+    print(f"{n_params:,} parameters, {state['step']} steps in {state['seconds']:.0f} s, train loss {last:.3f}, "
+          f"held-out {state['heldout_loss']:.3f} -> {out}", file=sys.stderr)
     return 0
 
 

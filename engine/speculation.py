@@ -30,8 +30,8 @@ from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
 # nothing drafted); a sequence that starts copying its context is found again within this many steps.
 MAX_BACKOFF = 64
 # Contexts at least this long are indexed on a helper thread (numpy does most of it outside the GIL)
-# while the sequence decodes without drafts; shorter ones inline (under ~0.3 ms). A 32k-token agentic prompt
-# took 14-22 ms to index, all of it one decode step's latency.
+# while the sequence decodes without drafts; shorter ones inline (under ~0.3 ms). A 32k-token agentic
+# prompt took 14-22 ms to index, all of it one decode step's latency.
 BACKGROUND_INDEX_MIN = 512
 
 
