@@ -267,7 +267,7 @@ bench/plans/triton-overlap-token-graphs-folded.json}" --name "${TRUTH_NAME:-qual
     trained-checks)  # issues 4/5: the claims that rest on random weights, on trained ones (carry .ckpt)
       models=${TRAINED_MODELS:-.ckpt/stdlib-llama,.ckpt/stdlib-llama-init}
       stage trained-checks 300 $py bench/trained_checks.py --models "$models" --plans "${TRAINED_PLANS:-reference,\
-bench/plans/triton.json,bench/plans/gemv-pdl-rope-gu-prefetch-down2-s1.json}" --out "$OUT"
+bench/plans/triton.json,bench/plans/gemv-pdl-rope-gu-prefetch-down2-s1.json,bench/plans/triton-speculative.json}" --out "$OUT"
       for m in ${models//,/ }; do
         stage "quality-fp8-${m##*/}" 200 $py bench/quality_truth.py --model "$m" --plans reference,bench/plans/triton.json \
           --fp8-weights --prompts-file "$m/heldout.json" --num-prompts 8 --steps 32 --max-prompt-len 192 \

@@ -8,8 +8,9 @@ prompts). Prompts are windows of held-out files (``heldout.json`` in the folder)
 
 For each model and plan, at batch size 1: the greedy tokens of every prompt over ``--steps`` steps
 against the reference plan's (identical or not, where they first part, the reference's top-1 minus
-top-2 log-probability there), and what the n-gram drafter (engine/ngram_draft.py) would have accepted
-on the reference's outputs.
+top-2 log-probability there), tokens/s at batch size 1 (a plan with ``speculative_tokens`` also
+reports its drafts), and what the n-gram drafter (engine/ngram_draft.py) would have accepted on the
+reference's outputs.
 
     python bench/trained_checks.py --models /tmp/stdlib-llama,/tmp/stdlib-llama-init \
         --plans reference,bench/plans/triton.json,bench/plans/gemv-pdl-rope-gu-prefetch-down2-s1.json
@@ -27,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result  # noqa: E402
-from decode import bench_plans, greedy_margins, plan_key  # noqa: E402
+from decode import greedy_margins  # noqa: E402
+from plans import load_plans  # noqa: E402
 
 from anneal.engine.ngram_draft import draft_stats  # noqa: E402
 
@@ -44,8 +46,13 @@ def check_model(folder: str, plan_names: list[str], prompts: list[list[int]], st
     from anneal.engine.sampling_params import SamplingParams
 
     max_len = max(map(len, prompts)) + steps + 16
-    plans = bench_plans([1], [p for p in plan_names if p.endswith(".json")])
-    keys = [plan_key(p) for p in plan_names]
+    # each plan as it is (its scheduler knobs too), with a decode graph at batch size 1 and no prefix
+    # cache: every prompt computed by the plan itself
+    plans = {label: plan.model_copy(update={
+        "cuda_graph_batch_sizes": [1] if plan.ops else [],
+        "scheduler": plan.scheduler.model_copy(update={"enable_prefix_caching": False})})
+        for label, plan in load_plans(plan_names)}
+    keys = list(plans)
     engine = Engine(EngineArgs(model=folder, device=device, dtype=dtype, max_model_len=max_len,
                                num_kv_blocks=-(-max_len // 16) + 32, plan=plans["reference"]))
     out: dict = {"model": folder, "plans": {}}
@@ -60,10 +67,18 @@ def check_model(folder: str, plan_names: list[str], prompts: list[list[int]], st
         except Exception as e:  # a plan that does not apply to this model is a result
             out["plans"][key] = {"error": f"{type(e).__name__}: {e}"}
             continue
+        engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm
+        before, t1 = engine.stats(), time.perf_counter()
         tokens[key] = [engine.generate([p], params)[0] for p in prompts]  # batch size 1, as issue 4 asks
+        gen_s, after = time.perf_counter() - t1, engine.stats()
         if key == "reference":
             margins = [greedy_margins(engine, p, steps)[1] for p in prompts]
-        out["plans"][key] = {"hash": plans[key].hash, "seconds": time.perf_counter() - t0}
+        out["plans"][key] = {
+            "hash": plans[key].hash, "seconds": time.perf_counter() - t0,
+            # wall time of the greedy runs alone: tokens/s at batch size 1, and speculation's share of it
+            "generate_s": gen_s, "tokens_per_s": len(prompts) * steps / gen_s, "steps": after.steps - before.steps,
+            **{k: getattr(after, k) - getattr(before, k) for k in ("speculative_steps", "drafted_tokens",
+                                                                   "accepted_tokens")}}
     ref = tokens.get("reference")
     if ref is None:
         return out
@@ -124,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, p in row["plans"].items():
             if "identical" in p:
                 print(f"{folder}: {key}: {p['identical']}/{p['prompts']} identical over {args.steps} steps; "
-                      f"first divergences {p['first_divergence']}", flush=True)
+                      f"first divergences {p['first_divergence']}; {p['tokens_per_s']:.0f} tok/s at bs 1, "
+                      f"{p['accepted_tokens']}/{p['drafted_tokens']} drafts accepted", flush=True)
         if "drafter" in row:
             d = row["drafter"]["k4"]
             print(f"{folder}: reference margin median {row['reference_margin']['median']:.3f}, "

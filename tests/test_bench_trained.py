@@ -66,11 +66,16 @@ def test_trained_checks_report_identity_margins_and_the_drafter(checkpoint, tmp_
     out, _ = checkpoint
     overlap = tmp_path / "overlap.json"
     overlap.write_text(json.dumps({"name": "overlap", "scheduler": {"overlap": True}}))
-    _run(str(BENCH / "trained_checks.py"), "--models", str(out), "--plans", f"reference,{overlap}", "--steps", "10",
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"name": "spec", "scheduler": {"speculative_tokens": 4}}))
+    _run(str(BENCH / "trained_checks.py"), "--models", str(out), "--plans", f"reference,{overlap},{spec}", "--steps", "10",
          "--num-prompts", "3", "--device", "cpu", "--dtype", "float32", "--name", "t", "--out", str(tmp_path))
     (model,) = json.loads(next(tmp_path.glob("t-*.json")).read_text())["models"]
     ov = model["plans"]["overlap"]
     assert ov["identical"] == 3 and ov["first_divergence"] == [None] * 3  # a scheduler knob: the same tokens
+    assert ov["steps"] > 0 and ov["tokens_per_s"] > 0 and ov["speculative_steps"] == 0
+    sp = model["plans"]["spec"]  # the knob reached the engine: it looked for drafts and counted them
+    assert sp["hash"] != ov["hash"] and sp["accepted_tokens"] <= sp["drafted_tokens"]
     assert model["training"]["step"] == 50
     assert 0 < model["reference_margin"]["median"]
     assert model["drafter"]["k4"]["verify_steps"] > 0
