@@ -24,10 +24,12 @@ from anneal.engine.ngram_draft import NgramIndex
 from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
 
 # A sequence whose lookup found nothing to draft, or whose drafts were all rejected, skips its next
-# lookups: 1, 2, 4, ... up to this many steps, and back to every step once a draft is accepted. On
-# outputs that never repeat their context (the 8B's random weights) the lookups were the knob's whole
-# cost, ~10-20 µs a sequence a step on the step's critical path (session 41: 2-4% of the replays with
-# nothing drafted); a sequence that starts copying its context is found again within this many steps.
+# lookups: 1, 2, 4, ... up to this many steps, and back to every step once a draft is accepted. So
+# does the whole step when no sequence in it drafted anything. On outputs that never repeat their
+# context (the 8B's random weights) the lookups were the knob's whole cost: ~10-20 µs a sequence a
+# step on the step's critical path (session 41: 2-4% of the replays with nothing drafted), and the
+# per-sequence loop alone still 2-6% on the H100's host (session 42). A sequence that starts copying
+# its context is found again within this many steps.
 MAX_BACKOFF = 64
 # Contexts at least this long are indexed on a helper thread (numpy does most of it outside the GIL)
 # while the sequence decodes without drafts; shorter ones inline (under ~0.3 ms). A 32k-token agentic
@@ -36,19 +38,29 @@ BACKGROUND_INDEX_MIN = 512
 
 
 @dataclass
-class _Drafting:
+class _Backoff:
+    """When to look up next: after a miss at step t with backoff b, at step t + b + 1 (b doubling up
+    to MAX_BACKOFF); after a hit, every step again."""
+
+    next_step: int = 0
+    backoff: int = 1
+
+    def due(self, step: int) -> bool:
+        return step >= self.next_step
+
+    def missed(self, step: int) -> None:
+        self.next_step, self.backoff = step + self.backoff + 1, min(2 * self.backoff, MAX_BACKOFF)
+
+    def hit(self) -> None:
+        self.next_step, self.backoff = 0, 1
+
+
+@dataclass
+class _Drafting(_Backoff):
     """One request's drafting state: its index (or the build that will give it), and its backoff."""
 
     index: NgramIndex | None = None
     build: Future | None = None
-    skip: int = 0  # lookups still to skip
-    backoff: int = 1  # what the next miss skips
-
-    def missed(self) -> None:
-        self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
-
-    def hit(self) -> None:
-        self.skip, self.backoff = 0, 1
 
 
 class Speculator:
@@ -58,6 +70,8 @@ class Speculator:
     def __init__(self) -> None:
         self._state: dict[str, _Drafting] = {}
         self._pool: ThreadPoolExecutor | None = None  # builds of long contexts' indexes
+        self._tick = -1  # decode steps proposed for (the backoffs' clock)
+        self._steps = _Backoff()  # the whole step's: no sequence drafted anything
         self.steps = self.drafted = self.accepted = 0  # speculative steps and their drafts (stats)
 
     def forget(self, request_id: str) -> None:
@@ -70,7 +84,11 @@ class Speculator:
         """Each decode item's drafts, within its ``max_tokens``, the context and the step's token
         budget; None when the step should run as a plain decode step (no drafts, or a sequence that
         samples or wants log-probs)."""
-        if k <= 0 or any(s.params.temperature != 0 or s.params.logprobs is not None for s, _ in items):
+        self._tick += 1
+        tick = self._tick
+        if k <= 0 or not self._steps.due(tick):
+            return None
+        if any(s.params.temperature != 0 or s.params.logprobs is not None for s, _ in items):
             return None
         spare = token_budget - len(items)
         drafts = []
@@ -79,16 +97,17 @@ class Speculator:
             d: list[int] = []
             if room > 0:
                 st = self._state_of(seq)
-                if st.skip:
-                    st.skip -= 1
-                else:
+                if st.due(tick):
                     index = self._index_of(seq, st)
                     d = index.propose(room) if index is not None else []
                     if not d and index is not None:
-                        st.missed()
+                        st.missed(tick)
             spare -= len(d)
             drafts.append(d)
-        return drafts if any(drafts) else None
+        if any(drafts):
+            return drafts
+        self._steps.missed(tick)
+        return None
 
     def _state_of(self, seq: Sequence) -> _Drafting:
         st = self._state.get(seq.request_id)
@@ -124,7 +143,7 @@ class Speculator:
             rows.append((seq, len(seq) - seq.num_computed_tokens))
         attended = positions_attended(rows)
         greedy = engine.runner.verify_drafts(rows)
-        outputs = []
+        outputs, any_accepted = [], False
         for (seq, n), length, picks in zip(rows, lens, greedy):
             drafted = seq.token_ids[length:]
             del seq.token_ids[length:]
@@ -133,12 +152,13 @@ class Speculator:
                 a += 1
             self.drafted += len(drafted)
             self.accepted += a
+            any_accepted |= a > 0
             if drafted:
                 st = self._state_of(seq)
                 if a:
                     st.hit()
                 else:
-                    st.missed()
+                    st.missed(self._tick)
             new, reason = [], None
             for token in picks[: a + 1]:
                 seq.token_ids.append(token)
@@ -155,6 +175,10 @@ class Speculator:
                 request_id=seq.request_id, new_token_ids=new, finished=reason is not None, finish_reason=reason,
                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                 num_output_tokens=seq.num_output_tokens))
+        if any_accepted:
+            self._steps.hit()
+        else:
+            self._steps.missed(self._tick)
         self.steps += 1
         engine._note_step(len(rows), sum(n for _, n in rows), True, attended)
         return outputs

@@ -82,7 +82,7 @@ def _unique_sequence(n: int) -> Sequence:
 def test_lookups_back_off_while_nothing_is_drafted_and_resume_after_an_accepted_draft(monkeypatch):
     """Outputs that never repeat their context are looked up at steps 0, 2, 5, 10, 19, 36, ... (skips
     of 1, 2, 4, 8, 16, ..., at most MAX_BACKOFF): the lookups were the knob's whole cost there. An
-    accepted draft puts the sequence back on every step."""
+    accepted draft puts the sequence (and the step) back on every step."""
     sp, seq = Speculator(), _unique_sequence(40)
     looked_at: list[int] = []
     real = NgramIndex.propose
@@ -93,8 +93,8 @@ def test_lookups_back_off_while_nothing_is_drafted_and_resume_after_an_accepted_
     steps = [n - 41 for n in looked_at]
     assert steps[:6] == [0, 2, 5, 10, 19, 36]
     assert max(b - a for a, b in zip(steps, steps[1:])) == MAX_BACKOFF + 1
-    st = sp._state["r"]
-    st.hit()  # what step() does when a draft is accepted
+    sp._state["r"].hit()  # what step() does when a draft is accepted
+    sp._steps.hit()
     seq.token_ids += [1000, 1001]  # a suffix seen before: drafted at once
     assert sp.propose([(seq, 1)], 4, 64, 100_000) == [[1002, 1003, 1004, 1005]]
 
@@ -105,9 +105,29 @@ def test_a_long_context_is_indexed_off_the_step_and_drafted_for_once_built():
     seq.token_ids += [100, 101]  # repeats the context's start
     assert sp.propose([(seq, 1)], 3, 64, 100_000) is None  # the index is still being built
     sp._state["r"].build.result(timeout=30)
+    sp._steps.hit()  # the step that drafted nothing while it was built backed off
     assert sp.propose([(seq, 1)], 3, 64, 100_000) == [[102, 103, 104]]
     sp.forget("r")
     assert "r" not in sp._state
+
+
+def test_a_step_where_no_sequence_drafts_skips_the_lookups_of_every_sequence(monkeypatch):
+    """With nothing drafted anywhere, whole steps skip the per-sequence loop (its cost on the H100's host:
+    2-6% of the 8B's replays); a sequence's own backoff runs on the same clock, so the two do not
+    compound."""
+    sp = Speculator()
+    seqs = [_unique_sequence(40) for _ in range(3)]
+    for i, s in enumerate(seqs):
+        s.request_id = f"r{i}"
+    looked: list[int] = []
+    real = NgramIndex.propose
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, k: looked.append(1) or real(self, k))
+    for step in range(200):
+        for i, s in enumerate(seqs):
+            s.token_ids.append(10_000 * (i + 1) + step)
+        assert sp.propose([(s, 1) for s in seqs], 4, 64, 100_000) is None
+    # steps 0, 2, 5, 10, 19, 36, 69, 134, 199: the skips double to MAX_BACKOFF, each sequence looked up once
+    assert len(looked) == 3 * 9 and sp._steps.backoff == MAX_BACKOFF == 64
 
 
 def test_sampled_and_logprob_requests_are_never_drafted_for():
