@@ -8,11 +8,12 @@ plain decoding would (a different kernel path may round a near-tie otherwise), s
 speed only: up to ``k + 1`` tokens a sequence for a step that reads the weights once.
 
 A step whose sequences draft nothing stays a plain decode step (its CUDA graph), so a traffic whose
-outputs never repeat their context pays only the host's lookups, and those back off (a sequence whose
-lookups keep giving nothing is looked up every 2nd, 4th, ... 64th step). Sampled requests and requests
-asking for log-probs are never drafted for (a step holding one does not speculate). The draft's KV
-rows past the accepted ones are left in the cache beyond the sequence's length, where the next
-steps overwrite them; their slots come from blocks the sequence would fill next anyway.
+outputs never repeat their context pays only the host's lookups, and those back off (a sequence, or
+a whole step, whose lookups keep giving nothing is looked up every 2nd, 4th, ... 64th step). Sampled
+requests and requests asking for log-probs are never drafted for (a step holding one does not
+speculate). The draft's KV rows past the accepted ones are left in the cache beyond the sequence's
+length, where the next steps overwrite them; their slots come from blocks the sequence would fill
+next anyway.
 """
 
 from __future__ import annotations
