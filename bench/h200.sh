@@ -266,6 +266,14 @@ bench/plans/triton-overlap-token-graphs-folded.json}" --name "${TRUTH_NAME:-qual
       ;;
     trained-checks)  # issues 4/5: the claims that rest on random weights, on trained ones (carry .ckpt)
       models=${TRAINED_MODELS:-.ckpt/stdlib-llama,.ckpt/stdlib-llama-init}
+      # the untrained control is built here (the carry holds one 10 MB checkpoint beside the tree):
+      # the trained one's config at step 0, with its tokenizer and held-out prompts
+      init=.ckpt/stdlib-llama-init
+      if [[ ",$models," == *",$init,"* && ! -f $init/model.safetensors ]]; then
+        mkdir -p $init && cp .ckpt/stdlib-llama/tokenizer* $init/ \
+          && $py bench/train_small.py --out $init --steps 0 > "$OUT/train-small-init.log" 2>&1 \
+          && cp .ckpt/stdlib-llama/heldout.json $init/
+      fi
       stage trained-checks 300 $py bench/trained_checks.py --models "$models" --plans "${TRAINED_PLANS:-reference,\
 bench/plans/triton.json,bench/plans/gemv-pdl-rope-gu-prefetch-down2-s1.json,bench/plans/triton-speculative.json}" --out "$OUT"
       for m in ${models//,/ }; do
