@@ -267,7 +267,7 @@ bench/plans/triton-overlap-token-graphs-folded.json}" --name "${TRUTH_NAME:-qual
     trained-checks)  # issues 4/5: the claims that rest on random weights, on trained ones (carry .ckpt)
       models=${TRAINED_MODELS:-.ckpt/stdlib-llama,.ckpt/stdlib-llama-init}
       # the untrained control is built here (the carry holds one 10 MB checkpoint beside the tree):
-      # the trained one's config at step 0, with its tokenizer and held-out prompts
+      # train_small.py's default config at step 0 (what trained the carried one), its tokenizer and prompts
       init=.ckpt/stdlib-llama-init
       if [[ ",$models," == *",$init,"* && ! -f $init/model.safetensors ]]; then
         mkdir -p $init && cp .ckpt/stdlib-llama/tokenizer* $init/ \
