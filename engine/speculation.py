@@ -29,7 +29,7 @@ from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
 # does the whole step when no sequence in it drafted anything. On outputs that never repeat their
 # context (the 8B's random weights) the lookups were the knob's whole cost: ~10-20 µs a sequence a
 # step on the step's critical path (session 41: 2-4% of the replays with nothing drafted), and the
-# per-sequence loop alone still 2-6% on the H100's host (session 42). A sequence that starts copying
+# per-sequence loop alone still 3-5% on the H100's host (session 42). A sequence that starts copying
 # its context is found again within this many steps.
 MAX_BACKOFF = 64
 # Contexts at least this long are indexed on a helper thread (numpy does most of it outside the GIL)

@@ -113,7 +113,7 @@ def test_a_long_context_is_indexed_off_the_step_and_drafted_for_once_built():
 
 def test_a_step_where_no_sequence_drafts_skips_the_lookups_of_every_sequence(monkeypatch):
     """With nothing drafted anywhere, whole steps skip the per-sequence loop (its cost on the H100's host:
-    2-6% of the 8B's replays); a sequence's own backoff runs on the same clock, so the two do not
+    3-5% of the 8B's replays); a sequence's own backoff runs on the same clock, so the two do not
     compound."""
     sp = Speculator()
     seqs = [_unique_sequence(40) for _ in range(3)]
