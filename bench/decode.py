@@ -159,6 +159,11 @@ def hf_decode_ms(shape: str, bs: int, context: int, new_tokens: int = 33) -> dic
     return {"median_ms": (tn - t1) / (new_tokens - 1) * 1e3, "method": f"(T({new_tokens})-T(1))/{new_tokens - 1}"}
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first step where two greedy streams differ (a shorter one parts where it ends); None if equal."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def greedy_margins(engine: Engine, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     """Greedy tokens with each step's top-1 minus top-2 log-probability: how near a tie each
     choice was. A plan that flips a near-tie (random weights give near-uniform logits) leaves the
@@ -257,9 +262,7 @@ def bench_shape(shape: str, batch_sizes: list[int], context: int, steps: int, bw
         out["greedy_identical_to_reference"] = {n: t == ref for n, t in tokens.items() if n != "reference"}
         # where a plan's greedy stream first leaves the reference's (random weights give
         # near-uniform logits, so a last-bit difference can flip an argmax)
-        out["greedy_first_divergence"] = {
-            n: next((i for i, (a, b) in enumerate(zip(t, ref)) if a != b), None)
-            for n, t in tokens.items() if n != "reference"}
+        out["greedy_first_divergence"] = {n: first_divergence(t, ref) for n, t in tokens.items() if n != "reference"}
         out["greedy_steps"] = greedy_check
         if margins:
             # how near a tie the reference's choice was where each plan left it, against a typical step

@@ -17,6 +17,7 @@ The prompts and greedy tokens are verification's (`engine/verify.py`); "quality"
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -65,8 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)  # as verify() draws them
     V = served.config.vocab_size
     if args.prompts_file:  # text the model was trained on the like of: its logits are as peaked as served
-        import json
-
         prompts = [p[: args.max_prompt_len] for p in json.loads(Path(args.prompts_file).read_text())["prompts"]]
         prompts = prompts[: args.num_prompts]
     else:
@@ -105,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(args.name, {
         "benchmark": "teacher-forced logits of each plan against the fp32 truth and the reference plan",
         "environment": environment(), "model": args.model, "device": device, "dtype": args.dtype,
-        "num_prompts": args.num_prompts, "prompts_file": args.prompts_file, "steps": args.steps, "seed": args.seed, "tolerance": tol,
+        "num_prompts": args.num_prompts, "prompts_file": args.prompts_file, "steps": args.steps, "seed": args.seed,
+        "tolerance": tol,
         "plans": {label: plan.model_dump(mode="json") for label, plan in plans}, "results": rows,
         "fp8_weights": "float8_e4m3fn, one scale an output row (amax / 448), qkv / o / gate_up / down of every layer; "
                        "embedding, norms and lm_head as served" if args.fp8_weights else None,

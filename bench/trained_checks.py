@@ -28,14 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result  # noqa: E402
-from decode import greedy_margins  # noqa: E402
+from decode import first_divergence, greedy_margins  # noqa: E402
 from plans import load_plans  # noqa: E402
 
 from anneal.engine.ngram_draft import draft_stats  # noqa: E402
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def check_model(folder: str, plan_names: list[str], prompts: list[list[int]], steps: int, device: str,
