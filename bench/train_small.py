@@ -140,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         tmp = out / "resume.pt.tmp"
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
         tmp.replace(out / "resume.pt")
-        model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-        model.float()
+        # a bf16 copy for serving; the model trains on in fp32 (casting it there and back rounded the
+        # master weights to bf16 at every save)
+        model.save_pretrained(out, safe_serialization=True,
+                              state_dict={k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
         (out / "training.json").write_text(json.dumps({"params": n_params, "train_tokens": int(len(data)),
                                                        "args": vars(args), **state}, indent=1))
 
