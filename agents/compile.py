@@ -105,6 +105,10 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "the cost model's prediction in the report; auto (default): degree 1 and the "
                         "recommended one when that is not 1; local engines only")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="let the search run the layers' projections on weight-only fp8 (e4m3) copies: half "
+                        "the bytes a decode step reads, lossy, so a winner must still pass the quality check "
+                        "against the reference plan (real checkpoints do; random weights do not)")
     p.add_argument("--compile-ahead", action="store_true",
                    help="ask the fast engine to compile each queued candidate's kernels ahead (POST "
                         "/admin/prepare); off by default: measured on the H200, the swarm ran fewer fast-tier "
@@ -174,7 +178,7 @@ def run_compile(args: argparse.Namespace) -> int:
             model=args.model, traffic=args.traffic, budget_s=args.budget, out=args.out, engines=engines,
             report_to=args.report_to, fast_layers=args.fast_layers or int(opts.get("fastLayers") or 1),
             seed=args.seed, device=device, baseline_plan=args.baseline_plan, rounds=args.rounds,
-            compile_ahead=args.compile_ahead,
+            compile_ahead=args.compile_ahead, fp8_weights=args.fp8_weights,
             seed_plans=[f.strip() for f in (args.seed_plans or "").split(",") if f.strip()],
             measure_tp=_measure_tp_flag(args.measure_tp),
         )
@@ -322,7 +326,8 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         max_len = CPU_MAX_LEN if quick else None
     engine_max = min(int((s.model_extra or {}).get("max_model_len") or 1 << 30) for s in (fast_state, slow_state))
     max_len = min(max_len or engine_max, engine_max)
-    setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len, quick=quick)
+    setting, traffic = make_setting(fast_state, traffic, seed=settings.seed, max_len=max_len, quick=quick,
+                                    fp8_weights=settings.fp8_weights)
     # seeds run at the engines' degree (fixed when they started): an earlier compile's degree-1 plan
     # seeds a degree-2 compile less the fusions a split model refuses
     degree = setting.base.parallelism.tensor_parallel

@@ -19,11 +19,13 @@ CPU_MAX_LEN = 128  # CPU engines: traffic lengths scaled to fit (a CPU step cost
 
 
 def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
-                 num_requests: int | None = None, quick: bool = False) -> tuple[SearchSetting, Any]:
+                 num_requests: int | None = None, quick: bool = False,
+                 fp8_weights: bool = False) -> tuple[SearchSetting, Any]:
     """The search setting from the engine's space and the traffic shape (lengths scaled to fit).
 
     ``quick`` (the CPU) times fewer steps per candidate: a CPU step of even a tiny model costs
     tens of milliseconds, and the README's compile must finish in a couple of minutes.
+    ``fp8_weights``: the space holds the lossy fp8 projections (``anneal compile --fp8-weights``).
     ``num_requests`` (per workload replay) defaults to :func:`workload_requests` of the scaled
     shape, as every other replay of it counts them (session 11: counted on the unscaled agentic
     shape, the compile replayed 16 requests where ``bench/plans.py`` replayed 26).
@@ -32,7 +34,7 @@ def make_setting(state: EngineState, traffic, *, seed: int, max_len: int | None,
         traffic = traffic.scaled(max_len)
     if num_requests is None:
         num_requests = workload_requests(traffic, quick)
-    space = CandidateSpace.from_state(state)
+    space = CandidateSpace.from_state(state, fp8_weights=fp8_weights)
     base = state.plan
     conc = traffic.concurrency or max(1.0, (traffic.arrival_rate or 1.0) * 4)
     # No candidate admits fewer sequences than twice the traffic's concurrency. Below it a plan

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import OpChoice, Plan, SchedulerKnobs, fusion_blockers, fusion_conflicts
+from anneal.engine.plan import FP8_WEIGHT_IMPL, OpChoice, Plan, SchedulerKnobs, fusion_blockers, fusion_conflicts
 from anneal.agents.types import EngineState
 
 MAX_NUM_SEQS = (8, 16, 32, 64, 128, 256)
@@ -94,11 +94,14 @@ class CandidateSpace:
     max_model_len: int | None = None  # without chunked prefill, a step must fit the longest prompt
 
     @classmethod
-    def from_state(cls, state: EngineState) -> "CandidateSpace":
-        """Read the registry's declared variants as the engine reports them."""
+    def from_state(cls, state: EngineState, fp8_weights: bool = False) -> "CandidateSpace":
+        """Read the registry's declared variants as the engine reports them. The weight-only fp8
+        projections are lossy by design: only with ``fp8_weights`` (the user asked for them)."""
         ops: dict[str, OpSpace] = {}
         for op, impls in state.variants.items():
             usable = set(state.ops.get(op, impls))  # ops lists what runs on this device
+            if not fp8_weights:
+                usable.discard(FP8_WEIGHT_IMPL)
             chosen = {i: {p: list(ch) for p, ch in prm.items()} for i, prm in impls.items() if i in usable}
             chosen.setdefault("reference", {})
             ops[op] = OpSpace(op=op, impls=chosen)

@@ -262,6 +262,8 @@ class CompileSettings(BaseModel):
     rounds: int | None = Field(None, ge=1, le=20, description="interleaved slow-tier rounds of winner vs "
                                "baseline (default 2 on a GPU, 1 on the CPU); more rounds narrow a noisy replay")
     compile_ahead: bool = Field(False, description="the fast engine compiles queued candidates' kernels ahead")
+    fp8_weights: bool = Field(False, description="the search may run projections on weight-only fp8 copies "
+                                                 "(lossy: the winner still needs the quality check)")
     baseline_plan: str | None = Field(None, description="Plan/CompiledPlan file both tiers serve before the "
                                                         "search: the baseline to beat (default: theirs)")
     measure_tp: list[int] | None = Field(None, description="tensor-parallel degrees the compiled plan is served "

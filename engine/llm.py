@@ -20,7 +20,7 @@ from anneal.engine.compile_ahead import CompileAhead
 from anneal.engine.overlap import OverlapStepper
 from anneal.engine.config import ModelConfig
 from anneal.engine.op_table import OpTable
-from anneal.engine.plan import Plan, check_parallelism, inert_fusions
+from anneal.engine.plan import FP8_WEIGHT_FIELDS, Plan, check_parallelism, fp8_projections, inert_fusions
 from anneal.engine.runner import ModelRunner
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.scheduler import Scheduler
@@ -28,7 +28,7 @@ from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
 from anneal.engine.speculation import Speculator
 from anneal.engine.tensor_parallel import TensorParallel, rank_device, shard_config, shard_weights
 from anneal.engine.tp_workers import Workers, free_address
-from anneal.engine.weights import DTYPES, fold_norms, load_weights, resolve_config
+from anneal.engine.weights import DTYPES, fold_norms, load_weights, resolve_config, set_fp8_copies
 
 
 class EngineArgs(BaseModel):
@@ -202,7 +202,7 @@ class Engine:
         self.load_s = time.perf_counter() - t0
         self.num_layers = len(self.weights.layers)
         t0 = time.perf_counter()
-        self._set_folded(args.plan)  # folded_norm's second copy of weights, before the KV cache takes the memory
+        self._set_weight_copies(args.plan)  # a plan's second copies of weights (folded, fp8), before the KV cache takes the memory
         num_blocks = args.num_kv_blocks or self._auto_num_blocks()
         num_blocks = self.tp.smallest(num_blocks, self.device)  # every rank's cache holds the same blocks
         need = -(-self.max_model_len // args.block_size)
@@ -433,11 +433,11 @@ class Engine:
         t1 = time.perf_counter()
         try:
             self.runner.use_plan(plan, ops=ops)
-            self._set_folded(plan)
+            self._set_weight_copies(plan)
             timings = self.runner.capture(*graph_shapes(plan))
         except Exception:
             self.runner.use_plan(old_plan, ops=old_ops)
-            self._set_folded(old_plan)
+            self._set_weight_copies(old_plan)
             self.runner.capture(*graph_shapes(old_plan))
             raise
         self.plan = plan
@@ -459,17 +459,21 @@ class Engine:
             inert_fusions=inert_fusions(plan, self.config.model_dump()) or None,
         )
 
-    def _set_folded(self, plan: Plan) -> None:
-        """The folded weights ``plan`` needs (``folded_norm``), made before its capture (a graph must
-        not replay the folding), or given back before it when it needs none: on an 8B they are 9 GB,
-        which the capture of the next plan may need. An H200 compile (session 19) lost its slow tier
-        to out-of-memory errors because a candidate's folded weights outlived it."""
+    def _set_weight_copies(self, plan: Plan) -> None:
+        """The second copies of weights ``plan`` needs (``folded_norm``'s folded weights, the fp8
+        projections' e4m3 copies), made before its capture (a graph must not replay making them),
+        or given back before it when it needs none: on an 8B they are 9 GB and 7 GB, which the
+        capture of the next plan may need. An H200 compile (session 19) lost its slow tier to
+        out-of-memory errors because a candidate's folded weights outlived it."""
+        freed = 0
         if "folded_norm" in plan.fusions:
             fold_norms(self.weights)
         elif self.weights.folded is not None:
             self.weights.folded = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            freed = 1
+        freed += set_fp8_copies(self.weights, {FP8_WEIGHT_FIELDS[p] for p in fp8_projections(plan)})
+        if freed and self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- offline ----------------------------------------------------------------------------------
 

@@ -114,13 +114,27 @@ GEMV_FUSION_PROJECTIONS = {
 }
 
 
+# Weight-only fp8 (engine/fp8_weights.py): the GEMV variant that streams a projection's e4m3 copy.
+# Lossy by design, so the search proposes it only when asked to (``CandidateSpace(fp8_weights=...)``).
+FP8_WEIGHT_IMPL = "triton_gemv_fp8"
+FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the layers' projections; lm_head stays
+FP8_WEIGHT_FIELDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
+
+
+def fp8_projections(plan: "Plan") -> list[str]:
+    """The projections ``plan`` runs on their fp8 copies."""
+    return [p for p in FP8_PROJECTIONS if plan.choice(p).impl == FP8_WEIGHT_IMPL]
+
+
 def fused_gemv_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The GEMV kernel params a fusion takes from its projection's choice (the projection's own when
-    it is the Triton GEMV, else the GEMV's defaults), and the row count above which the unfused ops
-    run instead (prefill)."""
-    if impl != "triton_gemv_splitk":
+    it is the Triton GEMV, fp8 or not, else the GEMV's defaults), and the row count above which the
+    unfused ops run instead (prefill)."""
+    if impl not in ("triton_gemv_splitk", FP8_WEIGHT_IMPL):
         return {}, GEMV_MAX_M
     p = dict(params)
+    if impl == FP8_WEIGHT_IMPL:
+        p["fp8"] = True  # the fused GEMV streams the same e4m3 copy the projection does
     return p, p.pop("max_m", GEMV_MAX_M) or 1 << 30
 
 

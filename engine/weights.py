@@ -90,21 +90,49 @@ def fold_norms(w: Weights) -> list[FoldedLayer]:
 
 
 class FoldError(ValueError):
-    """The device has no room for the folded weights: the plan is refused, nothing changes."""
+    """The device has no room for a plan's second copy of weights (folded, or fp8): the plan is
+    refused, nothing changes."""
+
+
+def set_fp8_copies(w: Weights, fields: set[str]) -> int:
+    """Make the e4m3 copies of the layers' projections named in ``fields`` (``LayerWeights``
+    attribute names) that do not exist yet, after checking the device has room beside the KV cache,
+    and drop those of the other projections (engine/fp8_weights.py). Returns the bytes dropped."""
+    from anneal.engine import fp8_weights
+
+    every = ("qkv", "o", "gate_up", "down")
+    unknown = set(fields) - set(every)
+    if unknown:
+        raise ValueError(f"fp8 copies: unknown projections {sorted(unknown)}")
+    freed = fp8_weights.drop(getattr(L, f) for L in w.layers for f in every if f not in fields)
+    make = [getattr(L, f) for L in w.layers for f in every if f in fields and not fp8_weights.has_fp8(getattr(L, f))]
+    if make and w.embed.device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8 weights: the copies must be made before a CUDA-graph capture")
+        free, _ = torch.cuda.mem_get_info(w.embed.device)
+        free += torch.cuda.memory_reserved(w.embed.device) - torch.cuda.memory_allocated(w.embed.device)
+        short = fold_shortfall(sum(fp8_weights.fp8_bytes(t) for t in make), free, what="the fp8 weights need",
+                               copies="their e4m3 copies", plan="fp8 projections")
+        if short:
+            raise FoldError(short)
+    for t in make:
+        fp8_weights.fp8_of(t)
+    return freed
 
 
 FOLD_HEADROOM = 2 * 2**30  # what the engine keeps for activations and graphs beside its KV cache
 
 
-def fold_shortfall(need: int, free: int) -> str | None:
-    """Why ``need`` bytes of folded weights do not fit in ``free`` (the engine's activation
-    headroom kept), or None when they do."""
+def fold_shortfall(need: int, free: int, what: str = "folded_norm needs", copies: str = "its folded weights",
+                   plan: str = "folded_norm") -> str | None:
+    """Why ``need`` bytes of a plan's second copy of weights do not fit in ``free`` (the engine's
+    activation headroom kept), or None when they do."""
     if free - need >= FOLD_HEADROOM:
         return None
     gib = 2**30
-    return (f"folded_norm needs {need / gib:.1f} GiB for its folded weights and {FOLD_HEADROOM / gib:.0f} GiB "
+    return (f"{what} {need / gib:.1f} GiB for {copies} and {FOLD_HEADROOM / gib:.0f} GiB "
             f"beside them; {free / gib:.1f} GiB are free (the KV cache holds the rest): start the engine on a "
-            f"plan with folded_norm (its KV cache is then sized after them) or give it fewer KV blocks")
+            f"plan with {plan} (its KV cache is then sized after them) or give it fewer KV blocks")
 
 
 def folded_bytes(w: Weights) -> int:

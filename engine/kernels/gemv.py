@@ -54,9 +54,10 @@ from anneal.engine.kernels._common import (
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.kernels.argmax import argmax_merge_kernel
+from anneal.engine.fp8_weights import dequantized, fp8_of
 from anneal.engine.kernels.rope import rotate_half
 from anneal.engine.ops.registry import Param, variant
-from anneal.engine.plan import GEMV_BLOCK_N, GEMV_MAX_M, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
+from anneal.engine.plan import FP8_PROJECTIONS, FP8_WEIGHT_IMPL, GEMV_BLOCK_N, GEMV_MAX_M, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
 
 MAX_SPLIT_K = 16
 
@@ -181,13 +182,13 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr, r_ptr, nw_ptr, sum_ptr, cnt_ptr,
     pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, h_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_sm, k_per_split, eps,
-    stride_cs, QD, KD, stride_hm, ss_ptr, ss_tiles,
+    stride_cs, QD, KD, stride_hm, ss_ptr, ss_tiles, wscale_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, TICKET: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
     HEAD_D: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1,
     SILU_OUT: tl.constexpr = False, ADD_SS: tl.constexpr = False, BLOCK_SS: tl.constexpr = 1,
-    AHEAD: tl.constexpr = 1,
+    AHEAD: tl.constexpr = 1, W_SCALED: tl.constexpr = False,
 ):
     pdl_launch_dependents(PDL == 1)
     pid_n = tl.program_id(0)
@@ -306,6 +307,8 @@ def _gemv_kernel(
             acc += mma(xt, tl.trans(w.to(DT)), PREC, UPCAST)
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
+    if W_SCALED:  # fp8 weights: each row's scale, once per output (every split's partial is scaled alike)
+        acc = acc * tl.load(wscale_ptr + n, mask=nm, other=0.0)[None, :]
     pdl_launch_dependents(PDL == 2)  # "late": the next kernel's prologue overlaps this epilogue
 
     if ARGMAX:
@@ -414,9 +417,10 @@ def small_m_gemm(
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
     norm_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None, add_stats: torch.Tensor | None = None,
-    ahead: int = 1,
+    ahead: int = 1, fp8: bool = False,
 ) -> torch.Tensor:
-    """``x @ weight.T`` for small M, any M correct; with ``silu_mul_input`` x is ``[M, 2K]`` and
+    """``x @ weight.T`` for small M, any M correct; with ``fp8`` W is read as its e4m3 copy
+    (``fp8_weights.fp8_of``: ``(x @ data.T) * scale``, half the bytes); with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
     ``rmsnorm(x [+ residual])`` and the result is ``(y, x + residual)`` when residual is given.
     The ``norm_stats`` fusion: ``add_stats=residual`` returns ``(y + residual, ss)``
@@ -431,6 +435,9 @@ def small_m_gemm(
         raise KernelInputError(f"{name}: need gate_up[M, 2*K] for weight[N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
     _check(name, x, weight, x.shape[1] // 2 if silu_mul_input else x.shape[1] if x.dim() == 2 else -1)
     N = weight.shape[0]
+    wscale = None
+    if fp8:  # the e4m3 copy streams instead of W; its row scales are applied once per output
+        weight, wscale = fp8_of(weight)
     residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
     norm_w = norm_w.contiguous() if norm_w is not None else None
     if norm is not None:
@@ -502,13 +509,14 @@ def small_m_gemm(
         *(rope[:5] if rope else (x,) * 5), hn,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), sm.stride(0), k_per_split, float(eps),
         *(rope[5:8] if rope else (0, 0, 0)), hn.stride(0), ss if ss is not None else x,
-        ss.shape[1] if ss is not None else 0,
+        ss.shape[1] if ss is not None else 0, wscale if wscale is not None else x,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
         NORM=3 if norm_stats is not None else 0 if norm is None else 1 if residual is None else 2, ARGMAX=False,
         TICKET=ticket, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_mode(pdl),
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
         BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
         ADD_SS=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
+        W_SCALED=wscale is not None,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if add_norm is not None:
@@ -555,6 +563,23 @@ for _op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"):
         description="small-M GEMM/GEMV streaming W once for the batch, pipelined tl.dot, deterministic "
                     "split-K (sum kernel or last-arrival ticket); torch GEMM above max_m rows",
     )(_make_linear)
+
+
+def _make_fp8_linear(max_m: int = GEMV_MAX_M, **params):
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if max_m and x.dim() == 2 and x.shape[0] > max_m:  # prefill: compute-bound, the dense GEMM
+            return F.linear(x, dequantized(fp8_of(weight), x.dtype))
+        return small_m_gemm(x, weight, fp8=True, **params)
+
+    return linear
+
+
+for _op in FP8_PROJECTIONS:
+    variant(
+        _op, FP8_WEIGHT_IMPL, params=GEMV_PARAMS, devices=("cuda",),
+        description="the small-M GEMV over W's e4m3 copy with a scale per row (half the bytes; lossy, "
+                    "the quality check decides); above max_m rows torch's GEMM on the dequantized W",
+    )(_make_fp8_linear)
 
 
 def silu_mul_down_proj(gate_up: torch.Tensor, weight: torch.Tensor, **params) -> torch.Tensor:
@@ -676,7 +701,7 @@ def lm_head_argmax(
         x, weight, vals, vals, vals, idxs, r, norm_w if norm_w is not None else x, summed, x,
         x, x, x, x, x, x,
         M, N, K, x.stride(0), weight.stride(0), 0, r.stride(0), summed.stride(0),
-        cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0, x, 0,
+        cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0, x, 0, x,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False,
         NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=True, TICKET=False,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_mode(pdl),

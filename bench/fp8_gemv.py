@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""How fast does the decode GEMV stream a projection's weight-only fp8 copy, against the same GEMV
+on the bf16 weight and cuBLAS? An experiment for issues 4 and 5 (engine/fp8_weights.py).
+
+Why: a decode step at small batch is W's bytes over the copy bandwidth; e4m3 halves W. The step
+can only gain what the kernel keeps of that: if it streams fp8 at the share of the copy roofline
+it streams bf16 at, each projection takes ~half the time.
+
+Measured: for each projection of llama-3.1-8b and llama-3.2-1b and each row count M, cuBLAS
+(``F.linear``, bf16), the Triton GEMV on bf16 W and on its fp8 copy, each over a few kernel configs,
+one call per weight copy captured in a CUDA graph (copies together beyond L2), replays timed by
+CUDA events (``common.time_graph``), median of --reps. Reported: µs of the best config of each,
+its share of the copy roofline for the bytes it must read (fp8: 1 byte an element + a float per
+row), the fp8 GEMV's ratio to the best bf16 one, and its largest error against
+``fp8_weights.reference_linear``.
+
+Prediction: fp8 at 0.55-0.65x the bf16 GEMV's time for the large projections (gate_up, down of the
+8B: more bytes in flight are needed per program, so the best fp8 configs take block_k 256-512),
+worse (0.7-0.9x) for the 1B's small ones, where a launch's fixed cost is a larger share.
+
+    python bench/fp8_gemv.py                  # CUDA; JSON to bench/results/
+    python bench/fp8_gemv.py --device cpu     # checks only that the fp8 GEMV computes its reference
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth_gbps, premise_holds, probe_parser, time_graph, write_probe  # noqa: E402
+
+PROJECTIONS = {  # (N, K) of each projection's weight
+    "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "llama-3.2-1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
+}
+# GEMV configs tried for both weight formats (max_m 0: the GEMV at every M)
+CONFIGS = [
+    {},
+    {"reduce": "ticket"},
+    {"block_k": 256, "reduce": "ticket"},
+    {"block_n": 32, "block_k": 256, "reduce": "ticket"},
+    {"block_n": 128, "block_k": 128, "reduce": "ticket"},
+    {"block_k": 512, "reduce": "ticket", "num_warps": 8},
+]
+M1_CONFIGS = [  # a single row: the register-FMA path too
+    {"m1": "fma", "reduce": "ticket"},
+    {"m1": "fma", "block_k": 256, "reduce": "ticket"},
+    {"m1": "fma", "block_n": 128, "block_k": 128, "reduce": "ticket", "ahead": 2},
+    {"m1": "fma", "block_n": 32, "block_k": 512, "reduce": "ticket"},
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = probe_parser(__doc__, reps=40)
+    ap.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
+    ap.add_argument("--rows", default="1,8,16")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from anneal.engine import fp8_weights as f8
+    from anneal.engine.ops.registry import build_op
+
+    if device.type != "cuda":
+        x, w = torch.randn(3, 96), torch.randn(40, 96)
+        got = build_op("o_proj", "triton_gemv_fp8", {"max_m": 0, "block_k": 64})(x, w)
+        ok = torch.allclose(got, f8.reference_linear(x, f8.fp8_of(w)), rtol=1e-4, atol=1e-4)
+        return 0 if premise_holds("the fp8 GEMV computes its reference", ok, "the fp8 GEMV is wrong") else 1
+    bw = copy_bandwidth_gbps()
+    rows = []
+    for model in args.models.split(","):
+        for op, (n, k) in PROJECTIONS[model].items():
+            copies = max(2, -(-150 * 2**20 // (n * k)))  # fp8 copies together ~3x the H200's 50 MB of L2
+            gen = torch.Generator(device=device).manual_seed(n * 7 + k)
+            ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * k ** -0.5
+                  for _ in range(copies)]
+            for w in ws:
+                f8.fp8_of(w)
+            for m in (int(r) for r in args.rows.split(",")):
+                xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(copies)]
+                act = m * (n + k) * 2
+                floor = {"bf16": (n * k * 2 + act) / (bw * 1e9) * 1e6, "fp8": (n * k + 4 * n + act) / (bw * 1e9) * 1e6}
+                row = {"model": model, "op": op, "m": m, "n": n, "k": k,
+                       "floor_bf16_us": round(floor["bf16"], 2), "floor_fp8_us": round(floor["fp8"], 2)}
+                row["cublas_us"] = round(time_graph(lambda i: F.linear(xs[i], ws[i]), copies, args.reps), 2)
+                for fmt, impl in (("bf16", "triton_gemv_splitk"), ("fp8", "triton_gemv_fp8")):
+                    best = None
+                    for cfg in CONFIGS + (M1_CONFIGS if m == 1 else []):
+                        try:
+                            fn = build_op(f"{op}_proj", impl, {"max_m": 0, **cfg})
+                            us = time_graph(lambda i: fn(xs[i], ws[i]), copies, args.reps)
+                        except Exception as e:  # a config that does not fit is a result, not a crash
+                            print(f"{model} {op} m={m} {fmt} {cfg}: {type(e).__name__}: {str(e)[:200]}",
+                                  file=sys.stderr)
+                            continue
+                        if best is None or us < best[0]:
+                            best = (us, cfg, fn)
+                    if best is None:
+                        continue
+                    us, cfg, fn = best
+                    row[f"{fmt}_us"] = round(us, 2)
+                    row[f"{fmt}_of_roofline"] = round(floor[fmt] / us, 3)
+                    row[f"{fmt}_config"] = cfg
+                    if fmt == "fp8":
+                        ref = f8.reference_linear(xs[0], f8.fp8_of(ws[0])).float()
+                        row["fp8_max_rel_err"] = float(((fn(xs[0], ws[0]).float() - ref).abs().max()
+                                                        / ref.abs().max()).item())
+                if "bf16_us" in row and "fp8_us" in row:
+                    row["fp8_vs_bf16"] = round(row["fp8_us"] / row["bf16_us"], 3)
+                print(row, flush=True)
+                rows.append(row)
+            del ws
+            torch.cuda.empty_cache()
+    write_probe("fp8-gemv", args.out, device, reps=args.reps, rows=rows, copy_gbps=bw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

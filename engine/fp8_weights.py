@@ -1,0 +1,89 @@
+"""Weight-only fp8: a projection's weight kept a second time as e4m3 with one fp32 scale per output
+row, so a decode GEMV, bound by W's bytes, streams half of them.
+
+Lossy by design: ``y = (x @ data.T) * scale`` is not ``x @ W.T``. A plan takes it by choosing the
+``triton_gemv_fp8`` variant for a projection, and only the verification suite's quality check
+against the reference plan says whether the model's outputs survive it (on a trained checkpoint they
+do; on random weights, whose logits are near ties, they do not: bench/NOTES.md, sessions 41-43).
+
+The copy hangs on the bf16 tensor it was made from (made on first use, outside any CUDA-graph
+capture, or before the KV cache is sized when the engine starts on such a plan), so every op and
+fusion that is handed the weight finds it, and it lives no longer than that weight; the engine
+drops the copies when it applies a plan that uses none (``drop``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, NamedTuple
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+_ATTR = "_anneal_fp8"
+_LOCK = threading.Lock()  # the engine thread and compile-ahead passes may ask at once
+
+
+class Fp8Weight(NamedTuple):
+    data: torch.Tensor  # [N, K] float8_e4m3fn
+    scale: torch.Tensor  # [N] float32: row n of W ~= data[n] * scale[n]
+
+
+def quantize(w: torch.Tensor) -> Fp8Weight:
+    """``w`` ([N, K]) as e4m3 rows scaled so each row's largest magnitude lands on 448 (round to
+    nearest; an all-zero row keeps scale 1)."""
+    if w.dim() != 2:
+        raise ValueError(f"fp8 weights: need a [N, K] matrix, got {tuple(w.shape)}")
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    data = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Weight(data.contiguous(), scale.contiguous())
+
+
+def dequantized(q: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale`` rounded to ``dtype``: the weight a dense GEMM multiplies (prefill rows)."""
+    return (q.data.float() * q.scale[:, None]).to(dtype)
+
+
+def reference_linear(x: torch.Tensor, q: Fp8Weight) -> torch.Tensor:
+    """``(x @ data.T) * scale`` in fp32, rounded to x's dtype: what the fp8 GEMV computes, in plain
+    PyTorch (its tests' reference)."""
+    return ((x.float() @ q.data.float().T) * q.scale).to(x.dtype)
+
+
+def fp8_of(w: torch.Tensor) -> Fp8Weight:
+    """``w``'s e4m3 copy, made on first use and kept on ``w``. Never inside a CUDA-graph capture:
+    the graph would replay the quantization every step."""
+    q = getattr(w, _ATTR, None)
+    if q is not None:
+        return q
+    with _LOCK:
+        q = getattr(w, _ATTR, None)
+        if q is None:
+            if w.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("fp8 weights must be made before a CUDA-graph capture (warm the plan up first)")
+            q = quantize(w)
+            setattr(w, _ATTR, q)
+    return q
+
+
+def has_fp8(w: torch.Tensor) -> bool:
+    return getattr(w, _ATTR, None) is not None
+
+
+def drop(tensors: Iterable[torch.Tensor]) -> int:
+    """Forget the e4m3 copies of ``tensors``; the bytes given back."""
+    freed = 0
+    for t in tensors:
+        q = getattr(t, _ATTR, None)
+        if q is not None:
+            freed += fp8_bytes(t)
+            delattr(t, _ATTR)
+    return freed
+
+
+def fp8_bytes(w: torch.Tensor) -> int:
+    """Bytes ``w``'s e4m3 copy holds (or would hold): one per element plus a float32 per row."""
+    return w.numel() + 4 * w.shape[0]
