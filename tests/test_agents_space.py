@@ -40,6 +40,19 @@ def test_from_state_reads_declared_params_and_device_usable_impls():
     assert not space.uses_graphs
 
 
+def test_fp8_weights_enter_the_space_only_when_asked():
+    """Weight-only fp8 is lossy by design: the search proposes it only under ``--fp8-weights``."""
+    gpu = EngineState(model="random:tiny", device="cuda:0",
+                      ops={"o_proj": ["reference", "triton_gemv_splitk", "triton_gemv_fp8"]},
+                      variants={"o_proj": {"reference": {}, "triton_gemv_splitk": {"block_k": [64, 128]},
+                                           "triton_gemv_fp8": {"block_k": [64, 128]}}})
+    assert set(CandidateSpace.from_state(gpu).ops["o_proj"].impls) == {"reference", "triton_gemv_splitk"}
+    asked = CandidateSpace.from_state(gpu, fp8_weights=True)
+    assert set(asked.ops["o_proj"].impls) == {"reference", "triton_gemv_splitk", "triton_gemv_fp8"}
+    rng = random.Random(1)
+    assert any(asked.random_plan(rng).choice("o_proj").impl == "triton_gemv_fp8" for _ in range(50))
+
+
 def test_moves_stay_in_the_space_and_explore_it():
     space = CandidateSpace.from_state(STATE)
     rng = random.Random(0)
