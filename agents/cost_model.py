@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import COLLECTIVES, Plan, token_graph_size
+from anneal.engine.plan import COLLECTIVES, Plan, fp8_projections, token_graph_size
 from anneal.agents.types import BenchSpec, EngineState, HardwareSpec, Measurement, ModelShape, Prediction
 
 # Data-sheet numbers (dense bf16; per-direction NVLink per GPU). Microbenchmarks override bandwidth
@@ -187,6 +187,14 @@ def step_tokens(spec: BenchSpec) -> int:
     """Tokens one step of ``spec`` runs through the layers."""
     return {"prefill": spec.batch_size * spec.prompt_len, "mixed": spec.batch_size + spec.prompt_len}.get(
         spec.mode, spec.batch_size)
+
+
+def projection_weight_elems(shape: ModelShape, op: str, tp: int) -> float:
+    """Elements of a layer projection's weight on one rank (what ``_costs`` counts for its W)."""
+    H, D, I = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    Hq, Hkv = shape.num_heads / tp, max(1.0, shape.num_kv_heads / tp)
+    return {"qkv_proj": (Hq + 2 * Hkv) * D * H, "o_proj": H * Hq * D, "gate_up_proj": 2 * I / tp * H,
+            "down_proj": H * I / tp}[op]
 
 
 def _costs(shape: ModelShape, tokens: float, rows: float, keys: float, tp: int) -> dict[str, OpCost]:
@@ -367,6 +375,11 @@ class CostModel:
             graphs = bucket is not None
             if graphs:
                 costs = padded_costs(costs, self.shape, bucket, tp)
+        for op in fp8_projections(plan):  # their W streams as e4m3: one byte an element (+ a scale a row)
+            if op in costs:
+                elems = projection_weight_elems(self.shape, op, tp)
+                costs[op] = OpCost(bytes=max(0.0, costs[op].bytes - (self.shape.dtype_bytes - 1) * elems),
+                                   flops=costs[op].flops, launches=costs[op].launches)
         out = {}
         for op, cost in costs.items():
             n = layers if op in PER_LAYER_OPS else 1
