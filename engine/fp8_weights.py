@@ -6,6 +6,9 @@ Lossy by design: ``y = (x @ data.T) * scale`` is not ``x @ W.T``. A plan takes i
 against the reference plan says whether the model's outputs survive it (on a trained checkpoint they
 do; on random weights, whose logits are near ties, they do not: bench/NOTES.md, sessions 41-43).
 
+Only decode-sized row counts read it: above the variant's ``max_m`` rows (prompt steps, bound by
+compute, where e4m3 would save nothing) the bf16 weight, still held, goes through torch's GEMM.
+
 The copy hangs on the bf16 tensor it was made from (made on first use, outside any CUDA-graph
 capture, or before the KV cache is sized when the engine starts on such a plan), so every op and
 fusion that is handed the weight finds it, and it lives no longer than that weight; the engine

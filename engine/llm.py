@@ -465,15 +465,18 @@ class Engine:
         or given back before it when it needs none: on an 8B they are 9 GB and 7 GB, which the
         capture of the next plan may need. An H200 compile (session 19) lost its slow tier to
         out-of-memory errors because a candidate's folded weights outlived it."""
-        freed = 0
-        if "folded_norm" in plan.fusions:
-            fold_norms(self.weights)
-        elif self.weights.folded is not None:
+        # What the plan does not use goes first: on an H100 an 8B's fp8 copies left by the previous
+        # plan made the next one's folded weights not fit (session 43).
+        fp8 = {FP8_WEIGHT_FIELDS[p] for p in fp8_projections(plan)}
+        freed = set_fp8_copies(self.weights, fp8, make=False)
+        if "folded_norm" not in plan.fusions and self.weights.folded is not None:
             self.weights.folded = None
-            freed = 1
-        freed += set_fp8_copies(self.weights, {FP8_WEIGHT_FIELDS[p] for p in fp8_projections(plan)})
+            freed += 1
         if freed and self.device.type == "cuda":
             torch.cuda.empty_cache()
+        if "folded_norm" in plan.fusions:
+            fold_norms(self.weights)
+        set_fp8_copies(self.weights, fp8)
 
     # ---- offline ----------------------------------------------------------------------------------
 

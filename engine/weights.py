@@ -94,10 +94,10 @@ class FoldError(ValueError):
     refused, nothing changes."""
 
 
-def set_fp8_copies(w: Weights, fields: set[str]) -> int:
-    """Make the e4m3 copies of the layers' projections named in ``fields`` (``LayerWeights``
-    attribute names) that do not exist yet, after checking the device has room beside the KV cache,
-    and drop those of the other projections (engine/fp8_weights.py). Returns the bytes dropped."""
+def set_fp8_copies(w: Weights, fields: set[str], make: bool = True) -> int:
+    """Drop the e4m3 copies of the layers' projections not named in ``fields`` (``LayerWeights``
+    attribute names) and, with ``make``, make those named that do not exist yet, after checking the
+    device has room beside the KV cache (engine/fp8_weights.py). Returns the bytes dropped."""
     from anneal.engine import fp8_weights
 
     every = ("qkv", "o", "gate_up", "down")
@@ -105,6 +105,8 @@ def set_fp8_copies(w: Weights, fields: set[str]) -> int:
     if unknown:
         raise ValueError(f"fp8 copies: unknown projections {sorted(unknown)}")
     freed = fp8_weights.drop(getattr(L, f) for L in w.layers for f in every if f not in fields)
+    if not make:
+        return freed
     make = [getattr(L, f) for L in w.layers for f in every if f in fields and not fp8_weights.has_fp8(getattr(L, f))]
     if make and w.embed.device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():

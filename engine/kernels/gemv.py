@@ -54,7 +54,7 @@ from anneal.engine.kernels._common import (
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.kernels.argmax import argmax_merge_kernel
-from anneal.engine.fp8_weights import dequantized, fp8_of
+from anneal.engine.fp8_weights import fp8_of
 from anneal.engine.kernels.rope import rotate_half
 from anneal.engine.ops.registry import Param, variant
 from anneal.engine.plan import FP8_PROJECTIONS, FP8_WEIGHT_IMPL, GEMV_BLOCK_N, GEMV_MAX_M, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
@@ -567,8 +567,11 @@ for _op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"):
 
 def _make_fp8_linear(max_m: int = GEMV_MAX_M, **params):
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if max_m and x.dim() == 2 and x.shape[0] > max_m:  # prefill: compute-bound, the dense GEMM
-            return F.linear(x, dequantized(fp8_of(weight), x.dtype))
+        if max_m and x.dim() == 2 and x.shape[0] > max_m:
+            # Prompt rows: compute-bound, so e4m3 would save nothing; the bf16 weight (still held,
+            # and the more accurate) through torch's GEMM. Dequantizing per step instead cost the
+            # H100's 8B chat replay 57 ms a prompt step (session 43).
+            return F.linear(x, weight)
         return small_m_gemm(x, weight, fp8=True, **params)
 
     return linear
@@ -578,7 +581,7 @@ for _op in FP8_PROJECTIONS:
     variant(
         _op, FP8_WEIGHT_IMPL, params=GEMV_PARAMS, devices=("cuda",),
         description="the small-M GEMV over W's e4m3 copy with a scale per row (half the bytes; lossy, "
-                    "the quality check decides); above max_m rows torch's GEMM on the dequantized W",
+                    "the quality check decides); above max_m rows (prompt steps) torch's GEMM on the bf16 W",
     )(_make_fp8_linear)
 
 
