@@ -503,14 +503,20 @@ class CostModel:
         scale = self.shape.num_layers / self.layers if per_layer and self.layers else 1.0
         return 1.0 + (ms - base_ms) * scale / self.whole_model_ms(base, spec, base_ms)
 
-    def roofline_step_ms(self, tokens: float, rows: float, keys: float) -> float:
+    def roofline_step_ms(self, tokens: float, rows: float, keys: float, fp8_ops: tuple[str, ...] = ()) -> float:
         """One step of ``tokens`` from ``rows`` sequences, each token attending ``keys`` positions,
         at the roofline alone: every op at the larger of its bytes / copy bandwidth and FLOPs /
         matmul rate, no launch cost, no fitted correction. What no plan's kernels can beat without
-        reading less or computing less. A decode step: ``tokens == rows``."""
+        reading less or computing less. A decode step: ``tokens == rows``. ``fp8_ops``: projections
+        whose W a plan reads as e4m3 (``plan.fp8_projections``), one byte a weight."""
         layers = self.layers or self.shape.num_layers
+        costs = _costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1)
+        for op in fp8_ops:
+            c = costs[op]
+            costs[op] = OpCost(c.bytes - (self.shape.dtype_bytes - 1) * projection_weight_elems(self.shape, op, 1),
+                               c.flops)
         return sum(self.roofline_ms(OpCost(c.bytes, c.flops, launches=0)) * (layers if op in PER_LAYER_OPS else 1)
-                   for op, c in _costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1).items())
+                   for op, c in costs.items())
 
     def _collective(self, name: str, spec: BenchSpec, tp: int) -> tuple[float, float, int]:
         """The step's ``name`` collectives at degree ``tp`` by the link's figures: (ms of all its calls,
@@ -769,7 +775,7 @@ def _step_key(mode: str, fusions: dict[str, bool] | None = None) -> str:
 
 
 def replay_headroom(split: dict[str, float], model: CostModel,
-                    speculation: dict[str, Any] | None = None) -> dict[str, float] | None:
+                    speculation: dict[str, Any] | None = None, plan: Plan | None = None) -> dict[str, float] | None:
     """How much faster a workload replay (``time_split`` of a slow-tier benchmark) could get from
     plan changes that keep its tokens: every step at the roofline (``roofline_step_ms`` at the
     steps' mean tokens, rows and positions attended), nothing between steps.
@@ -782,13 +788,17 @@ def replay_headroom(split: dict[str, float], model: CostModel,
 
     With ``speculation`` (the replay's n-gram drafter figures, engine/ngram_draft.py), also the bound
     with speculative decoding: the decode tokens in ``tokens_per_step`` times fewer steps, each a
-    verify step at the roofline computing ``1 + drafted_per_step`` rows a sequence (``spec_bound``)."""
+    verify step at the roofline computing ``1 + drafted_per_step`` rows a sequence (``spec_bound``).
+
+    ``plan``: the replayed plan, so its fp8 projections' decode steps are held to the roofline of the
+    bytes they read (prompt steps run the bf16 weights); without it every W counts as bf16."""
     need = ("total_ms", "decode_ms", "decode_steps", "decode_mean_batch", "decode_mean_context",
             "prefill_ms", "prefill_steps", "tokens_in_prefill_steps", "prefill_mean_rows", "prefill_mean_context")
     if not split or any(k not in split for k in need) or not split["decode_steps"]:
         return None
     rows = split["decode_mean_batch"]
-    decode = model.roofline_step_ms(rows, rows, split["decode_mean_context"])
+    fp8 = tuple(fp8_projections(plan)) if plan is not None else ()
+    decode = model.roofline_step_ms(rows, rows, split["decode_mean_context"], fp8)
     prefill = 0.0
     if split["prefill_steps"]:
         per_step = split["tokens_in_prefill_steps"] / split["prefill_steps"]
@@ -802,7 +812,7 @@ def replay_headroom(split: dict[str, float], model: CostModel,
     if speculation and speculation.get("verify_steps"):
         per_step = speculation["tokens_per_step"]
         verify = model.roofline_step_ms(rows * (1 + speculation["drafted_per_step"]), rows,
-                                        split["decode_mean_context"])
+                                        split["decode_mean_context"], fp8)
         spec = prefill + split["decode_steps"] / per_step * verify
         out.update(spec_tokens_per_step=per_step, spec_verify_roofline_ms=verify, spec_bound_ms=spec,
                    spec_bound=split["total_ms"] / spec if spec > 0 else math.inf)

@@ -166,17 +166,19 @@ def time_split_table(base: list[Measurement], win: list[Measurement]) -> list[st
     return L
 
 
-def headroom_table(base: list[Measurement], win: list[Measurement], model: CostModel | None) -> list[str]:
+def headroom_table(base: list[Measurement], win: list[Measurement], model: CostModel | None,
+                   plans: tuple[Plan | None, Plan | None] = (None, None)) -> list[str]:
     """Report lines: how far each replay's decode steps are from the bandwidth roofline, and the
     most any plan that keeps the tokens could gain on this workload (``replay_headroom``). Says
-    whether a gain target is still open, or only reachable by reading fewer bytes per token."""
-    def med(ms: list[Measurement]) -> dict[str, float] | None:
-        rows = [h for m in ms if (h := replay_headroom(m.time_split or {}, model, m.speculation)) is not None]
+    whether a gain target is still open, or only reachable by reading fewer bytes per token.
+    ``plans``: the baseline and the winner (their fp8 projections' rooflines count e4m3 bytes)."""
+    def med(ms: list[Measurement], plan: Plan | None) -> dict[str, float] | None:
+        rows = [h for m in ms if (h := replay_headroom(m.time_split or {}, model, m.speculation, plan)) is not None]
         return {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]} if rows else None
 
     if model is None:
         return []
-    b, w = med(base), med(win)
+    b, w = med(base, plans[0]), med(win, plans[1])
     if b is None or w is None:
         return []
     return [
@@ -364,7 +366,7 @@ def write_report(
     if compiled.plan.hash == baseline.hash:
         L += ["", "No candidate beat the baseline and passed every gate: the baseline plan is kept."]
     L += time_split_table(base_m, win_m)
-    L += headroom_table(base_m, win_m, roofline)
+    L += headroom_table(base_m, win_m, roofline, (baseline, compiled.plan))
     L += ["", "## What changed", ""] + [f"- {line}" for line in plan_diff(baseline, compiled.plan)]
     L += ["", "## Verification", ""]
     checks = compiled.verification.get("checks", [])

@@ -208,7 +208,7 @@ def _measure(args, plans, device: str, eng, start_s: float) -> int:
                                              num_requests=n, steps=1, warmup=1, seed=args.seed + r))
         row = {"round": r, "seed": args.seed + r, "tokens_per_s": res.tokens_per_s, "wall_ms": res.median_ms,
                "apply_s": apply_s, **res.extra}
-        head = replay_headroom(res.extra["time_split"], roofline, res.extra.get("speculation"))
+        head = replay_headroom(res.extra["time_split"], roofline, res.extra.get("speculation"), plan)
         if head:
             row["headroom"] = head
         runs.setdefault((label, sname), []).append(row)

@@ -28,6 +28,21 @@ def test_headroom_table_states_the_most_any_plan_can_gain():
     assert "can beat the baseline's replay by more than" in text
 
 
+def test_an_fp8_plan_is_held_to_the_roofline_of_the_bytes_it_reads():
+    """A replay of a plan on fp8 projections: its decode steps' roofline counts their W at one byte
+    a weight, so the share of the roofline stays under 1 where bf16 bytes read ~117% (session 43)."""
+    from anneal.engine.plan import OpChoice, Plan
+
+    cm = CostModel.from_state(H200)
+    fp8 = Plan(ops={op: OpChoice(impl="triton_gemv_fp8") for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")})
+    as_bf16, as_fp8 = replay_headroom(SPLIT, cm), replay_headroom(SPLIT, cm, plan=fp8)
+    assert replay_headroom(SPLIT, cm, plan=Plan()) == as_bf16
+    assert 0.5 < as_fp8["roofline_step_ms"] / as_bf16["roofline_step_ms"] < 0.6  # weights dominate at batch 10
+    assert as_fp8["prefill_roofline_ms"] == as_bf16["prefill_roofline_ms"]  # prompt steps run the bf16 W
+    lines = "\n".join(headroom_table([_m(SPLIT)], [_m(SPLIT)], cm, (Plan(), fp8)))
+    assert f"{as_fp8['of_roofline']:.1%}" in lines and f"{as_bf16['of_roofline']:.1%}" in lines
+
+
 def test_no_headroom_section_without_the_numbers():
     cm = CostModel.from_state(H200)
     old = {k: v for k, v in SPLIT.items() if k != "decode_mean_context"}  # an engine from before
