@@ -178,7 +178,7 @@ def run_compile(args: argparse.Namespace) -> int:
             model=args.model, traffic=args.traffic, budget_s=args.budget, out=args.out, engines=engines,
             report_to=args.report_to, fast_layers=args.fast_layers or int(opts.get("fastLayers") or 1),
             seed=args.seed, device=device, baseline_plan=args.baseline_plan, rounds=args.rounds,
-            compile_ahead=args.compile_ahead, fp8_weights=args.fp8_weights,
+            compile_ahead=args.compile_ahead, fp8_weights=args.fp8_weights or bool(opts.get("fp8Weights")),
             seed_plans=[f.strip() for f in (args.seed_plans or "").split(",") if f.strip()],
             measure_tp=_measure_tp_flag(args.measure_tp),
         )

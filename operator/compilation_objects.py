@@ -189,6 +189,7 @@ def compile_options(job: str, spec: CompilationJobSpec) -> dict[str, Any]:
             "kvContamination": spec.verification.kv_contamination,
         },
         "resultConfigMap": naming.result_config_map(job),
+        "fp8Weights": spec.fp8_weights,
     }
     if spec.llm is not None:
         opts["llm"] = {"provider": spec.llm.provider, "model": spec.llm.model}

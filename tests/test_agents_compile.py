@@ -620,3 +620,23 @@ def test_the_tier_engines_never_get_the_same_port(monkeypatch, tmp_path):
     local = local_engines.LocalEngines("random:tiny", tmp_path)
     ports = [local._new_port() for _ in range(4)]  # two tiers: a public and an admin port each
     assert ports == [41000, 41001, 41002, 41003]
+
+
+def test_fp8_weights_come_from_the_flag_or_the_operator_s_options(tmp_path, monkeypatch):
+    """`--fp8-weights` (or the CompilationJob's spec.fp8Weights through ANNEAL_COMPILE_OPTIONS) puts the
+    lossy fp8 projections into the search's space; without either they stay out."""
+    import anneal.agents.compile as compile_mod
+
+    seen = []
+
+    def fake_compile_plan(settings, **kw):
+        seen.append(settings.fp8_weights)
+        raise compile_mod.CompileError("stop here")
+
+    monkeypatch.setattr(compile_mod, "compile_plan", fake_compile_plan)
+    args = ["--model", "random:tiny", "--traffic", "chat", "--budget", "6", "--out", str(tmp_path / "o"), "--quiet"]
+    monkeypatch.delenv("ANNEAL_COMPILE_OPTIONS", raising=False)
+    assert _compile(args) == 1 and _compile(args + ["--fp8-weights"]) == 1
+    monkeypatch.setenv("ANNEAL_COMPILE_OPTIONS", json.dumps({"fp8Weights": True}))
+    assert _compile(args) == 1
+    assert seen == [False, True, True]

@@ -174,6 +174,13 @@ def test_coordinator_job_runs_anneal_compile_against_both_engines():
     assert "nvidia.com/gpu" not in json.dumps(job)
 
 
+def test_fp8_weights_reach_the_compile_only_when_the_job_asks():
+    """Weight-only fp8 is lossy: a CompilationJob opts in (spec.fp8Weights) and `anneal compile`
+    reads it from ANNEAL_COMPILE_OPTIONS like its --fp8-weights flag."""
+    assert cobj.compile_options("j", cjob())["fp8Weights"] is False
+    assert cobj.compile_options("j", cjob(fp8Weights=True))["fp8Weights"] is True
+
+
 def test_traffic_shape_reaches_the_coordinator_as_a_file():
     spec = cjob(traffic={"shape": {"prompt_len": {"mean": 900}}})
     cm = cobj.traffic_config_map("job1", "ml", spec)

@@ -161,6 +161,10 @@ class CompilationJobSpec(KubeModel):
                     "the plan the deployment serves; drift-triggered jobs seed the serving plan",
     )
     verification: VerificationTolerances = Field(default_factory=VerificationTolerances)
+    fp8_weights: bool = Field(
+        False, description="the search may run the layers' projections on weight-only fp8 copies (lossy: a "
+                           "winner still passes the quality check against the reference plan)",
+    )
     coordinator: Coordinator = Field(default_factory=Coordinator)
     auto_apply: bool = Field(False, description="on success, the target InferenceDeployment takes the plan")
 
