@@ -160,6 +160,33 @@ def test_a_candidate_that_fails_verification_is_retried_without_its_fusions(tmp_
     led.close()
 
 
+def test_a_candidate_on_fp8_weights_that_fails_verification_is_retried_on_bf16(tmp_path, fakes):
+    """Session 43: on the random 8B the fp8 plan replayed x1.44 and failed quality (0.51 against
+    0.08). A --fp8-weights compile whose best candidates all read fp8 weights would keep the
+    baseline; promotion now measures the same plan on the bf16 GEMV next."""
+    from anneal.agents.promotion import without_fp8_weights
+    from anneal.engine.plan import OpChoice, Plan
+
+    fast_plan = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4}),
+                                o_proj=OpChoice(impl="triton_gemv_splitk", params={"block_k": 256}))
+    fp8_plan = fast_plan.with_ops(o_proj=OpChoice(impl="triton_gemv_fp8", params={"block_k": 256}))
+    assert without_fp8_weights(Candidate(plan=fp8_plan, agent="t")).plan == fast_plan
+    assert without_fp8_weights(Candidate(plan=fast_plan, agent="t")) is None
+    spec = BenchSpec(mode="workload", num_requests=4, repeats=3)
+    _, url = fakes(noise=0.0, bad_impls=("triton_gemv_fp8",),
+                   extra_variants={"o_proj": {"reference": {}, "triton_gemv_splitk": {"block_k": [128, 256]},
+                                              "triton_gemv_fp8": {"block_k": [128, 256]}}})
+    led = Ledger(tmp_path / "q.sqlite")
+    with EngineClient(url, "tok") as slow:
+        promo = promote(Lab(ledger=led, engines={"slow": slow}), [Candidate(plan=fp8_plan, agent="t", note="fp8")],
+                        Plan(), spec)
+    assert not promo.is_baseline and promo.winner == fast_plan, promo.rejected
+    assert promo.rejected == [(fp8_plan.hash, "verification failed: quality: bad impl in ['o_proj']")]
+    fallback = [r for r in led.experiments(kind="benchmark") if r.plan_hash == fast_plan.hash][0]
+    assert fallback.note == "fp8 without fp8 weights (it failed verification)"
+    led.close()
+
+
 def test_promotion_judges_consistency_against_the_baseline_on_the_same_request_sample(tmp_path, fakes):
     """Each round replays another request sample, which moves every plan's tokens/s alike (the H200
     agentic baseline read 359-674 tok/s over four samples); a winner that is faster on each of
