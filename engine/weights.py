@@ -107,17 +107,17 @@ def set_fp8_copies(w: Weights, fields: set[str], make: bool = True) -> int:
     freed = fp8_weights.drop(getattr(L, f) for L in w.layers for f in every if f not in fields)
     if not make:
         return freed
-    make = [getattr(L, f) for L in w.layers for f in every if f in fields and not fp8_weights.has_fp8(getattr(L, f))]
-    if make and w.embed.device.type == "cuda":
+    missing = [getattr(L, f) for L in w.layers for f in every if f in fields and not fp8_weights.has_fp8(getattr(L, f))]
+    if missing and w.embed.device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fp8 weights: the copies must be made before a CUDA-graph capture")
         free, _ = torch.cuda.mem_get_info(w.embed.device)
         free += torch.cuda.memory_reserved(w.embed.device) - torch.cuda.memory_allocated(w.embed.device)
-        short = fold_shortfall(sum(fp8_weights.fp8_bytes(t) for t in make), free, what="the fp8 weights need",
+        short = fold_shortfall(sum(fp8_weights.fp8_bytes(t) for t in missing), free, what="the fp8 weights need",
                                copies="their e4m3 copies", plan="fp8 projections")
         if short:
             raise FoldError(short)
-    for t in make:
+    for t in missing:
         fp8_weights.fp8_of(t)
     return freed
 
