@@ -133,6 +133,19 @@ def test_promotion_rejects_unverified_and_inconsistent_winners(tmp_path, fakes):
     led.close()
 
 
+def _promoted_fallback(url: str, led: Ledger, cand: Candidate, expected, bad: str) -> str:
+    """Promote ``cand`` alone, which fails verification for ``bad``; the winner must be its fallback
+    plan ``expected``. Returns the note the fallback's slow-tier benchmark carries."""
+    from anneal.engine.plan import Plan
+
+    spec = BenchSpec(mode="workload", num_requests=4, repeats=3)
+    with EngineClient(url, "tok") as slow:
+        promo = promote(Lab(ledger=led, engines={"slow": slow}), [cand], Plan(), spec)
+    assert not promo.is_baseline and promo.winner == expected, promo.rejected
+    assert promo.rejected == [(cand.hash, f"verification failed: quality: bad impl in ['{bad}']")]
+    return [r for r in led.experiments(kind="benchmark") if r.plan_hash == expected.hash][0].note
+
+
 def test_a_candidate_that_fails_verification_is_retried_without_its_fusions(tmp_path, fakes):
     """Session 20: on the H200's 8B in bf16 the composite (folded_norm + rope_attention + overlap +
     token graphs) replayed x1.21 and failed quality; the compile kept the baseline although the same
@@ -141,16 +154,11 @@ def test_a_candidate_that_fails_verification_is_retried_without_its_fusions(tmp_
 
     fast_plan = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4}))
     composite = fast_plan.model_copy(update={"fusions": {"folded_norm": True, "lm_head_argmax": True}})
-    spec = BenchSpec(mode="workload", num_requests=4, repeats=3)
     _, url = fakes(noise=0.0, bad_fusions=("folded_norm",))
     led = Ledger(tmp_path / "f.sqlite")
-    with EngineClient(url, "tok") as slow:
-        promo = promote(Lab(ledger=led, engines={"slow": slow}), [Candidate(plan=composite, agent="t", note="composite")],
-                        Plan(), spec)
-    assert not promo.is_baseline and promo.winner == fast_plan, promo.rejected
-    assert promo.rejected == [(composite.hash, "verification failed: quality: bad impl in ['fusion folded_norm']")]
-    fallback = [r for r in led.experiments(kind="benchmark") if r.plan_hash == fast_plan.hash][0]
-    assert fallback.note == "composite without folded_norm, lm_head_argmax (it failed verification)"
+    note = _promoted_fallback(url, led, Candidate(plan=composite, agent="t", note="composite"), fast_plan,
+                              "fusion folded_norm")
+    assert note == "composite without folded_norm, lm_head_argmax (it failed verification)"
     # a baseline that has the fusion keeps it in the fallback; a plan with no fusions of its own has none
     from anneal.agents.promotion import without_own_fusions
 
@@ -172,18 +180,12 @@ def test_a_candidate_on_fp8_weights_that_fails_verification_is_retried_on_bf16(t
     fp8_plan = fast_plan.with_ops(o_proj=OpChoice(impl="triton_gemv_fp8", params={"block_k": 256}))
     assert without_fp8_weights(Candidate(plan=fp8_plan, agent="t")).plan == fast_plan
     assert without_fp8_weights(Candidate(plan=fast_plan, agent="t")) is None
-    spec = BenchSpec(mode="workload", num_requests=4, repeats=3)
     _, url = fakes(noise=0.0, bad_impls=("triton_gemv_fp8",),
                    extra_variants={"o_proj": {"reference": {}, "triton_gemv_splitk": {"block_k": [128, 256]},
                                               "triton_gemv_fp8": {"block_k": [128, 256]}}})
     led = Ledger(tmp_path / "q.sqlite")
-    with EngineClient(url, "tok") as slow:
-        promo = promote(Lab(ledger=led, engines={"slow": slow}), [Candidate(plan=fp8_plan, agent="t", note="fp8")],
-                        Plan(), spec)
-    assert not promo.is_baseline and promo.winner == fast_plan, promo.rejected
-    assert promo.rejected == [(fp8_plan.hash, "verification failed: quality: bad impl in ['o_proj']")]
-    fallback = [r for r in led.experiments(kind="benchmark") if r.plan_hash == fast_plan.hash][0]
-    assert fallback.note == "fp8 without fp8 weights (it failed verification)"
+    note = _promoted_fallback(url, led, Candidate(plan=fp8_plan, agent="t", note="fp8"), fast_plan, "o_proj")
+    assert note == "fp8 without fp8 weights (it failed verification)"
     led.close()
 
 
