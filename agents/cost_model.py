@@ -197,6 +197,17 @@ def projection_weight_elems(shape: ModelShape, op: str, tp: int) -> float:
             "down_proj": H * I / tp}[op]
 
 
+def fp8_costs(costs: dict[str, OpCost], shape: ModelShape, fp8_ops, tp: int) -> dict[str, OpCost]:
+    """``costs`` with the W of each projection in ``fp8_ops`` read as e4m3: one byte an element."""
+    out = dict(costs)
+    for op in fp8_ops:
+        if op in out:
+            c = out[op]
+            cut = (shape.dtype_bytes - 1) * projection_weight_elems(shape, op, tp)
+            out[op] = OpCost(bytes=max(0.0, c.bytes - cut), flops=c.flops, launches=c.launches)
+    return out
+
+
 def _costs(shape: ModelShape, tokens: float, rows: float, keys: float, tp: int) -> dict[str, OpCost]:
     """``tokens`` through the layers, ``rows`` sequences, each attending ``keys`` positions (floats:
     a replay's mean batch and context give its decode steps' summed bytes exactly)."""
@@ -375,11 +386,7 @@ class CostModel:
             graphs = bucket is not None
             if graphs:
                 costs = padded_costs(costs, self.shape, bucket, tp)
-        for op in fp8_projections(plan):  # their W streams as e4m3: one byte an element (+ a scale a row)
-            if op in costs:
-                elems = projection_weight_elems(self.shape, op, tp)
-                costs[op] = OpCost(bytes=max(0.0, costs[op].bytes - (self.shape.dtype_bytes - 1) * elems),
-                                   flops=costs[op].flops, launches=costs[op].launches)
+        costs = fp8_costs(costs, self.shape, fp8_projections(plan), tp)
         out = {}
         for op, cost in costs.items():
             n = layers if op in PER_LAYER_OPS else 1
@@ -510,11 +517,7 @@ class CostModel:
         reading less or computing less. A decode step: ``tokens == rows``. ``fp8_ops``: projections
         whose W a plan reads as e4m3 (``plan.fp8_projections``), one byte a weight."""
         layers = self.layers or self.shape.num_layers
-        costs = _costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1)
-        for op in fp8_ops:
-            c = costs[op]
-            costs[op] = OpCost(c.bytes - (self.shape.dtype_bytes - 1) * projection_weight_elems(self.shape, op, 1),
-                               c.flops)
+        costs = fp8_costs(_costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1), self.shape, fp8_ops, 1)
         return sum(self.roofline_ms(OpCost(c.bytes, c.flops, launches=0)) * (layers if op in PER_LAYER_OPS else 1)
                    for op, c in costs.items())
 

@@ -46,7 +46,8 @@ def quantize(w: torch.Tensor) -> Fp8Weight:
 
 
 def dequantized(q: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
-    """``data * scale`` rounded to ``dtype``: the weight a dense GEMM multiplies (prefill rows)."""
+    """``data * scale`` rounded to ``dtype``: the weight the fp8 GEMV stands for, as a dense tensor
+    (the tests run the bf16 kernels and the reference plan on it)."""
     return (q.data.float() * q.scale[:, None]).to(dtype)
 
 

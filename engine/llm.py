@@ -468,10 +468,10 @@ class Engine:
         # What the plan does not use goes first: on an H100 an 8B's fp8 copies left by the previous
         # plan made the next one's folded weights not fit (session 43).
         fp8 = {FP8_WEIGHT_FIELDS[p] for p in fp8_projections(plan)}
-        freed = set_fp8_copies(self.weights, fp8, make=False)
+        freed = set_fp8_copies(self.weights, fp8, make=False) > 0
         if "folded_norm" not in plan.fusions and self.weights.folded is not None:
             self.weights.folded = None
-            freed += 1
+            freed = True
         if freed and self.device.type == "cuda":
             torch.cuda.empty_cache()
         if "folded_norm" in plan.fusions:

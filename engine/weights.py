@@ -76,15 +76,7 @@ def fold_norms(w: Weights) -> list[FoldedLayer]:
     the weights' dtype. Never inside a CUDA-graph capture: the graph would replay the folding."""
     with _FOLD_LOCK:
         if w.folded is None:
-            dev = w.embed.device
-            if dev.type == "cuda":
-                if torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError("folded_norm: the folded weights must be made before a CUDA-graph capture")
-                free, _ = torch.cuda.mem_get_info(dev)
-                free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-                short = fold_shortfall(folded_bytes(w), free)
-                if short:
-                    raise FoldError(short)
+            _check_room(w.embed.device, folded_bytes(w), "folded_norm: the folded weights")
             w.folded = [FoldedLayer(qkv=L.qkv * L.input_norm, gate_up=L.gate_up * L.post_norm) for L in w.layers]
         return w.folded
 
@@ -99,8 +91,9 @@ def set_fp8_copies(w: Weights, fields: set[str], make: bool = True) -> int:
     attribute names) and, with ``make``, make those named that do not exist yet, after checking the
     device has room beside the KV cache (engine/fp8_weights.py). Returns the bytes dropped."""
     from anneal.engine import fp8_weights
+    from anneal.engine.plan import FP8_WEIGHT_FIELDS
 
-    every = ("qkv", "o", "gate_up", "down")
+    every = tuple(FP8_WEIGHT_FIELDS.values())
     unknown = set(fields) - set(every)
     if unknown:
         raise ValueError(f"fp8 copies: unknown projections {sorted(unknown)}")
@@ -108,21 +101,30 @@ def set_fp8_copies(w: Weights, fields: set[str], make: bool = True) -> int:
     if not make:
         return freed
     missing = [getattr(L, f) for L in w.layers for f in every if f in fields and not fp8_weights.has_fp8(getattr(L, f))]
-    if missing and w.embed.device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fp8 weights: the copies must be made before a CUDA-graph capture")
-        free, _ = torch.cuda.mem_get_info(w.embed.device)
-        free += torch.cuda.memory_reserved(w.embed.device) - torch.cuda.memory_allocated(w.embed.device)
-        short = fold_shortfall(sum(fp8_weights.fp8_bytes(t) for t in missing), free, what="the fp8 weights need",
-                               copies="their e4m3 copies", plan="fp8 projections")
-        if short:
-            raise FoldError(short)
+    if missing:
+        _check_room(w.embed.device, sum(fp8_weights.fp8_bytes(t) for t in missing), "fp8 weights: the copies",
+                    what="the fp8 weights need", copies="their e4m3 copies", plan="fp8 projections")
     for t in missing:
         fp8_weights.fp8_of(t)
     return freed
 
 
 FOLD_HEADROOM = 2 * 2**30  # what the engine keeps for activations and graphs beside its KV cache
+
+
+def _check_room(dev: torch.device, need: int, name: str, **say: str) -> None:
+    """Before a plan's second copy of weights (``need`` bytes) is made on a GPU: never inside a
+    CUDA-graph capture (the graph would replay making it), and only with room beside the KV cache
+    (FoldError, with ``fold_shortfall``'s reason; ``say``: its wording)."""
+    if dev.type != "cuda":
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{name} must be made before a CUDA-graph capture")
+    free, _ = torch.cuda.mem_get_info(dev)
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    short = fold_shortfall(need, free, **say)
+    if short:
+        raise FoldError(short)
 
 
 def fold_shortfall(need: int, free: int, what: str = "folded_norm needs", copies: str = "its folded weights",
