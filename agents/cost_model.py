@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import COLLECTIVES, Plan, fp8_projections, token_graph_size
+from anneal.engine.plan import COLLECTIVES, Plan, token_graph_size, weight_copies
 from anneal.agents.types import BenchSpec, EngineState, HardwareSpec, Measurement, ModelShape, Prediction
 
 # Data-sheet numbers (dense bf16; per-direction NVLink per GPU). Microbenchmarks override bandwidth
@@ -197,13 +197,17 @@ def projection_weight_elems(shape: ModelShape, op: str, tp: int) -> float:
             "down_proj": H * I / tp}[op]
 
 
-def fp8_costs(costs: dict[str, OpCost], shape: ModelShape, fp8_ops, tp: int) -> dict[str, OpCost]:
-    """``costs`` with the W of each projection in ``fp8_ops`` read as e4m3: one byte an element."""
+COPY_BYTES = {"fp8": 1.0, "bf12": 1.5}  # bytes a weight of each second-copy format (engine/weight_copies.py)
+
+
+def copy_costs(costs: dict[str, OpCost], shape: ModelShape, copies: dict[str, str], tp: int) -> dict[str, OpCost]:
+    """``costs`` with the W of each projection in ``copies`` (op -> format, ``plan.weight_copies``)
+    read from that copy: one byte an element as e4m3, 1.5 as bf12."""
     out = dict(costs)
-    for op in fp8_ops:
+    for op, fmt in copies.items():
         if op in out:
             c = out[op]
-            cut = (shape.dtype_bytes - 1) * projection_weight_elems(shape, op, tp)
+            cut = (shape.dtype_bytes - COPY_BYTES[fmt]) * projection_weight_elems(shape, op, tp)
             out[op] = OpCost(bytes=max(0.0, c.bytes - cut), flops=c.flops, launches=c.launches)
     return out
 
@@ -386,7 +390,7 @@ class CostModel:
             graphs = bucket is not None
             if graphs:
                 costs = padded_costs(costs, self.shape, bucket, tp)
-        costs = fp8_costs(costs, self.shape, fp8_projections(plan), tp)
+        costs = copy_costs(costs, self.shape, weight_copies(plan), tp)
         out = {}
         for op, cost in costs.items():
             n = layers if op in PER_LAYER_OPS else 1
@@ -510,14 +514,14 @@ class CostModel:
         scale = self.shape.num_layers / self.layers if per_layer and self.layers else 1.0
         return 1.0 + (ms - base_ms) * scale / self.whole_model_ms(base, spec, base_ms)
 
-    def roofline_step_ms(self, tokens: float, rows: float, keys: float, fp8_ops: tuple[str, ...] = ()) -> float:
+    def roofline_step_ms(self, tokens: float, rows: float, keys: float, copies: dict[str, str] | None = None) -> float:
         """One step of ``tokens`` from ``rows`` sequences, each token attending ``keys`` positions,
         at the roofline alone: every op at the larger of its bytes / copy bandwidth and FLOPs /
         matmul rate, no launch cost, no fitted correction. What no plan's kernels can beat without
-        reading less or computing less. A decode step: ``tokens == rows``. ``fp8_ops``: projections
-        whose W a plan reads as e4m3 (``plan.fp8_projections``), one byte a weight."""
+        reading less or computing less. A decode step: ``tokens == rows``. ``copies``: projections
+        whose W a plan reads from a smaller copy (``plan.weight_copies``: op -> format)."""
         layers = self.layers or self.shape.num_layers
-        costs = fp8_costs(_costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1), self.shape, fp8_ops, 1)
+        costs = copy_costs(_costs(self.shape, tokens=tokens, rows=rows, keys=keys, tp=1), self.shape, copies or {}, 1)
         return sum(self.roofline_ms(OpCost(c.bytes, c.flops, launches=0)) * (layers if op in PER_LAYER_OPS else 1)
                    for op, c in costs.items())
 
@@ -793,15 +797,15 @@ def replay_headroom(split: dict[str, float], model: CostModel,
     with speculative decoding: the decode tokens in ``tokens_per_step`` times fewer steps, each a
     verify step at the roofline computing ``1 + drafted_per_step`` rows a sequence (``spec_bound``).
 
-    ``plan``: the replayed plan, so its fp8 projections' decode steps are held to the roofline of the
+    ``plan``: the replayed plan, so the decode steps of its projections on fp8 / bf12 copies are held to the roofline of the
     bytes they read (prompt steps run the bf16 weights); without it every W counts as bf16."""
     need = ("total_ms", "decode_ms", "decode_steps", "decode_mean_batch", "decode_mean_context",
             "prefill_ms", "prefill_steps", "tokens_in_prefill_steps", "prefill_mean_rows", "prefill_mean_context")
     if not split or any(k not in split for k in need) or not split["decode_steps"]:
         return None
     rows = split["decode_mean_batch"]
-    fp8 = tuple(fp8_projections(plan)) if plan is not None else ()
-    decode = model.roofline_step_ms(rows, rows, split["decode_mean_context"], fp8)
+    copies = weight_copies(plan) if plan is not None else {}
+    decode = model.roofline_step_ms(rows, rows, split["decode_mean_context"], copies)
     prefill = 0.0
     if split["prefill_steps"]:
         per_step = split["tokens_in_prefill_steps"] / split["prefill_steps"]
@@ -815,7 +819,7 @@ def replay_headroom(split: dict[str, float], model: CostModel,
     if speculation and speculation.get("verify_steps"):
         per_step = speculation["tokens_per_step"]
         verify = model.roofline_step_ms(rows * (1 + speculation["drafted_per_step"]), rows,
-                                        split["decode_mean_context"], fp8)
+                                        split["decode_mean_context"], copies)
         spec = prefill + split["decode_steps"] / per_step * verify
         out.update(spec_tokens_per_step=per_step, spec_verify_roofline_ms=verify, spec_bound_ms=spec,
                    spec_bound=split["total_ms"] / spec if spec > 0 else math.inf)

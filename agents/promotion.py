@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import Gain, OpChoice, Plan, fp8_projections
+from anneal.engine.plan import Gain, OpChoice, Plan, weight_copies
 from anneal.agents.lab import Lab
 from anneal.agents.scheduler_tuner import score
 from anneal.agents.types import BenchSpec, Candidate, Experiment, LatencyObjective, Measurement, VerifyReport
@@ -145,12 +145,12 @@ def promote(
         if rep.passed:
             return rep
         rejected.append((cand.hash, f"verification failed: {rep.reason()}"))
-        # fp8 weights are the likeliest cause where the plan has them (lossy by design: on the
-        # random 8B they fail quality, session 43), else its fusions (a fused kernel rounds
+        # fp8 (or bf12) weights are the likeliest cause where the plan has them (fp8 is lossy by
+        # design: on the random 8B it fails quality, session 43), else its fusions (a fused kernel rounds
         # differently; on the H200's 8B in bf16 folded_norm failed quality inside a composite that
         # replayed x1.21, and the compile kept the baseline): the same plan without them is measured
         # and ranked too.
-        fallback = without_fp8_weights(cand) or without_own_fusions(cand, baseline)
+        fallback = without_weight_copies(cand) or without_own_fusions(cand, baseline)
         if fallback is not None and fallback.hash not in tried and time.monotonic() <= deadline:
             tried.add(fallback.hash)
             entry = measured(fallback)
@@ -281,18 +281,19 @@ def _over_latency_bounds(bound: LatencyObjective, paired_bounds: set[str], slack
     return None
 
 
-def without_fp8_weights(cand: Candidate) -> Candidate | None:
-    """``cand``'s plan with its fp8 projections back on the bf16 GEMV, same tiles (None when it has
-    none): what promotion measures next when the candidate fails verification. Without it, a
-    ``--fp8-weights`` compile on weights that do not survive e4m3 keeps the baseline whenever its
-    best candidates all read fp8 weights."""
-    fp8 = fp8_projections(cand.plan)
-    if not fp8:
+def without_weight_copies(cand: Candidate) -> Candidate | None:
+    """``cand``'s plan with its projections on fp8 / bf12 copies back on the bf16 GEMV, same tiles
+    (None when it has none): what promotion measures next when the candidate fails verification.
+    Without it, a ``--fp8-weights`` compile on weights that do not survive e4m3 keeps the baseline
+    whenever its best candidates all read fp8 weights."""
+    copies = weight_copies(cand.plan)
+    if not copies:
         return None
-    ops = {op: OpChoice(impl="triton_gemv_splitk", params=dict(cand.plan.choice(op).params)) for op in fp8}
+    ops = {op: OpChoice(impl="triton_gemv_splitk", params=dict(cand.plan.choice(op).params)) for op in copies}
     plan = cand.plan.with_ops(**ops).model_copy(update={"name": None})
+    formats = "/".join(sorted(set(copies.values())))
     return Candidate(plan=plan, agent=cand.agent, parent=cand.hash,
-                     note=f"{cand.note} without fp8 weights (it failed verification)".strip())
+                     note=f"{cand.note} without {formats} weights (it failed verification)".strip())
 
 
 def without_own_fusions(cand: Candidate, baseline: Plan) -> Candidate | None:

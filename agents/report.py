@@ -171,7 +171,7 @@ def headroom_table(base: list[Measurement], win: list[Measurement], model: CostM
     """Report lines: how far each replay's decode steps are from the bandwidth roofline, and the
     most any plan that keeps the tokens could gain on this workload (``replay_headroom``). Says
     whether a gain target is still open, or only reachable by reading fewer bytes per token.
-    ``plans``: the baseline and the winner (their fp8 projections' rooflines count e4m3 bytes)."""
+    ``plans``: the baseline and the winner (the rooflines of their projections on fp8 / bf12 copies count those bytes)."""
     def med(ms: list[Measurement], plan: Plan | None) -> dict[str, float] | None:
         rows = [h for m in ms if (h := replay_headroom(m.time_split or {}, model, m.speculation, plan)) is not None]
         return {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]} if rows else None

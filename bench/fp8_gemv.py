@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""How fast does the decode GEMV stream a projection's weight-only fp8 copy, against the same GEMV
-on the bf16 weight and cuBLAS? An experiment for issues 4 and 5 (engine/fp8_weights.py).
+"""How fast does the decode GEMV stream a projection's weight-only fp8 copy, or its bf12 copy, against
+the same GEMV on the bf16 weight and cuBLAS? An experiment for issues 4 and 5 (engine/fp8_weights.py,
+engine/bf12_weights.py).
 
 Why: a decode step at small batch is W's bytes over the copy bandwidth; e4m3 halves W. The step
 can only gain what the kernel keeps of that: if it streams fp8 at the share of the copy roofline
@@ -13,6 +14,10 @@ CUDA events (``common.time_graph``), median of --reps. Reported: µs of the best
 its share of the copy roofline for the bytes it must read (fp8: 1 byte an element + a float per
 row), the fp8 GEMV's ratio to the best bf16 one, and its largest error against
 ``fp8_weights.reference_linear``.
+
+Session 44 adds bf12 (1.5 bytes a weight, near-lossless; the dot path only) and num_stages 4.
+Prediction for bf12: 0.78-0.85x the bf16 GEMV's time on the 8B's projections (its roofline is 0.75x;
+the decode of the exponent codes is integer work hidden under the loads).
 
 Prediction: fp8 at 0.55-0.65x the bf16 GEMV's time for the large projections (gate_up, down of the
 8B: more bytes in flight are needed per program, so the best fp8 configs take block_k 256-512),
@@ -43,6 +48,9 @@ CONFIGS = [
     {"block_n": 32, "block_k": 256, "reduce": "ticket"},
     {"block_n": 128, "block_k": 128, "reduce": "ticket"},
     {"block_k": 512, "reduce": "ticket", "num_warps": 8},
+    {"num_stages": 4, "reduce": "ticket"},
+    {"block_k": 256, "num_stages": 4, "reduce": "ticket"},
+    {"block_n": 32, "block_k": 256, "num_stages": 4, "reduce": "ticket"},
 ]
 M1_CONFIGS = [  # a single row: the register-FMA path too
     {"m1": "fma", "reduce": "ticket"},
@@ -60,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from anneal.engine import bf12_weights as b12
     from anneal.engine import fp8_weights as f8
     from anneal.engine.ops.registry import build_op
 
@@ -67,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         x, w = torch.randn(3, 96), torch.randn(40, 96)
         got = build_op("o_proj", "triton_gemv_fp8", {"max_m": 0, "block_k": 64})(x, w)
         ok = torch.allclose(got, f8.reference_linear(x, f8.fp8_of(w)), rtol=1e-4, atol=1e-4)
-        return 0 if premise_holds("the fp8 GEMV computes its reference", ok, "the fp8 GEMV is wrong") else 1
+        xb, wb = x.bfloat16(), w.bfloat16()
+        got = build_op("o_proj", "triton_gemv_bf12", {"max_m": 0, "block_k": 64})(xb, wb)
+        ok = ok and torch.allclose(got.float(), b12.reference_linear(xb, b12.bf12_of(wb)).float(), rtol=2e-2, atol=2e-2)
+        return 0 if premise_holds("the fp8 and bf12 GEMVs compute their references", ok, "a copy's GEMV is wrong") else 1
     bw = copy_bandwidth_gbps()
     rows = []
     for model in args.models.split(","):
@@ -80,16 +92,19 @@ def main(argv: list[str] | None = None) -> int:
                   for _ in range(copies)]
             for w in ws:
                 f8.fp8_of(w)
+                b12.bf12_of(w)
             for m in (int(r) for r in args.rows.split(",")):
                 xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(copies)]
                 act = m * (n + k) * 2
-                floor = {"bf16": (n * k * 2 + act) / (bw * 1e9) * 1e6, "fp8": (n * k + 4 * n + act) / (bw * 1e9) * 1e6}
+                floor = {fmt: (b + act) / (bw * 1e9) * 1e6
+                         for fmt, b in (("bf16", n * k * 2), ("fp8", n * k + 4 * n), ("bf12", n * k * 3 // 2 + 4 * n))}
                 row = {"model": model, "op": op, "m": m, "n": n, "k": k,
-                       "floor_bf16_us": round(floor["bf16"], 2), "floor_fp8_us": round(floor["fp8"], 2)}
+                       **{f"floor_{fmt}_us": round(f, 2) for fmt, f in floor.items()}}
                 row["cublas_us"] = round(time_graph(lambda i: F.linear(xs[i], ws[i]), copies, args.reps), 2)
-                for fmt, impl in (("bf16", "triton_gemv_splitk"), ("fp8", "triton_gemv_fp8")):
+                for fmt, impl in (("bf16", "triton_gemv_splitk"), ("fp8", "triton_gemv_fp8"),
+                                  ("bf12", "triton_gemv_bf12")):
                     best = None
-                    for cfg in CONFIGS + (M1_CONFIGS if m == 1 else []):
+                    for cfg in CONFIGS + (M1_CONFIGS if m == 1 and fmt != "bf12" else []):
                         try:
                             fn = build_op(f"{op}_proj", impl, {"max_m": 0, **cfg})
                             us = time_graph(lambda i: fn(xs[i], ws[i]), copies, args.reps)
@@ -105,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"{fmt}_us"] = round(us, 2)
                     row[f"{fmt}_of_roofline"] = round(floor[fmt] / us, 3)
                     row[f"{fmt}_config"] = cfg
-                    if fmt == "fp8":
-                        ref = f8.reference_linear(xs[0], f8.fp8_of(ws[0])).float()
-                        row["fp8_max_rel_err"] = float(((fn(xs[0], ws[0]).float() - ref).abs().max()
-                                                        / ref.abs().max()).item())
-                if "bf16_us" in row and "fp8_us" in row:
-                    row["fp8_vs_bf16"] = round(row["fp8_us"] / row["bf16_us"], 3)
+                    if fmt != "bf16":
+                        ref = (f8.reference_linear(xs[0], f8.fp8_of(ws[0])) if fmt == "fp8"
+                               else b12.reference_linear(xs[0], b12.bf12_of(ws[0]))).float()
+                        row[f"{fmt}_max_rel_err"] = float(((fn(xs[0], ws[0]).float() - ref).abs().max()
+                                                           / ref.abs().max()).item())
+                    if fmt != "bf16" and "bf16_us" in row:
+                        row[f"{fmt}_vs_bf16"] = round(row[f"{fmt}_us"] / row["bf16_us"], 3)
+                row["bf12_flushed"] = b12.bf12_of(ws[0]).flushed
                 print(row, flush=True)
                 rows.append(row)
             del ws

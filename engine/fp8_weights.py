@@ -9,23 +9,19 @@ do; on random weights, whose logits are near ties, they do not: bench/NOTES.md, 
 Only decode-sized row counts read it: above the variant's ``max_m`` rows (prompt steps, bound by
 compute, where e4m3 would save nothing) the bf16 weight, still held, goes through torch's GEMM.
 
-The copy hangs on the bf16 tensor it was made from (made on first use, outside any CUDA-graph
-capture, or before the KV cache is sized when the engine starts on such a plan), so every op and
-fusion that is handed the weight finds it, and it lives no longer than that weight; the engine
-drops the copies when it applies a plan that uses none (``drop``).
+The copy hangs on the bf16 tensor it was made from (engine/weight_copies.py, format ``"fp8"``).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Iterable, NamedTuple
 
 import torch
 
+from anneal.engine import weight_copies
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
-_ATTR = "_anneal_fp8"
-_LOCK = threading.Lock()  # the engine thread and compile-ahead passes may ask at once
 
 
 class Fp8Weight(NamedTuple):
@@ -57,37 +53,23 @@ def reference_linear(x: torch.Tensor, q: Fp8Weight) -> torch.Tensor:
     return ((x.float() @ q.data.float().T) * q.scale).to(x.dtype)
 
 
+def fp8_bytes(w: torch.Tensor) -> int:
+    """Bytes ``w``'s e4m3 copy holds (or would hold): one per element plus a float32 per row."""
+    return w.numel() + 4 * w.shape[0]
+
+
+weight_copies.register("fp8", quantize, fp8_bytes)
+
+
 def fp8_of(w: torch.Tensor) -> Fp8Weight:
-    """``w``'s e4m3 copy, made on first use and kept on ``w``. Never inside a CUDA-graph capture:
-    the graph would replay the quantization every step."""
-    q = getattr(w, _ATTR, None)
-    if q is not None:
-        return q
-    with _LOCK:
-        q = getattr(w, _ATTR, None)
-        if q is None:
-            if w.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("fp8 weights must be made before a CUDA-graph capture (warm the plan up first)")
-            q = quantize(w)
-            setattr(w, _ATTR, q)
-    return q
+    """``w``'s e4m3 copy, made on first use and kept on ``w`` (never inside a CUDA-graph capture)."""
+    return weight_copies.copy_of(w, "fp8")
 
 
 def has_fp8(w: torch.Tensor) -> bool:
-    return getattr(w, _ATTR, None) is not None
+    return weight_copies.has_copy(w, "fp8")
 
 
 def drop(tensors: Iterable[torch.Tensor]) -> int:
     """Forget the e4m3 copies of ``tensors``; the bytes given back."""
-    freed = 0
-    for t in tensors:
-        q = getattr(t, _ATTR, None)
-        if q is not None:
-            freed += fp8_bytes(t)
-            delattr(t, _ATTR)
-    return freed
-
-
-def fp8_bytes(w: torch.Tensor) -> int:
-    """Bytes ``w``'s e4m3 copy holds (or would hold): one per element plus a float32 per row."""
-    return w.numel() + 4 * w.shape[0]
+    return weight_copies.drop(tensors, "fp8")

@@ -20,7 +20,7 @@ from anneal.engine.compile_ahead import CompileAhead
 from anneal.engine.overlap import OverlapStepper
 from anneal.engine.config import ModelConfig
 from anneal.engine.op_table import OpTable
-from anneal.engine.plan import FP8_WEIGHT_FIELDS, Plan, check_parallelism, fp8_projections, inert_fusions
+from anneal.engine.plan import WEIGHT_FIELDS, Plan, check_parallelism, inert_fusions, weight_copies
 from anneal.engine.runner import ModelRunner
 from anneal.engine.sampling_params import SamplingParams
 from anneal.engine.scheduler import Scheduler
@@ -28,7 +28,7 @@ from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
 from anneal.engine.speculation import Speculator
 from anneal.engine.tensor_parallel import TensorParallel, rank_device, shard_config, shard_weights
 from anneal.engine.tp_workers import Workers, free_address
-from anneal.engine.weights import DTYPES, fold_norms, load_weights, resolve_config, set_fp8_copies
+from anneal.engine.weights import DTYPES, fold_norms, load_weights, resolve_config, set_weight_copies
 
 
 class EngineArgs(BaseModel):
@@ -460,15 +460,15 @@ class Engine:
         )
 
     def _set_weight_copies(self, plan: Plan) -> None:
-        """The second copies of weights ``plan`` needs (``folded_norm``'s folded weights, the fp8
-        projections' e4m3 copies), made before its capture (a graph must not replay making them),
+        """The second copies of weights ``plan`` needs (``folded_norm``'s folded weights, the
+        projections' fp8 or bf12 copies), made before its capture (a graph must not replay making them),
         or given back before it when it needs none: on an 8B they are 9 GB and 7 GB, which the
         capture of the next plan may need. An H200 compile (session 19) lost its slow tier to
         out-of-memory errors because a candidate's folded weights outlived it."""
         # What the plan does not use goes first: on an H100 an 8B's fp8 copies left by the previous
         # plan made the next one's folded weights not fit (session 43).
-        fp8 = {FP8_WEIGHT_FIELDS[p] for p in fp8_projections(plan)}
-        freed = set_fp8_copies(self.weights, fp8, make=False) > 0
+        copies = {WEIGHT_FIELDS[p]: fmt for p, fmt in weight_copies(plan).items()}
+        freed = set_weight_copies(self.weights, copies, make=False) > 0
         if "folded_norm" not in plan.fusions and self.weights.folded is not None:
             self.weights.folded = None
             freed = True
@@ -476,7 +476,7 @@ class Engine:
             torch.cuda.empty_cache()
         if "folded_norm" in plan.fusions:
             fold_norms(self.weights)
-        set_fp8_copies(self.weights, fp8)
+        set_weight_copies(self.weights, copies)
 
     # ---- offline ----------------------------------------------------------------------------------
 

@@ -114,27 +114,37 @@ GEMV_FUSION_PROJECTIONS = {
 }
 
 
-# Weight-only fp8 (engine/fp8_weights.py): the GEMV variant that streams a projection's e4m3 copy.
-# Lossy by design, so the search proposes it only when asked to (``CandidateSpace(fp8_weights=...)``).
+# Second copies of the layers' projection weights (engine/weight_copies.py) and the GEMV variants
+# that stream them: weight-only fp8 (engine/fp8_weights.py; lossy by design, so the search proposes
+# it only when asked to: ``CandidateSpace(fp8_weights=...)``) and bf12 (engine/bf12_weights.py: bf16
+# in 12 bits, every weight kept but a few in ten thousand below 2^-14 of their row's largest).
 FP8_WEIGHT_IMPL = "triton_gemv_fp8"
-FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the layers' projections; lm_head stays
-FP8_WEIGHT_FIELDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
+BF12_WEIGHT_IMPL = "triton_gemv_bf12"
+WEIGHT_COPY_IMPLS = {FP8_WEIGHT_IMPL: "fp8", BF12_WEIGHT_IMPL: "bf12"}  # variant -> the copy's format
+COPY_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the layers' projections; lm_head stays
+WEIGHT_FIELDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
+
+
+def weight_copies(plan: "Plan") -> dict[str, str]:
+    """The projections ``plan`` runs on a second copy of their weight, and each copy's format."""
+    return {p: WEIGHT_COPY_IMPLS[plan.choice(p).impl] for p in COPY_PROJECTIONS
+            if plan.choice(p).impl in WEIGHT_COPY_IMPLS}
 
 
 def fp8_projections(plan: "Plan") -> list[str]:
     """The projections ``plan`` runs on their fp8 copies."""
-    return [p for p in FP8_PROJECTIONS if plan.choice(p).impl == FP8_WEIGHT_IMPL]
+    return [p for p, fmt in weight_copies(plan).items() if fmt == "fp8"]
 
 
 def fused_gemv_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The GEMV kernel params a fusion takes from its projection's choice (the projection's own when
-    it is the Triton GEMV, fp8 or not, else the GEMV's defaults), and the row count above which the
-    unfused ops run instead (prefill)."""
-    if impl not in ("triton_gemv_splitk", FP8_WEIGHT_IMPL):
+    it is the Triton GEMV, on a weight copy or not, else the GEMV's defaults), and the row count
+    above which the unfused ops run instead (prefill)."""
+    if impl != "triton_gemv_splitk" and impl not in WEIGHT_COPY_IMPLS:
         return {}, GEMV_MAX_M
     p = dict(params)
-    if impl == FP8_WEIGHT_IMPL:
-        p["fp8"] = True  # the fused GEMV streams the same e4m3 copy the projection does
+    if impl in WEIGHT_COPY_IMPLS:
+        p["weights"] = WEIGHT_COPY_IMPLS[impl]  # the fused GEMV streams the same copy the projection does
     return p, p.pop("max_m", GEMV_MAX_M) or 1 << 30
 
 

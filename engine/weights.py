@@ -82,30 +82,34 @@ def fold_norms(w: Weights) -> list[FoldedLayer]:
 
 
 class FoldError(ValueError):
-    """The device has no room for a plan's second copy of weights (folded, or fp8): the plan is
+    """The device has no room for a plan's second copy of weights (folded, fp8 or bf12): the plan is
     refused, nothing changes."""
 
 
-def set_fp8_copies(w: Weights, fields: set[str], make: bool = True) -> int:
-    """Drop the e4m3 copies of the layers' projections not named in ``fields`` (``LayerWeights``
-    attribute names) and, with ``make``, make those named that do not exist yet, after checking the
-    device has room beside the KV cache (engine/fp8_weights.py). Returns the bytes dropped."""
-    from anneal.engine import fp8_weights
-    from anneal.engine.plan import FP8_WEIGHT_FIELDS
+def set_weight_copies(w: Weights, wanted: dict[str, str], make: bool = True) -> int:
+    """Drop every second copy of the layers' projections other than those ``wanted`` (``LayerWeights``
+    attribute name -> format, engine/weight_copies.py) and, with ``make``, make the wanted ones that
+    do not exist yet, after checking the device has room beside the KV cache. Returns the bytes
+    dropped."""
+    from anneal.engine import bf12_weights, fp8_weights, weight_copies  # noqa: F401 (they register their formats)
+    from anneal.engine.plan import WEIGHT_COPY_IMPLS, WEIGHT_FIELDS
 
-    every = tuple(FP8_WEIGHT_FIELDS.values())
-    unknown = set(fields) - set(every)
-    if unknown:
-        raise ValueError(f"fp8 copies: unknown projections {sorted(unknown)}")
-    freed = fp8_weights.drop(getattr(L, f) for L in w.layers for f in every if f not in fields)
+    every, formats = tuple(WEIGHT_FIELDS.values()), sorted(set(WEIGHT_COPY_IMPLS.values()))
+    unknown = set(wanted) - set(every)
+    if unknown or set(wanted.values()) - set(formats):
+        raise ValueError(f"weight copies: unknown projections {sorted(unknown)} or formats {sorted(set(wanted.values()))}")
+    freed = sum(weight_copies.drop((getattr(L, f) for L in w.layers for f in every if wanted.get(f) != fmt), fmt)
+                for fmt in formats)
     if not make:
         return freed
-    missing = [getattr(L, f) for L in w.layers for f in every if f in fields and not fp8_weights.has_fp8(getattr(L, f))]
+    missing = [(getattr(L, f), fmt) for L in w.layers for f, fmt in wanted.items()
+               if not weight_copies.has_copy(getattr(L, f), fmt)]
     if missing:
-        _check_room(w.embed.device, sum(fp8_weights.fp8_bytes(t) for t in missing), "fp8 weights: the copies",
-                    what="the fp8 weights need", copies="their e4m3 copies", plan="fp8 projections")
-    for t in missing:
-        fp8_weights.fp8_of(t)
+        _check_room(w.embed.device, sum(weight_copies.copy_bytes(t, fmt) for t, fmt in missing),
+                    "weight copies: the copies", what="the weight copies need",
+                    copies=f"their {'/'.join(sorted({fmt for _, fmt in missing}))} copies", plan="those projections")
+    for t, fmt in missing:
+        weight_copies.copy_of(t, fmt)
     return freed
 
 

@@ -172,14 +172,17 @@ def test_a_candidate_on_fp8_weights_that_fails_verification_is_retried_on_bf16(t
     """Session 43: on the random 8B the fp8 plan replayed x1.44 and failed quality (0.51 against
     0.08). A --fp8-weights compile whose best candidates all read fp8 weights would keep the
     baseline; promotion now measures the same plan on the bf16 GEMV next."""
-    from anneal.agents.promotion import without_fp8_weights
+    from anneal.agents.promotion import without_weight_copies
     from anneal.engine.plan import OpChoice, Plan
 
     fast_plan = Plan().with_ops(attention_decode=OpChoice(impl="splitk", params={"split_k": 4}),
                                 o_proj=OpChoice(impl="triton_gemv_splitk", params={"block_k": 256}))
     fp8_plan = fast_plan.with_ops(o_proj=OpChoice(impl="triton_gemv_fp8", params={"block_k": 256}))
-    assert without_fp8_weights(Candidate(plan=fp8_plan, agent="t")).plan == fast_plan
-    assert without_fp8_weights(Candidate(plan=fast_plan, agent="t")) is None
+    assert without_weight_copies(Candidate(plan=fp8_plan, agent="t")).plan == fast_plan
+    assert without_weight_copies(Candidate(plan=fast_plan, agent="t")) is None
+    bf12 = without_weight_copies(Candidate(plan=fast_plan.with_ops(o_proj=OpChoice(impl="triton_gemv_bf12", params={
+        "block_k": 256})), agent="t", note="bf12"))
+    assert bf12.plan == fast_plan and bf12.note == "bf12 without bf12 weights (it failed verification)"
     _, url = fakes(noise=0.0, bad_impls=("triton_gemv_fp8",),
                    extra_variants={"o_proj": {"reference": {}, "triton_gemv_splitk": {"block_k": [128, 256]},
                                               "triton_gemv_fp8": {"block_k": [128, 256]}}})

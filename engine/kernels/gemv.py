@@ -54,10 +54,11 @@ from anneal.engine.kernels._common import (
 )
 from anneal.engine.kernels.activation import silu_mul
 from anneal.engine.kernels.argmax import argmax_merge_kernel
+from anneal.engine.bf12_weights import bf12_of
 from anneal.engine.fp8_weights import fp8_of
 from anneal.engine.kernels.rope import rotate_half
 from anneal.engine.ops.registry import Param, variant
-from anneal.engine.plan import FP8_PROJECTIONS, FP8_WEIGHT_IMPL, GEMV_BLOCK_N, GEMV_MAX_M, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
+from anneal.engine.plan import BF12_WEIGHT_IMPL, COPY_PROJECTIONS, FP8_WEIGHT_IMPL, GEMV_BLOCK_N, GEMV_MAX_M, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
 
 MAX_SPLIT_K = 16
 
@@ -178,17 +179,32 @@ def _add_stats_epilogue(total, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stri
 
 
 @triton.jit
+def _bf12_tile(w_rows, e_rows, w_base, k0, k_hi, nm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_K]`` tile of W from its bf12 copy (engine/bf12_weights.py), as bf16: the
+    sign|mantissa byte and the 4-bit exponent code of each weight, the code put back on the row's
+    base (code 0: exponent field 0)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    mant = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0).to(tl.int32)
+    kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    e = tl.load(e_rows + kh[None, :], mask=nm[:, None] & (kh < k_hi // 2)[None, :], other=0).to(tl.int32)
+    code = tl.reshape(tl.join(e & 15, e >> 4), [BLOCK_N, BLOCK_K])  # byte j: weights 2j (low), 2j + 1
+    field = tl.where(code == 0, 0, code + w_base[:, None])
+    bits = ((mant & 128) << 8) | (field << 7) | (mant & 127)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, val_ptr, idx_ptr, r_ptr, nw_ptr, sum_ptr, cnt_ptr,
     pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, h_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_sm, k_per_split, eps,
-    stride_cs, QD, KD, stride_hm, ss_ptr, ss_tiles, wscale_ptr,
+    stride_cs, QD, KD, stride_hm, ss_ptr, ss_tiles, wscale_ptr, wexp_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, ARGMAX: tl.constexpr, TICKET: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
     HEAD_D: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1,
     SILU_OUT: tl.constexpr = False, ADD_SS: tl.constexpr = False, BLOCK_SS: tl.constexpr = 1,
-    AHEAD: tl.constexpr = 1, W_SCALED: tl.constexpr = False,
+    AHEAD: tl.constexpr = 1, W_SCALED: tl.constexpr = False, W_BF12: tl.constexpr = False,
 ):
     pdl_launch_dependents(PDL == 1)
     pid_n = tl.program_id(0)
@@ -221,6 +237,9 @@ def _gemv_kernel(
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if W_BF12:  # w_ptr is the sign|mantissa bytes; the exponent codes and each row's base beside them
+        e_rows = wexp_ptr + n.to(tl.int64)[:, None] * (stride_wn // 2)
+        w_base = tl.load(wscale_ptr + n, mask=nm, other=0)
 
     if BLOCK_M == 1:
         # W does not depend on the previous kernel: its first AHEAD tiles are requested before the
@@ -284,6 +303,8 @@ def _gemv_kernel(
                 w_cur = w_nxt
                 w_nxt = w_far
                 w_far = w_new
+        elif W_BF12:
+            w = _bf12_tile(w_rows, e_rows, w_base, k0, k_hi, nm, BLOCK_N, BLOCK_K)
         else:
             w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         xm = mm[:, None] & km[None, :]
@@ -417,10 +438,11 @@ def small_m_gemm(
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
     norm_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None, add_stats: torch.Tensor | None = None,
-    ahead: int = 1, fp8: bool = False,
+    ahead: int = 1, weights: str = "bf16",
 ) -> torch.Tensor:
-    """``x @ weight.T`` for small M, any M correct; with ``fp8`` W is read as its e4m3 copy
-    (``fp8_weights.fp8_of``: ``(x @ data.T) * scale``, half the bytes); with ``silu_mul_input`` x is ``[M, 2K]`` and
+    """``x @ weight.T`` for small M, any M correct; with ``weights="fp8"`` W is read as its e4m3 copy
+    (``fp8_weights.fp8_of``: ``(x @ data.T) * scale``, half the bytes), with ``"bf12"`` as its
+    12-bit copy (``bf12_weights.bf12_of``: three quarters of the bytes; the dot path only); with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
     ``rmsnorm(x [+ residual])`` and the result is ``(y, x + residual)`` when residual is given.
     The ``norm_stats`` fusion: ``add_stats=residual`` returns ``(y + residual, ss)``
@@ -435,9 +457,16 @@ def small_m_gemm(
         raise KernelInputError(f"{name}: need gate_up[M, 2*K] for weight[N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
     _check(name, x, weight, x.shape[1] // 2 if silu_mul_input else x.shape[1] if x.dim() == 2 else -1)
     N = weight.shape[0]
-    wscale = None
-    if fp8:  # the e4m3 copy streams instead of W; its row scales are applied once per output
+    wscale = wexp = None  # fp8: the row scales; bf12: the rows' exponent bases, and the codes
+    if weights == "fp8":  # the e4m3 copy streams instead of W; its row scales are applied once per output
         weight, wscale = fp8_of(weight)
+    elif weights == "bf12":  # sign|mantissa bytes and exponent codes stream instead of W
+        if weight.dtype != torch.bfloat16:
+            raise KernelInputError(f"{name}: bf12 weights pack bf16 weights, got {weight.dtype}")
+        weight, wexp, wscale, _ = bf12_of(weight)
+        m1 = "dot"  # the register-FMA path prefetches raw W tiles ahead of the PDL wait: bf16 only
+    elif weights != "bf16":
+        raise KernelInputError(f"{name}: weights must be 'bf16', 'fp8' or 'bf12', got {weights!r}")
     residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
     norm_w = norm_w.contiguous() if norm_w is not None else None
     if norm is not None:
@@ -509,14 +538,14 @@ def small_m_gemm(
         *(rope[:5] if rope else (x,) * 5), hn,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), sm.stride(0), k_per_split, float(eps),
         *(rope[5:8] if rope else (0, 0, 0)), hn.stride(0), ss if ss is not None else x,
-        ss.shape[1] if ss is not None else 0, wscale if wscale is not None else x,
+        ss.shape[1] if ss is not None else 0, wscale if wscale is not None else x, wexp if wexp is not None else x,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
         NORM=3 if norm_stats is not None else 0 if norm is None else 1 if residual is None else 2, ARGMAX=False,
         TICKET=ticket, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_mode(pdl),
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
         BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
         ADD_SS=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
-        W_SCALED=wscale is not None,
+        W_SCALED=weights == "fp8", W_BF12=weights == "bf12",
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if add_norm is not None:
@@ -565,24 +594,35 @@ for _op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"):
     )(_make_linear)
 
 
-def _make_fp8_linear(max_m: int = GEMV_MAX_M, **params):
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if max_m and x.dim() == 2 and x.shape[0] > max_m:
-            # Prompt rows: compute-bound, so e4m3 would save nothing; the bf16 weight (still held,
-            # and the more accurate) through torch's GEMM. Dequantizing per step instead cost the
-            # H100's 8B chat replay 57 ms a prompt step (session 43).
-            return F.linear(x, weight)
-        return small_m_gemm(x, weight, fp8=True, **params)
+def _copy_linear(weights: str):
+    """The builder of a projection's GEMV over its ``weights`` copy."""
 
-    return linear
+    def build(max_m: int = GEMV_MAX_M, **params):
+        def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if max_m and x.dim() == 2 and x.shape[0] > max_m:
+                # Prompt rows: compute-bound, so a smaller copy would save nothing; the bf16 weight
+                # (still held, and exact) through torch's GEMM. Unpacking per step instead cost the
+                # H100's 8B chat replay 57 ms a prompt step (session 43, fp8).
+                return F.linear(x, weight)
+            return small_m_gemm(x, weight, weights=weights, **params)
+
+        return linear
+
+    return build
 
 
-for _op in FP8_PROJECTIONS:
+for _op in COPY_PROJECTIONS:
     variant(
         _op, FP8_WEIGHT_IMPL, params=GEMV_PARAMS, devices=("cuda",),
         description="the small-M GEMV over W's e4m3 copy with a scale per row (half the bytes; lossy, "
                     "the quality check decides); above max_m rows (prompt steps) torch's GEMM on the bf16 W",
-    )(_make_fp8_linear)
+    )(_copy_linear("fp8"))
+    variant(
+        _op, BF12_WEIGHT_IMPL, params=tuple(p for p in GEMV_PARAMS if p.name not in ("m1", "ahead")),
+        devices=("cuda",),
+        description="the small-M GEMV (dot path) over W's bf12 copy: bf16 with a 4-bit exponent code a "
+                    "weight, three quarters of the bytes; above max_m rows torch's GEMM on the bf16 W",
+    )(_copy_linear("bf12"))
 
 
 def silu_mul_down_proj(gate_up: torch.Tensor, weight: torch.Tensor, **params) -> torch.Tensor:
@@ -704,7 +744,7 @@ def lm_head_argmax(
         x, weight, vals, vals, vals, idxs, r, norm_w if norm_w is not None else x, summed, x,
         x, x, x, x, x, x,
         M, N, K, x.stride(0), weight.stride(0), 0, r.stride(0), summed.stride(0),
-        cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0, x, 0, x,
+        cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0, x, 0, x, x,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False,
         NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=True, TICKET=False,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_mode(pdl),

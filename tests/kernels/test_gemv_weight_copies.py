@@ -1,0 +1,207 @@
+"""Projections on a second copy of their weight (weight-only fp8, bf12): the quantizer and the packer,
+the GEMV over each copy against its plain-PyTorch reference, the fused GEMVs reading it, and a whole
+model on such a plan against the reference plan run on the same (rounded) weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anneal.engine import bf12_weights as b12
+from anneal.engine import fp8_weights as f8
+from anneal.engine.kernels import gemv
+from anneal.engine.kernels._common import KernelInputError
+from anneal.engine.ops.registry import build_op
+from anneal.engine.plan import BF12_WEIGHT_IMPL, FP8_WEIGHT_IMPL
+from kernel_testing import DEVICES, DTYPES, TOL_ACC, assert_close, device_configs, gen, randn
+
+SHAPES_CPU = [(1, 70, 130), (3, 33, 200), (17, 50, 64), (70, 20, 38)]  # M, N, K; 70 rows: above max_m
+SHAPES_GPU = [(1, 6144, 4096), (8, 4096, 4096), (16, 28672, 4096), (1, 4096, 14336), (200, 1000, 2048), (3, 1023, 4000)]
+# format -> (variant, the copy of w, the dense weight it stands for in dtype, the GEMV's reference)
+FORMATS = {
+    "fp8": (FP8_WEIGHT_IMPL, f8.fp8_of, lambda q, dt: f8.dequantized(q, dt), f8.reference_linear),
+    "bf12": (BF12_WEIGHT_IMPL, b12.bf12_of, lambda q, dt: b12.unpacked(q).to(dt), b12.reference_linear),
+}
+FORMAT_DTYPES = [("fp8", torch.float32), ("fp8", torch.bfloat16), ("bf12", torch.bfloat16)]  # bf12 packs bf16
+PARAMS_CPU = [
+    {"split_k": 1, "block_n": 16, "block_k": 64, "m1": "fma"},
+    {"split_k": 4, "block_n": 32, "block_k": 64, "block_m": 16},
+    {"split_k": 4, "block_n": 16, "block_k": 64, "reduce": "ticket", "m1": "fma", "ahead": 2},
+    {"split_k": 2, "block_n": 32, "block_k": 64, "max_m": 0, "reduce": "ticket", "block_m": 16},
+]
+PARAMS_GPU = [
+    {},
+    {"split_k": 8, "block_n": 32, "block_k": 256, "num_warps": 8, "m1": "fma"},
+    {"split_k": 4, "block_k": 256, "reduce": "ticket", "pdl": True},
+    {"block_n": 128, "block_k": 256, "max_m": 0, "num_stages": 4},
+]
+
+
+def test_quantize_rows_scaled_to_e4m3_range():
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 300, generator=g) * torch.logspace(-3, 2, 40)[:, None]
+    w[5] = 0.0
+    q = f8.quantize(w)
+    assert q.data.dtype == torch.float8_e4m3fn and q.scale.dtype == torch.float32
+    assert q.data.shape == w.shape and q.scale.shape == (40,)
+    amax = q.data.float().abs().amax(dim=1)
+    assert torch.equal(amax[torch.arange(40) != 5], torch.full((39,), 448.0))  # each row uses the whole range
+    assert q.scale[5] == 1 and not q.data[5].float().any()
+    back = f8.dequantized(q, torch.float32)
+    # e4m3 keeps 3 mantissa bits: a normal value is within 2^-4 of itself; tiny ones within half a subnormal step
+    err = (back - w).abs()
+    assert bool((err <= w.abs() * 2 ** -4 + q.scale[:, None] * 2 ** -10).all())
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        f8.quantize(torch.zeros(3))
+
+
+def test_the_copy_is_kept_on_the_weight_and_dropped():
+    w = torch.randn(8, 16)
+    q = f8.fp8_of(w)
+    assert f8.fp8_of(w) is q and f8.has_fp8(w)
+    assert f8.drop([w, torch.randn(2, 2)]) == f8.fp8_bytes(w) == 8 * 16 + 4 * 8
+    assert not f8.has_fp8(w) and f8.fp8_of(w) is not q
+
+
+def test_bf12_keeps_every_weight_in_its_row_s_window():
+    """bf12 stores a bf16 weight exactly when its exponent is within 14 powers of two of its row's
+    largest (or it is zero / subnormal); the rest are rounded to 0 or the window's smallest normal,
+    within ``max|row| * 2^-15``, and counted."""
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(48, 512, generator=g) * torch.logspace(-30, 3, 48)[:, None]).bfloat16()
+    w[3:5] = 0.0
+    w[4, :7] = torch.tensor([0.0, -0.0, 1e-39, -3e-40, 2.0 ** -20, -1.25 * 2.0 ** -15, 1.5 * 2.0 ** -14]).bfloat16()
+    w[4, 7] = 1.0  # row 4's window: exponents -14 .. 0
+    q = b12.pack(w)
+    assert q.mant.dtype == q.exps.dtype == torch.uint8 and q.base.dtype == torch.int32
+    assert q.mant.shape == (48, 512) and q.exps.shape == (48, 256) and q.base.shape == (48,)
+    back = b12.unpacked(q)
+    assert back.dtype == torch.bfloat16 and not torch.equal(back, w)  # a Gaussian row has a few below the window
+    exact = back.view(torch.int16) == w.view(torch.int16)  # bit for bit, signs of zeros too
+    rowmax = w.float().abs().amax(dim=1, keepdim=True)
+    assert bool(((back.float() - w.float()).abs() <= rowmax * 2.0 ** -15).all())
+    assert int((~exact).sum()) == q.flushed and 0 < q.flushed < w.numel() * 1e-3
+    assert bool(exact[w.float().abs() >= rowmax * 2.0 ** -14].all())
+    assert bool(exact[3].all())  # an all-zero row
+    # row 4: zeros and subnormals exact; 2^-20 and -1.25 * 2^-15 under the window: to 0 and -2^-14 (the
+    # nearer); 1.5 * 2^-14 in it
+    assert back[4, :7].float().tolist() == [0.0, -0.0, w[4, 2].item(), w[4, 3].item(), 0.0, -(2.0 ** -14), 1.5 * 2.0 ** -14]
+    assert torch.signbit(back[4, 1]) and back[4, 2] != 0
+    assert b12.bf12_bytes(w) == 48 * 512 * 3 // 2 + 4 * 48
+    for bad in (torch.zeros(4, 6), torch.zeros(4, 5, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="bf16 \\[N, K\\] matrix with K even"):
+            b12.pack(bad)
+
+
+@pytest.mark.parametrize("device, pi, params", device_configs(PARAMS_CPU, PARAMS_GPU))
+@pytest.mark.parametrize("fmt, dtype", FORMAT_DTYPES)
+@pytest.mark.parametrize("op", ["qkv_proj", "down_proj"])
+def test_copy_gemv_matches_its_reference(device, pi, params, fmt, dtype, op):
+    impl, copy_of, _, reference = FORMATS[fmt]
+    shapes = SHAPES_CPU if device == "cpu" else SHAPES_GPU
+    if impl == BF12_WEIGHT_IMPL:  # the dot path only: no M == 1 register-FMA knobs
+        params = {k: v for k, v in params.items() if k not in ("m1", "ahead")}
+    fn = build_op(op, impl, params)
+    for i, (M, N, K) in enumerate(shapes):
+        g = gen(5000 + 10 * pi + i, device)
+        x = randn(M, K, dtype=dtype, device=device, g=g)
+        w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+        max_m = params.get("max_m", 64)
+        prompt_rows = bool(max_m) and M > max_m  # above max_m (0: never): the bf16 weight through torch's GEMM
+        expected = F.linear(x, w) if prompt_rows else reference(x, copy_of(w))
+        assert_close(fn(x, w), expected, TOL_ACC, what=f"{fmt} {params} {M}x{N}x{K} {dtype}")
+        if not prompt_rows:  # and it is the copy that is read: W changed after it was made does not count
+            w.mul_(2)
+            assert_close(fn(x, w), expected, TOL_ACC, what=f"{fmt} {params} {M}x{N}x{K} {dtype}, W changed")
+
+
+def test_bf12_gemv_refuses_what_it_cannot_pack():
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    with pytest.raises(KernelInputError, match="bf12 weights pack bf16 weights"):
+        build_op("o_proj", BF12_WEIGHT_IMPL, {"max_m": 0})(x, w)
+    with pytest.raises(KernelInputError, match="weights must be 'bf16', 'fp8' or 'bf12'"):
+        gemv.small_m_gemm(x, w, weights="int4")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt, dtype", FORMAT_DTYPES)
+def test_fused_gemvs_read_the_copy(device, fmt, dtype):
+    """Each GEMV fusion with ``weights=fmt`` equals the same fusion over the dense weight the copy
+    stands for (fp8 in fp32: the same weights; in bf16 they differ by W's rounding to bf16)."""
+    _, copy_of, dense, _ = FORMATS[fmt]
+    kw = {"block_k": 64, "split_k": 2, "reduce": "ticket", "block_n": 32} if device == "cpu" else {"reduce": "ticket"}
+    for i, (M, N, K) in enumerate([(1, 64, 96), (5, 96, 64)] if device == "cpu" else [(1, 4096, 4096), (12, 4096, 4096)]):
+        g = gen(5100 + i, device)
+        x = randn(M, K, dtype=dtype, device=device, g=g)
+        r = randn(M, K, dtype=dtype, device=device, g=g)
+        nw = randn(K, dtype=dtype, device=device, g=g, scale=0.1) + 1
+        w = randn(N, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)
+        wd = dense(copy_of(w), dtype)
+        gu = randn(M, 2 * K, dtype=dtype, device=device, g=g)
+        wn = randn(K, K, dtype=dtype, device=device, g=g, scale=K ** -0.5)  # o / down: [hidden, hidden]
+        wnd = dense(copy_of(wn), dtype)
+        cases = {
+            "gate_up_silu": (gemv.gate_up_silu(x, w, weights=fmt, **kw), gemv.gate_up_silu(x, wd, **kw)),
+            "silu_mul_down_proj": (gemv.silu_mul_down_proj(gu, w, weights=fmt, **kw),
+                                   gemv.silu_mul_down_proj(gu, wd, **kw)),
+            "add_rmsnorm_linear": (gemv.add_rmsnorm_linear(x, r, nw, 1e-6, w, weights=fmt, **kw)[0],
+                                   gemv.add_rmsnorm_linear(x, r, nw, 1e-6, wd, **kw)[0]),
+            "linear_add_rmsnorm": (gemv.linear_add_rmsnorm(x, wn, r, nw, 1e-6, weights=fmt, **kw)[0],
+                                   gemv.linear_add_rmsnorm(x, wnd, r, nw, 1e-6, **kw)[0]),
+        }
+        for name, (got, want) in cases.items():
+            assert_close(got, want, TOL_ACC, what=f"{fmt} {name} {M}x{N}x{K} {dtype}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", ["fp8", "bf12"])
+def test_copy_plan_generates_as_the_reference_on_the_same_weights(device, fmt):
+    """A Llama on a fused plan whose four projections read fp8 (bf12) copies generates what the
+    reference plan generates on the weights they stand for (rounded through e4m3 or bf12 first, so
+    both runs use the same numbers); the copies exist while the plan serves and go with the next
+    plan."""
+    from anneal.engine.llm import Engine, EngineArgs
+    from anneal.engine.plan import OpChoice
+    from anneal.engine.sampling_params import SamplingParams
+    from anneal.engine import weight_copies
+    from test_fused_plan import fused_plan
+
+    impl, _, dense, _ = FORMATS[fmt]
+    make = f8.quantize if fmt == "fp8" else b12.pack
+    eng = Engine(EngineArgs(model="random:tiny", device=device, dtype="float32" if fmt == "fp8" else "bfloat16",
+                            num_kv_blocks=128, max_model_len=256))
+    projections = [(L, name) for L in eng.weights.layers for name in ("qkv", "o", "gate_up", "down")]
+    for L, name in projections:
+        w = getattr(L, name)
+        w.copy_(dense(make(w), w.dtype))
+        assert not weight_copies.has_copy(w, fmt)
+    params = SamplingParams(max_tokens=10 if device == "cpu" else 48, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, eng.config.vocab_size, (n,), generator=g).tolist() for n in (6, 30)]
+    ref = eng.generate(prompts, params)
+    plan = fused_plan(device, ("norm_stats", "qkv_rope", "gate_up_silu"))
+    dot_only = ("m1", "ahead") if fmt == "bf12" else ()  # bf12: the dot path only
+    plan = plan.model_copy(update={"ops": {**plan.ops, **{
+        op: OpChoice(impl=impl, params={k: v for k, v in plan.ops[op].params.items() if k not in dot_only})
+        for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}}})
+    eng.apply_plan(plan)
+    assert all(weight_copies.has_copy(getattr(L, name), fmt) for L, name in projections)
+    got = eng.generate(prompts, params)
+    agree = sum(a == b for r, o in zip(ref, got) for a, b in zip(r, o)) / sum(len(r) for r in ref)
+    assert agree > 0.98, (agree, ref, got)
+    # the next plan's second copies are made only once this one's are gone (an 8B on an H100 has
+    # room for one of them beside its KV cache: session 43)
+    import anneal.engine.llm as llm_mod
+    from test_fused_plan import folded_plan
+
+    fold = llm_mod.fold_norms
+    held = []
+    llm_mod.fold_norms = lambda w: held.append(any(weight_copies.has_copy(getattr(L, n), fmt) for L, n in projections)) or fold(w)
+    try:
+        eng.apply_plan(folded_plan(device))
+    finally:
+        llm_mod.fold_norms = fold
+    assert held == [False]
+    assert not any(weight_copies.has_copy(getattr(L, name), fmt) for L, name in projections)
+    assert eng.weights.folded is not None
