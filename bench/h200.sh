@@ -18,7 +18,7 @@
 #   layer-sweep                     issue 5: the decode step at 1-32 layers: the part a step runs once, and the compile's
 #                                   projection from its 2-layer fast tier to the whole model (bench/layer_sweep.py)
 #   blas-backend                    issue 5: the projections under cuBLAS vs cuBLASLt (bench/blas_backend.py)
-#   fp8-gemv                        issues 4/5: the decode GEMV on weight-only fp8 copies vs bf16 (bench/fp8_gemv.py)
+#   fp8-gemv                        issues 4/5: the decode GEMV on fp8 / bf12 weight copies vs bf16 (bench/fp8_gemv.py)
 #   prefill-attention               issue 5: the paged prefill kernel vs torch SDPA at agentic's prompt shapes
 #   profile-mixed-agentic           issue 5: one eager 3072-token prompt step with 7 decode rows (agentic's prompt steps)
 #   serving                         issue 3: bench/serving.py, ours and HF static generate, one run
@@ -144,7 +144,7 @@ for s in "$@"; do
       fi
       ;;
     fp8-gemv)  # issues 4/5: the decode GEMV over weight-only fp8 copies against bf16 and cuBLAS (bench/fp8_gemv.py)
-      stage fp8-gemv "${FP8_GEMV_LIMIT:-240}" $py bench/fp8_gemv.py --rows "${FP8_ROWS:-1,16}" --out "$OUT"
+      stage fp8-gemv "${FP8_GEMV_LIMIT:-240}" $py bench/fp8_gemv.py --rows "${FP8_ROWS:-1,16}" --out "$OUT" ${FP8_GEMV_ARGS:-}
       ;;
     blas-backend)  # issue 5: would cuBLASLt run o/qkv/down faster at the chat replay's batches?
       stage blas-backend 240 $py bench/blas_backend.py --out "$OUT"

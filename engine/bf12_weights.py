@@ -1,20 +1,26 @@
 """bf12: a bf16 weight in 12 bits, for the decode GEMV (``triton_gemv_bf12``), which is bound by W's
-bytes and so streams it in three quarters of the time.
+bytes and so could stream it in three quarters of the time.
 
-A bf16 value is a sign, an 8-bit exponent field and 7 mantissa bits. Within one row of a weight
-matrix the exponents crowd into a narrow range (a trained or random row's values sit within a few
-powers of two of its largest), so each weight keeps its sign and mantissa as one byte and its
-exponent as a 4-bit code against the row's ``base``: code c in 1..15 is field ``base + c``, with
-``base`` chosen so the row's largest exponent is code 15, and code 0 is field 0 (zeros and
-subnormals, exactly). Every weight whose exponent is in that window (all but a few in ten thousand
-of a Gaussian row) is stored exactly. The rest lie below the window's smallest normal, 2^-14 of
-the row's largest power of two, and are rounded to the nearer of 0 and that value: an error of at
-most ``max|w_row| * 2^-15`` on those weights alone, against bf16's own rounding of every weight
-(2^-9 relative). ``pack`` counts them (``flushed``).
+A bf16 value is two bytes: the high one is the sign and the exponent's top 7 bits, the low one the
+exponent's last bit and the 7 mantissa bits. Within one row of a weight matrix the exponents crowd
+into a narrow range (a trained or random row's values sit within a few powers of two of its
+largest), so the low byte is kept as it is and the high byte as a 4-bit code: the sign and the top
+exponent bits less the row's ``base`` (0..7), ``base`` chosen so the row's largest is code 7. That
+is a window of 16 exponents under the row's largest power of two; every weight in it is stored
+exactly (all but a few in ten thousand of a Gaussian row). The rest (smaller than 2^-14 of the row's
+largest power of two, zeros included unless the row is that small) are stored as the window's
+smallest value with their sign: an error of at most ``max|w_row| * 2^-15`` on those weights alone,
+against bf16's own rounding of every weight (2^-9 relative). ``pack`` counts them (``flushed``).
 
-Layout: ``mant[N, K]`` uint8 (sign << 7 | mantissa), ``exps[N, K/2]`` uint8 (weight 2j's code in
-the low nibble of byte j, weight 2j+1's in the high), ``base[N]`` int32: 1.5 bytes a weight.
-The copy hangs on the bf16 tensor it was made from (engine/weight_copies.py, format ``"bf12"``).
+Rebuilding a weight is a few integer operations (``hi = v + 15 * (v & 8) + base``, then
+``hi << 8 | lo``), which the GEMV does on each tile after loading it (session 44's first layout, a
+sign|mantissa byte and an exponent code with a special zero, took twice as many and ran 1.15-1.24x
+slower than the bf16 GEMV on an H100).
+
+Layout: ``lo[N, K]`` uint8 (each bf16's low byte), ``codes[N, K/2]`` uint8 (weight 2j's code in the
+low nibble of byte j, weight 2j+1's in the high; a code is ``sign << 3 | top7 - base``),
+``base[N]`` int32: 1.5 bytes a weight. The copy hangs on the bf16 tensor it was made from
+(engine/weight_copies.py, format ``"bf12"``).
 """
 
 from __future__ import annotations
@@ -25,14 +31,14 @@ import torch
 
 from anneal.engine import weight_copies
 
-WINDOW = 15  # exponent codes 1..15; code 0 is exponent field 0
+CODES = 8  # top-7 exponent values a row keeps: 16 exponents with the low byte's last exponent bit
 
 
 class Bf12Weight(NamedTuple):
-    mant: torch.Tensor  # [N, K] uint8: sign << 7 | the 7 mantissa bits
-    exps: torch.Tensor  # [N, K/2] uint8: two 4-bit exponent codes, weight 2j's in the low nibble
-    base: torch.Tensor  # [N] int32: code c (1..15) is exponent field base + c
-    flushed: int  # weights below their row's window, rounded to 0 or its smallest normal
+    lo: torch.Tensor  # [N, K] uint8: each bf16's low byte (last exponent bit, 7 mantissa bits)
+    codes: torch.Tensor  # [N, K/2] uint8: two 4-bit codes (sign << 3 | top7 - base), weight 2j's low
+    base: torch.Tensor  # [N] int32: the row's smallest top-7 exponent bits
+    flushed: int  # weights below their row's window, stored as its smallest value
 
 
 def pack(w: torch.Tensor) -> Bf12Weight:
@@ -40,27 +46,23 @@ def pack(w: torch.Tensor) -> Bf12Weight:
     if w.dim() != 2 or w.dtype != torch.bfloat16 or w.shape[1] % 2:
         raise ValueError(f"bf12 weights: need a bf16 [N, K] matrix with K even, got {w.dtype} {tuple(w.shape)}")
     bits = w.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    sign, field, man = bits >> 15, (bits >> 7) & 0xFF, bits & 0x7F
-    base = (field.amax(dim=1) - WINDOW).clamp(min=0) if w.numel() else torch.zeros(w.shape[0], dtype=torch.int32)
-    inside = field > base[:, None]
-    below = (field > 0) & ~inside  # under the window: round to 0 or the window's smallest normal
-    up = below & (field == base[:, None])  # |w| >= half that normal
-    code = torch.where(inside, field - base[:, None], torch.zeros_like(field))
-    code = torch.where(up, torch.ones_like(code), code)
-    man = torch.where(below, torch.zeros_like(man), man)
-    mant = ((sign << 7) | man).to(torch.uint8)
-    exps = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
-    return Bf12Weight(mant.contiguous(), exps.contiguous(), base.to(torch.int32).contiguous(), int(below.sum()))
+    lo, sign, top = bits & 0xFF, bits >> 15, (bits >> 8) & 0x7F
+    base = ((top.amax(dim=1) if w.numel() else torch.zeros(w.shape[0], dtype=torch.int32)) - (CODES - 1)).clamp(min=0)
+    below = top < base[:, None]  # under the window: the window's smallest value, signed
+    code = torch.where(below, torch.zeros_like(top), top - base[:, None])
+    lo = torch.where(below, torch.zeros_like(lo), lo)
+    v = (sign << 3) | code
+    codes = (v[:, 0::2] | (v[:, 1::2] << 4)).to(torch.uint8)
+    return Bf12Weight(lo.to(torch.uint8).contiguous(), codes.contiguous(), base.to(torch.int32).contiguous(),
+                      int(below.sum()))
 
 
 def unpacked(q: Bf12Weight) -> torch.Tensor:
     """The bf16 weight ``q`` stands for (what the bf12 GEMV multiplies by; the tests' reference)."""
-    e = q.exps.to(torch.int32)
-    code = torch.stack((e & 15, e >> 4), dim=-1).reshape(q.mant.shape)
-    field = torch.where(code == 0, torch.zeros_like(code), code + q.base[:, None])
-    m = q.mant.to(torch.int32)
-    bits = ((m >> 7) << 15) | (field << 7) | (m & 0x7F)
-    return bits.to(torch.int16).view(torch.bfloat16)
+    c = q.codes.to(torch.int32)
+    v = torch.stack((c & 15, c >> 4), dim=-1).reshape(q.lo.shape)
+    hi = v + (v & 8) * 15 + q.base[:, None]  # sign << 7 | (top7 - base) + base
+    return ((hi << 8) | q.lo.to(torch.int32)).to(torch.int16).view(torch.bfloat16)
 
 
 def reference_linear(x: torch.Tensor, q: Bf12Weight) -> torch.Tensor:

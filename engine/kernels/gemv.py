@@ -180,16 +180,15 @@ def _add_stats_epilogue(total, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stri
 
 @triton.jit
 def _bf12_tile(w_rows, e_rows, w_base, k0, k_hi, nm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A ``[BLOCK_N, BLOCK_K]`` tile of W from its bf12 copy (engine/bf12_weights.py), as bf16: the
-    sign|mantissa byte and the 4-bit exponent code of each weight, the code put back on the row's
-    base (code 0: exponent field 0)."""
+    """A ``[BLOCK_N, BLOCK_K]`` tile of W from its bf12 copy (engine/bf12_weights.py), as bf16: each
+    weight's low byte and its 4-bit code (sign, top exponent bits less the row's base) made the
+    high byte again."""
     k = k0 + tl.arange(0, BLOCK_K)
-    mant = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0).to(tl.int32)
+    lo = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0).to(tl.int32)
     kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     e = tl.load(e_rows + kh[None, :], mask=nm[:, None] & (kh < k_hi // 2)[None, :], other=0).to(tl.int32)
-    code = tl.reshape(tl.join(e & 15, e >> 4), [BLOCK_N, BLOCK_K])  # byte j: weights 2j (low), 2j + 1
-    field = tl.where(code == 0, 0, code + w_base[:, None])
-    bits = ((mant & 128) << 8) | (field << 7) | (mant & 127)
+    v = tl.reshape(tl.join(e & 15, e >> 4), [BLOCK_N, BLOCK_K])  # byte j: weights 2j (low), 2j + 1
+    bits = (v + (v & 8) * 15 + w_base[:, None]) * 256 + lo  # (sign << 7 | top7) << 8 | lo
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
@@ -237,7 +236,7 @@ def _gemv_kernel(
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if W_BF12:  # w_ptr is the sign|mantissa bytes; the exponent codes and each row's base beside them
+    if W_BF12:  # w_ptr is the low bytes; the 4-bit codes and each row's base beside them
         e_rows = wexp_ptr + n.to(tl.int64)[:, None] * (stride_wn // 2)
         w_base = tl.load(wscale_ptr + n, mask=nm, other=0)
 
@@ -460,10 +459,10 @@ def small_m_gemm(
     wscale = wexp = None  # fp8: the row scales; bf12: the rows' exponent bases, and the codes
     if weights == "fp8":  # the e4m3 copy streams instead of W; its row scales are applied once per output
         weight, wscale = fp8_of(weight)
-    elif weights == "bf12":  # sign|mantissa bytes and exponent codes stream instead of W
+    elif weights == "bf12":  # low bytes and 4-bit codes stream instead of W
         if weight.dtype != torch.bfloat16:
             raise KernelInputError(f"{name}: bf12 weights pack bf16 weights, got {weight.dtype}")
-        weight, wexp, wscale, _ = bf12_of(weight)
+        weight, wexp, wscale, _ = bf12_of(weight)  # low bytes, codes, the rows' bases
         m1 = "dot"  # the register-FMA path prefetches raw W tiles ahead of the PDL wait: bf16 only
     elif weights != "bf16":
         raise KernelInputError(f"{name}: weights must be 'bf16', 'fp8' or 'bf12', got {weights!r}")
