@@ -95,9 +95,10 @@ def set_weight_copies(w: Weights, wanted: dict[str, str], make: bool = True) -> 
     from anneal.engine.plan import WEIGHT_COPY_IMPLS, WEIGHT_FIELDS
 
     every, formats = tuple(WEIGHT_FIELDS.values()), sorted(set(WEIGHT_COPY_IMPLS.values()))
-    unknown = set(wanted) - set(every)
-    if unknown or set(wanted.values()) - set(formats):
-        raise ValueError(f"weight copies: unknown projections {sorted(unknown)} or formats {sorted(set(wanted.values()))}")
+    unknown, bad = set(wanted) - set(every), set(wanted.values()) - set(formats)
+    if unknown or bad:
+        raise ValueError(f"weight copies: unknown projections {sorted(unknown)} / formats {sorted(bad)} "
+                         f"(projections: {list(every)}; formats: {formats})")
     freed = sum(weight_copies.drop((getattr(L, f) for L in w.layers for f in every if wanted.get(f) != fmt), fmt)
                 for fmt in formats)
     if not make:

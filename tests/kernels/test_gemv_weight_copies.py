@@ -206,3 +206,26 @@ def test_copy_plan_generates_as_the_reference_on_the_same_weights(device, fmt):
     assert held == [False]
     assert not any(weight_copies.has_copy(getattr(L, name), fmt) for L, name in projections)
     assert eng.weights.folded is not None
+
+
+def test_a_projection_keeps_only_the_copy_its_plan_reads():
+    """Switching a projection from fp8 to bf12 drops its e4m3 copy before the bf12 one is made (an
+    8B holds room for one set beside its KV cache); a name or format it does not know changes nothing."""
+    from anneal.engine import weight_copies
+    from anneal.engine.llm import Engine, EngineArgs
+    from anneal.engine.weights import set_weight_copies
+
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", dtype="bfloat16", num_kv_blocks=16, max_model_len=64))
+    qkv = [L.qkv for L in eng.weights.layers]
+    assert set_weight_copies(eng.weights, {"qkv": "fp8", "o": "bf12"}) == 0
+    assert all(weight_copies.has_copy(t, "fp8") and not weight_copies.has_copy(t, "bf12") for t in qkv)
+    freed = set_weight_copies(eng.weights, {"qkv": "bf12"})
+    assert freed == sum(f8.fp8_bytes(t) + b12.bf12_bytes(L.o) for t, L in zip(qkv, eng.weights.layers))
+    assert all(weight_copies.has_copy(t, "bf12") and not weight_copies.has_copy(t, "fp8") for t in qkv)
+    assert not any(weight_copies.has_copy(L.o, "bf12") for L in eng.weights.layers)
+    for bad in ({"lm_head": "bf12"}, {"qkv": "int4"}):
+        with pytest.raises(ValueError, match="weight copies: unknown"):
+            set_weight_copies(eng.weights, bad)
+    assert all(weight_copies.has_copy(t, "bf12") for t in qkv)
+    with pytest.raises(ValueError, match="unknown format 'int4'"):
+        weight_copies.copy_of(qkv[0], "int4")
