@@ -86,9 +86,13 @@ def fusion_blockers(plan: "Plan") -> dict[str, str]:
     with the reason (the op table refuses such a plan; the search's ``normalized`` drops the fusion)."""
     out = {}
     gemm = folded_norm_blockers(plan) if "folded_norm" in plan.fusions else []
+    copied = [p for p in ("qkv_proj", "gate_up_proj") if p in weight_copies(plan)] if "folded_norm" in plan.fusions else []
     if gemm:
         out["folded_norm"] = ("folded_norm adds the residual in the GEMM of o_proj and down_proj (addmm, beta = 1): "
                               f"{', '.join(gemm)} must be the reference GEMM")
+    elif copied:
+        out["folded_norm"] = ("folded_norm projects through its folded weights, which have no fp8 / bf12 copies: "
+                              f"{', '.join(copied)} must not read a weight copy")
     impl = plan.choice("attention_decode").impl
     if "rope_attention" in plan.fusions and impl != "triton_splitk":
         out["rope_attention"] = ("rope_attention runs in the split-K decode attention kernel: attention_decode "

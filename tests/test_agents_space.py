@@ -116,6 +116,29 @@ def test_the_search_never_proposes_fusions_the_engine_refuses_together():
     assert folded > 20
 
 
+def test_folded_norm_never_rides_with_weight_copies():
+    """folded_norm projects qkv and gate_up through its folded weights, which have no fp8 / bf12
+    copies: the engine refuses the pair with its reason, and the search never proposes it."""
+    from anneal.engine.plan import fusion_blockers
+
+    plan = Plan(ops={"qkv_proj": OpChoice(impl="triton_gemv_bf12")}, fusions={"folded_norm": True})
+    assert "must not read a weight copy" in fusion_blockers(plan)["folded_norm"]
+    impls = {"reference": {}, "triton_gemv_bf12": {"block_k": [64, 128]}}
+    state = STATE.model_copy(update={"device": "cuda", "ops": {**STATE.ops, **{p: list(impls) for p in ("qkv_proj", "gate_up_proj")}},
+                                     "variants": {**STATE.variants, "qkv_proj": impls, "gate_up_proj": impls}})
+    gpu = CandidateSpace.from_state(state)
+    rng = random.Random(3)
+    folded = copied = 0
+    for _ in range(300):
+        a, b = gpu.random_plan(rng), gpu.random_plan(rng)
+        for p in (a, gpu.mutate(a, rng, n=3), gpu.crossover(a, b, rng)):
+            on_copy = {p.choice(op).impl for op in ("qkv_proj", "gate_up_proj")} != {"reference"}
+            assert not ("folded_norm" in p.fusions and on_copy), p
+            folded += "folded_norm" in p.fusions
+            copied += on_copy
+    assert folded > 20 and copied > 20
+
+
 def test_without_chunked_prefill_a_step_holds_a_whole_prompt():
     space = CandidateSpace.from_state(STATE.model_copy(update={"max_model_len": 4096}))
     grid = space.scheduler_grid()
