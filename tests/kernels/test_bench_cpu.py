@@ -44,7 +44,7 @@ def test_bench_kernels_tiny_cpu(tmp_path):
     ("pdl_batch.py", "every variant computes the fp32 chain"),
     ("attention_oproj.py", "the fused kernel computes attention then o_proj"),
     ("layer_sweep.py", "each engine ran the layers asked, and its profile names every projection"),
-    ("fp8_gemv.py", "the fp8 GEMV computes its reference"),
+    ("fp8_gemv.py", "the fp8 and bf12 GEMVs compute their references"),
 ])
 def test_gpu_probes_check_their_premise_on_the_cpu(script, says):
     """The device probes' CPU mode: the two cache layouts give the same attention, so do the
