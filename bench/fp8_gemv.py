@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["cublas_us"] = round(time_graph(lambda i: F.linear(xs[i], ws[i]), copies, args.reps), 2)
                 for fmt, impl in (("bf16", "triton_gemv_splitk"), ("fp8", "triton_gemv_fp8"),
                                   ("bf12", "triton_gemv_bf12")):
-                    best = None
+                    best, every = None, []
                     for cfg in CONFIGS + (M1_CONFIGS if m == 1 and fmt != "bf12" else []):
                         try:
                             fn = build_op(f"{op}_proj", impl, {"max_m": 0, **cfg})
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                             print(f"{model} {op} m={m} {fmt} {cfg}: {type(e).__name__}: {str(e)[:200]}",
                                   file=sys.stderr)
                             continue
+                        every.append({"config": cfg, "us": round(us, 2)})  # what a plan's tiles cost (session 44)
                         if best is None or us < best[0]:
                             best = (us, cfg, fn)
                     if best is None:
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"{fmt}_us"] = round(us, 2)
                     row[f"{fmt}_of_roofline"] = round(floor[fmt] / us, 3)
                     row[f"{fmt}_config"] = cfg
+                    row[f"{fmt}_configs"] = every
                     if fmt != "bf16":
                         ref = (f8.reference_linear(xs[0], f8.fp8_of(ws[0])) if fmt == "fp8"
                                else b12.reference_linear(xs[0], b12.bf12_of(ws[0]))).float()
