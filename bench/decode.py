@@ -36,7 +36,6 @@ GEMV_OPS = {op: OpChoice(impl="triton_gemv_splitk")
             for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
 
 
-
 def plan_weight_bytes(engine, plan) -> int:
     """The weight bytes one decode step of ``plan`` reads: the model's, with each projection on an
     fp8 or bf12 copy counted at that copy's size (session 44: the bf12 8B step read "102.7% of the
@@ -50,6 +49,7 @@ def plan_weight_bytes(engine, plan) -> int:
             t = getattr(layer, WEIGHT_FIELDS[op])
             total += weight_copies.copy_bytes(t, fmt) - t.numel() * t.element_size()
     return total
+
 
 def plan_key(token: str) -> str:
     """A ``--plans`` entry's name: a built-in plan's own, a plan file's stem."""

@@ -14,7 +14,7 @@ The copy hangs on the bf16 tensor it was made from (engine/weight_copies.py, for
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -64,12 +64,3 @@ weight_copies.register("fp8", quantize, fp8_bytes)
 def fp8_of(w: torch.Tensor) -> Fp8Weight:
     """``w``'s e4m3 copy, made on first use and kept on ``w`` (never inside a CUDA-graph capture)."""
     return weight_copies.copy_of(w, "fp8")
-
-
-def has_fp8(w: torch.Tensor) -> bool:
-    return weight_copies.has_copy(w, "fp8")
-
-
-def drop(tensors: Iterable[torch.Tensor]) -> int:
-    """Forget the e4m3 copies of ``tensors``; the bytes given back."""
-    return weight_copies.drop(tensors, "fp8")

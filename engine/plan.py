@@ -86,7 +86,8 @@ def fusion_blockers(plan: "Plan") -> dict[str, str]:
     with the reason (the op table refuses such a plan; the search's ``normalized`` drops the fusion)."""
     out = {}
     gemm = folded_norm_blockers(plan) if "folded_norm" in plan.fusions else []
-    copied = [p for p in ("qkv_proj", "gate_up_proj") if p in weight_copies(plan)] if "folded_norm" in plan.fusions else []
+    copied = ([p for p in ("qkv_proj", "gate_up_proj") if p in weight_copies(plan)]
+              if "folded_norm" in plan.fusions else [])
     if gemm:
         out["folded_norm"] = ("folded_norm adds the residual in the GEMM of o_proj and down_proj (addmm, beta = 1): "
                               f"{', '.join(gemm)} must be the reference GEMM")
@@ -125,19 +126,15 @@ GEMV_FUSION_PROJECTIONS = {
 FP8_WEIGHT_IMPL = "triton_gemv_fp8"
 BF12_WEIGHT_IMPL = "triton_gemv_bf12"
 WEIGHT_COPY_IMPLS = {FP8_WEIGHT_IMPL: "fp8", BF12_WEIGHT_IMPL: "bf12"}  # variant -> the copy's format
-COPY_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the layers' projections; lm_head stays
+# the layers' projections and their ``LayerWeights`` attributes; lm_head stays bf16
 WEIGHT_FIELDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
+COPY_PROJECTIONS = tuple(WEIGHT_FIELDS)
 
 
 def weight_copies(plan: "Plan") -> dict[str, str]:
     """The projections ``plan`` runs on a second copy of their weight, and each copy's format."""
     return {p: WEIGHT_COPY_IMPLS[plan.choice(p).impl] for p in COPY_PROJECTIONS
             if plan.choice(p).impl in WEIGHT_COPY_IMPLS}
-
-
-def fp8_projections(plan: "Plan") -> list[str]:
-    """The projections ``plan`` runs on their fp8 copies."""
-    return [p for p, fmt in weight_copies(plan).items() if fmt == "fp8"]
 
 
 def fused_gemv_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any], int]:

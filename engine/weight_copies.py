@@ -25,6 +25,8 @@ def register(fmt: str, make: Callable[[torch.Tensor], Any], nbytes: Callable[[to
 
 
 def _attr(fmt: str) -> str:
+    if fmt not in _MAKERS:  # the formats register themselves when their modules are first imported
+        from anneal.engine import bf12_weights, fp8_weights  # noqa: F401
     if fmt not in _MAKERS:
         raise ValueError(f"weight copies: unknown format {fmt!r} (known: {sorted(_MAKERS)})")
     return f"_anneal_{fmt}"

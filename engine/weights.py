@@ -91,7 +91,7 @@ def set_weight_copies(w: Weights, wanted: dict[str, str], make: bool = True) -> 
     attribute name -> format, engine/weight_copies.py) and, with ``make``, make the wanted ones that
     do not exist yet, after checking the device has room beside the KV cache. Returns the bytes
     dropped."""
-    from anneal.engine import bf12_weights, fp8_weights, weight_copies  # noqa: F401 (they register their formats)
+    from anneal.engine import weight_copies
     from anneal.engine.plan import WEIGHT_COPY_IMPLS, WEIGHT_FIELDS
 
     every, formats = tuple(WEIGHT_FIELDS.values()), sorted(set(WEIGHT_COPY_IMPLS.values()))

@@ -57,11 +57,13 @@ def test_quantize_rows_scaled_to_e4m3_range():
 
 
 def test_the_copy_is_kept_on_the_weight_and_dropped():
+    from anneal.engine import weight_copies
+
     w = torch.randn(8, 16)
     q = f8.fp8_of(w)
-    assert f8.fp8_of(w) is q and f8.has_fp8(w)
-    assert f8.drop([w, torch.randn(2, 2)]) == f8.fp8_bytes(w) == 8 * 16 + 4 * 8
-    assert not f8.has_fp8(w) and f8.fp8_of(w) is not q
+    assert f8.fp8_of(w) is q and weight_copies.has_copy(w, "fp8")
+    assert weight_copies.drop([w, torch.randn(2, 2)], "fp8") == f8.fp8_bytes(w) == 8 * 16 + 4 * 8
+    assert not weight_copies.has_copy(w, "fp8") and f8.fp8_of(w) is not q
 
 
 def test_bf12_keeps_every_weight_in_its_row_s_window():
