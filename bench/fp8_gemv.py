@@ -52,6 +52,18 @@ CONFIGS = [
     {"block_k": 256, "num_stages": 4, "reduce": "ticket"},
     {"block_n": 32, "block_k": 256, "num_stages": 4, "reduce": "ticket"},
 ]
+BF12_CONFIGS = [  # session 45: the bf12 GEMV's tiles around session 44's best (block_n 32, block_k 256)
+    {"block_n": 16, "block_k": 256, "reduce": "ticket"},
+    {"block_n": 16, "block_k": 512, "reduce": "ticket"},
+    {"block_n": 32, "block_k": 128, "reduce": "ticket"},
+    {"block_n": 32, "block_k": 512, "reduce": "ticket"},
+    {"block_n": 32, "block_k": 256, "reduce": "ticket", "num_warps": 2},
+    {"block_n": 32, "block_k": 256, "reduce": "ticket", "num_warps": 8},
+    {"block_n": 64, "block_k": 256, "reduce": "ticket", "num_warps": 8},
+    {"block_n": 32, "block_k": 256, "reduce": "ticket", "split_k": 1},
+    {"block_n": 32, "block_k": 256, "reduce": "ticket", "split_k": 2},
+    {"block_n": 32, "block_k": 256, "reduce": "ticket", "split_k": 4},
+]
 M1_CONFIGS = [  # a single row: the register-FMA path too
     {"m1": "fma", "reduce": "ticket"},
     {"m1": "fma", "block_k": 256, "reduce": "ticket"},
@@ -64,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__, reps=40)
     ap.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--rows", default="1,8,16")
+    ap.add_argument("--formats", default="bf16,fp8,bf12", help="the GEMV's weight formats to time")
+    ap.add_argument("--bf12-tiles", action="store_true", help="bf12 over BF12_CONFIGS too (session 45)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda":
@@ -103,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["cublas_us"] = round(time_graph(lambda i: F.linear(xs[i], ws[i]), copies, args.reps), 2)
                 for fmt, impl in (("bf16", "triton_gemv_splitk"), ("fp8", "triton_gemv_fp8"),
                                   ("bf12", "triton_gemv_bf12")):
+                    if fmt not in args.formats.split(","):
+                        continue
                     best, every = None, []
-                    for cfg in CONFIGS + (M1_CONFIGS if m == 1 and fmt != "bf12" else []):
+                    extra = BF12_CONFIGS if fmt == "bf12" and args.bf12_tiles else []
+                    for cfg in CONFIGS + extra + (M1_CONFIGS if m == 1 and fmt != "bf12" else []):
                         try:
                             fn = build_op(f"{op}_proj", impl, {"max_m": 0, **cfg})
                             us = time_graph(lambda i: fn(xs[i], ws[i]), copies, args.reps)

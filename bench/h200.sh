@@ -25,6 +25,8 @@
 #   decode, decode-8k, spread       issue 2/4: decode steps, long-context ratios, fast-tier spread
 #   profile                         issue 2/4: every kernel of one graph replay (bench/profile_step.py)
 #   profile-batch12                 issue 5: the same for the 8B decode step the chat replay runs (bs 12)
+#   profile-decode                  issue 5: the 8B decode step's kernels at $PROFILE_BS x $PROFILE_CTX (default
+#                                   8 x 4300: agentic's decode steps), $PROFILE_PLANS side by side
 #   profile-mixed                   issue 5: one eager step with a prompt chunk, wall vs kernels (the replay's prompt steps)
 #   profile-bs1                     issue 4: the 8B bs=1 step's kernels for $PROFILE_BS1_PLANS
 #   decode-batch                    issue 5: 8B decode steps at batches 1-16, context 800, $DECODE_PLANS side by side
@@ -214,6 +216,11 @@ for s in "$@"; do
       stage profile-8b-bs12 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 12 --context 800 \
         --plans "${PROFILE_PLANS:-triton,bench/plans/gemv-pdl-rope-gu.json,bench/plans/gemv-pdl-rope-gu-stats.json}" \
         --name profile-step-8b-bs12 --out "$OUT"
+      ;;
+    profile-decode)  # issue 5: why agentic's decode steps gained nothing from bf12 weights (session 44)
+      bs=${PROFILE_BS:-8} ctx=${PROFILE_CTX:-4300}
+      stage "profile-8b-bs$bs-ctx$ctx" 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size "$bs" \
+        --context "$ctx" --plans "${PROFILE_PLANS:-triton}" --name "profile-step-8b-bs$bs-ctx$ctx" --out "$OUT"
       ;;
     profile-bs1)  # issue 4: the 8B bs=1 step's kernels, plan by plan (where a fusion's time went)
       stage profile-8b-bs1 240 $py bench/profile_step.py --shape llama-3.1-8b --batch-size 1 --context 1024 \
