@@ -19,6 +19,11 @@ Session 44 adds bf12 (1.5 bytes a weight, near-lossless; the dot path only) and 
 Prediction for bf12: 0.78-0.85x the bf16 GEMV's time on the 8B's projections (its roofline is 0.75x;
 the decode of the exponent codes is integer work hidden under the loads).
 
+Session 45: the bf12 unpack in PTX (``unpack="asm"``, 8 instructions for 4 weights; ``bf12int`` is
+Triton's integer version beside it). Its loop compiles to ~290 instructions a thread for 64 weights
+against ~660 (bf16's: ~125). Prediction: bf12 at 0.76-0.80x bf16 on gate_up / down (near its own
+roofline, as bf16 is near its), qkv / o 0.80-0.85x (their small grids); bf12int as in session 44.
+
 Prediction: fp8 at 0.55-0.65x the bf16 GEMV's time for the large projections (gate_up, down of the
 8B: more bytes in flight are needed per program, so the best fp8 configs take block_k 256-512),
 worse (0.7-0.9x) for the 1B's small ones, where a launch's fixed cost is a larger share.
@@ -76,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = probe_parser(__doc__, reps=40)
     ap.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--rows", default="1,8,16")
-    ap.add_argument("--formats", default="bf16,fp8,bf12", help="the GEMV's weight formats to time")
+    ap.add_argument("--formats", default="bf16,fp8,bf12",
+                    help="the GEMV's weight formats to time (bf12int: bf12 unpacked by Triton's integer ops)")
     ap.add_argument("--bf12-tiles", action="store_true", help="bf12 over BF12_CONFIGS too (session 45)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -115,15 +121,18 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"model": model, "op": op, "m": m, "n": n, "k": k,
                        **{f"floor_{fmt}_us": round(f, 2) for fmt, f in floor.items()}}
                 row["cublas_us"] = round(time_graph(lambda i: F.linear(xs[i], ws[i]), copies, args.reps), 2)
+                floor["bf12int"] = floor["bf12"]
                 for fmt, impl in (("bf16", "triton_gemv_splitk"), ("fp8", "triton_gemv_fp8"),
-                                  ("bf12", "triton_gemv_bf12")):
+                                  ("bf12", "triton_gemv_bf12"), ("bf12int", "triton_gemv_bf12")):
                     if fmt not in args.formats.split(","):
                         continue
                     best, every = None, []
-                    extra = BF12_CONFIGS if fmt == "bf12" and args.bf12_tiles else []
-                    for cfg in CONFIGS + extra + (M1_CONFIGS if m == 1 and fmt != "bf12" else []):
+                    extra = BF12_CONFIGS if fmt.startswith("bf12") and args.bf12_tiles else []
+                    # bf12int: the same GEMV unpacking in Triton's integer ops (session 44's), beside the PTX
+                    fixed = {"unpack": "int"} if fmt == "bf12int" else {}
+                    for cfg in CONFIGS + extra + (M1_CONFIGS if m == 1 and not fmt.startswith("bf12") else []):
                         try:
-                            fn = build_op(f"{op}_proj", impl, {"max_m": 0, **cfg})
+                            fn = build_op(f"{op}_proj", impl, {"max_m": 0, **fixed, **cfg})
                             us = time_graph(lambda i: fn(xs[i], ws[i]), copies, args.reps)
                         except Exception as e:  # a config that does not fit is a result, not a crash
                             print(f"{model} {op} m={m} {fmt} {cfg}: {type(e).__name__}: {str(e)[:200]}",

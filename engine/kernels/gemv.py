@@ -57,10 +57,11 @@ from anneal.engine.kernels.argmax import argmax_merge_kernel
 from anneal.engine.bf12_weights import bf12_of
 from anneal.engine.fp8_weights import fp8_of
 from anneal.engine.kernels.rope import rotate_half
-from anneal.engine.ops.registry import Param, variant
+from anneal.engine.ops.registry import Param, interpreting, variant
 from anneal.engine.plan import BF12_WEIGHT_IMPL, COPY_PROJECTIONS, FP8_WEIGHT_IMPL, GEMV_BLOCK_N, GEMV_MAX_M, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
 
 MAX_SPLIT_K = 16
+BF12_UNPACK = ("asm", "int")  # how the bf12 GEMV rebuilds bf16 weights: PTX (prmt / lop3) or Triton integer ops
 
 
 @triton.jit
@@ -178,17 +179,46 @@ def _add_stats_epilogue(total, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stri
     tl.store(ss_ptr + m * ss_tiles + pid_n, tl.sum(sf * sf, axis=1), mask=mm)
 
 
+# bf12 -> bf16 for four weights in eight instructions (``unpack="asm"``). In: the four low bytes,
+# their code bytes as the tile repeats them (c0 c0 c1 c1: weight 2j's code is byte j's low nibble,
+# 2j+1's its high one) and the row's base in every byte. Each weight's code is brought to the low
+# nibble of its own byte (shr + lop3: byte 0 and 2 from the bytes as they are, 1 and 3 shifted down),
+# then per byte: high byte = (code & 7) + base, its sign bit 3 moved to bit 7 (shl + lop3; a byte's
+# sum is at most 7 + 120, so no carry crosses bytes), and two prmt interleave the low and high bytes
+# into two bf16 pairs. The Triton integer version (``unpack="int"``) takes ~9 instructions a weight,
+# more integer work than an H100 SM issues at the rate HBM delivers bf12 weights (session 45).
+_BF12_ASM = tl.constexpr("""{
+.reg .b32 y, c, t, s;
+shr.u32 y, $3, 4;
+lop3.b32 c, $3, y, 0x00FF00FF, 0xE4;
+and.b32 t, c, 0x07070707;
+add.u32 t, t, $4;
+shl.b32 s, c, 4;
+lop3.b32 t, s, 0x80808080, t, 0xEA;
+prmt.b32 $0, $2, t, 0x5140;
+prmt.b32 $1, $2, t, 0x7362;
+}""")
+
+
 @triton.jit
-def _bf12_tile(w_rows, e_rows, w_base, k0, k_hi, nm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _bf12_tile(w_rows, e_rows, w_base, k0, k_hi, nm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               ASM: tl.constexpr):
     """A ``[BLOCK_N, BLOCK_K]`` tile of W from its bf12 copy (engine/bf12_weights.py), as bf16: each
     weight's low byte and its 4-bit code (sign, top exponent bits less the row's base) made the
-    high byte again."""
+    high byte again; with ``ASM`` by ``_BF12_ASM``, four weights at a time (``w_base``: the rows'
+    bases as uint8 then), else in Triton's integer ops (the interpreter's way)."""
     k = k0 + tl.arange(0, BLOCK_K)
-    lo = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0).to(tl.int32)
+    lo = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0)
     kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    e = tl.load(e_rows + kh[None, :], mask=nm[:, None] & (kh < k_hi // 2)[None, :], other=0).to(tl.int32)
+    e = tl.load(e_rows + kh[None, :], mask=nm[:, None] & (kh < k_hi // 2)[None, :], other=0)
+    if ASM:
+        c = tl.reshape(tl.join(e, e), [BLOCK_N, BLOCK_K])  # each code byte for both of its weights
+        b = tl.broadcast_to(w_base[:, None], [BLOCK_N, BLOCK_K])
+        return tl.inline_asm_elementwise(_BF12_ASM, "=r,=r,r,r,r", [lo, c, b], dtype=tl.bfloat16, is_pure=True,
+                                         pack=4)
+    e = e.to(tl.int32)
     v = tl.reshape(tl.join(e & 15, e >> 4), [BLOCK_N, BLOCK_K])  # byte j: weights 2j (low), 2j + 1
-    bits = (v + (v & 8) * 15 + w_base[:, None]) * 256 + lo  # (sign << 7 | top7) << 8 | lo
+    bits = (v + (v & 8) * 15 + w_base[:, None]) * 256 + lo.to(tl.int32)  # (sign << 7 | top7) << 8 | lo
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
@@ -203,7 +233,7 @@ def _gemv_kernel(
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
     HEAD_D: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1,
     SILU_OUT: tl.constexpr = False, ADD_SS: tl.constexpr = False, BLOCK_SS: tl.constexpr = 1,
-    AHEAD: tl.constexpr = 1, W_SCALED: tl.constexpr = False, W_BF12: tl.constexpr = False,
+    AHEAD: tl.constexpr = 1, W_SCALED: tl.constexpr = False, W_BF12: tl.constexpr = 0,
 ):
     pdl_launch_dependents(PDL == 1)
     pid_n = tl.program_id(0)
@@ -239,6 +269,8 @@ def _gemv_kernel(
     if W_BF12:  # w_ptr is the low bytes; the 4-bit codes and each row's base beside them
         e_rows = wexp_ptr + n.to(tl.int64)[:, None] * (stride_wn // 2)
         w_base = tl.load(wscale_ptr + n, mask=nm, other=0)
+        if W_BF12 == 2:  # the asm unpack takes the base as a byte
+            w_base = w_base.to(tl.uint8)
 
     if BLOCK_M == 1:
         # W does not depend on the previous kernel: its first AHEAD tiles are requested before the
@@ -303,7 +335,7 @@ def _gemv_kernel(
                 w_nxt = w_far
                 w_far = w_new
         elif W_BF12:
-            w = _bf12_tile(w_rows, e_rows, w_base, k0, k_hi, nm, BLOCK_N, BLOCK_K)
+            w = _bf12_tile(w_rows, e_rows, w_base, k0, k_hi, nm, BLOCK_N, BLOCK_K, W_BF12 == 2)
         else:
             w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         xm = mm[:, None] & km[None, :]
@@ -437,11 +469,13 @@ def small_m_gemm(
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
     norm_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None, add_stats: torch.Tensor | None = None,
-    ahead: int = 1, weights: str = "bf16",
+    ahead: int = 1, weights: str = "bf16", unpack: str = "asm",
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``weights="fp8"`` W is read as its e4m3 copy
     (``fp8_weights.fp8_of``: ``(x @ data.T) * scale``, half the bytes), with ``"bf12"`` as its
-    12-bit copy (``bf12_weights.bf12_of``: three quarters of the bytes; the dot path only); with ``silu_mul_input`` x is ``[M, 2K]`` and
+    12-bit copy (``bf12_weights.bf12_of``: three quarters of the bytes; the dot path only; ``unpack``
+    "asm" rebuilds its bf16 values in PTX, "int" in Triton's integer ops, which the interpreter
+    always takes); with ``silu_mul_input`` x is ``[M, 2K]`` and
     ``silu_and_mul(x)`` is used; with ``norm=(residual | None, norm_weight, eps)`` the input is
     ``rmsnorm(x [+ residual])`` and the result is ``(y, x + residual)`` when residual is given.
     The ``norm_stats`` fusion: ``add_stats=residual`` returns ``(y + residual, ss)``
@@ -513,6 +547,8 @@ def small_m_gemm(
         return out if residual is None else (out, summed)
     if reduce not in ("kernel", "ticket") or m1 not in ("dot", "fma") or ahead not in (1, 2, 3):
         raise KernelInputError(f"{name}: reduce must be 'kernel' or 'ticket', m1 'dot' or 'fma', ahead 1-3")
+    if unpack not in BF12_UNPACK:
+        raise KernelInputError(f"{name}: unpack must be one of {BF12_UNPACK}, got {unpack!r}")
     BLOCK_M = _block_m(M, block_m, m1)
     n_tiles = cdiv(N // 2, block_n // 2) if silu_out else cdiv(N, block_n)
     tiles = n_tiles * cdiv(M, BLOCK_M)
@@ -544,7 +580,8 @@ def small_m_gemm(
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
         BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
         ADD_SS=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
-        W_SCALED=weights == "fp8", W_BF12=weights == "bf12",
+        W_SCALED=weights == "fp8",
+        W_BF12=0 if weights != "bf12" else 2 if unpack == "asm" and not interpreting() else 1,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if add_norm is not None:
@@ -617,7 +654,8 @@ for _op in COPY_PROJECTIONS:
                     "the quality check decides); above max_m rows (prompt steps) torch's GEMM on the bf16 W",
     )(_copy_linear("fp8"))
     variant(
-        _op, BF12_WEIGHT_IMPL, params=tuple(p for p in GEMV_PARAMS if p.name not in ("m1", "ahead")),
+        _op, BF12_WEIGHT_IMPL,
+        params=tuple(p for p in GEMV_PARAMS if p.name not in ("m1", "ahead")) + (Param("unpack", BF12_UNPACK, "asm"),),
         devices=("cuda",),
         description="the small-M GEMV (dot path) over W's bf12 copy: bf16 with a 4-bit exponent code a "
                     "weight, three quarters of the bytes; above max_m rows torch's GEMM on the bf16 W",

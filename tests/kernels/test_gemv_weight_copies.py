@@ -125,6 +125,8 @@ def test_bf12_gemv_refuses_what_it_cannot_pack():
         build_op("o_proj", BF12_WEIGHT_IMPL, {"max_m": 0})(x, w)
     with pytest.raises(KernelInputError, match="weights must be 'bf16', 'fp8' or 'bf12'"):
         gemv.small_m_gemm(x, w, weights="int4")
+    with pytest.raises(KernelInputError, match="unpack must be one of"):
+        gemv.small_m_gemm(x.bfloat16(), w.bfloat16(), weights="bf12", unpack="lut")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -231,3 +233,81 @@ def test_a_projection_keeps_only_the_copy_its_plan_reads():
     assert all(weight_copies.has_copy(t, "bf12") for t in qkv)
     with pytest.raises(ValueError, match="unknown format 'int4'"):
         weight_copies.copy_of(qkv[0], "int4")
+
+
+def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run ``asm`` (the few b32 instructions ``gemv._BF12_ASM`` uses) on int64 tensors of uint32
+    values, lane by lane: the interpreter cannot run inline PTX, so this checks its arithmetic."""
+    regs = dict(regs)
+    mask = 0xFFFFFFFF
+
+    def val(a: str) -> torch.Tensor | int:
+        return regs[a] if a in regs else int(a, 0)
+
+    def lop3(a, b, c, lut: int):
+        out = 0
+        for bit in range(8):  # lut bit i is f(a, b, c) for a = i>>2 & 1, b = i>>1 & 1, c = i & 1
+            if lut >> bit & 1:
+                ta = a if bit & 4 else ~a & mask
+                tb = b if bit & 2 else ~b & mask
+                tc = c if bit & 1 else ~c & mask
+                out = out | (ta & tb & tc)
+        return out & mask
+
+    def prmt(a, b, sel: int):
+        out = 0
+        for i in range(4):
+            s = sel >> (4 * i) & 7
+            byte = ((a if s < 4 else b) >> (8 * (s % 4))) & 0xFF
+            out = out | (byte << (8 * i))
+        return out
+
+    ops = {"shr.u32": lambda a, b: a >> b, "shl.b32": lambda a, b: (a << b) & mask, "and.b32": lambda a, b: a & b,
+           "add.u32": lambda a, b: (a + b) & mask, "lop3.b32": lop3, "prmt.b32": prmt}
+    for line in asm.strip().strip("{}").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *srcs = [a.strip() for a in args.split(",")]
+        regs[dst] = ops[op](*(val(s) for s in srcs))
+    return regs
+
+
+def test_the_ptx_unpack_rebuilds_what_unpacked_does():
+    """``gemv._BF12_ASM`` (the GPU's bf12 unpack, four weights an instance) gives the bf16 bits
+    ``b12.unpacked`` does, for every code, sign and base, emulated instruction by instruction."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(64, 256, generator=g) * torch.logspace(-35, 30, 64)[:, None]).bfloat16()
+    w[0, :8] = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-40, -2.0 ** -133]).bfloat16()
+    q = b12.pack(w)
+    assert int(q.base.max()) > 100 and int(q.base.min()) == 0  # the window's whole range of bases
+    want = b12.unpacked(q).view(torch.int16).to(torch.int64) & 0xFFFF  # [N, K]
+    lo = q.lo.to(torch.int64).view(64, -1, 4)  # four weights an instance
+    codes = q.codes.to(torch.int64).view(64, -1, 2)
+    as_word = lambda b: b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24  # noqa: E731
+    regs = {"$2": as_word(lo),  # the low bytes; the code bytes as the tile repeats them: c0 c0 c1 c1
+            "$3": as_word(torch.stack((codes[..., 0], codes[..., 0], codes[..., 1], codes[..., 1]), -1)),
+            "$4": (q.base.to(torch.int64) * 0x01010101)[:, None].expand(lo.shape[:2])}
+    out = _run_ptx(str(gemv._BF12_ASM.value), regs)
+    got = torch.stack((out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16), -1).view(64, -1)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", [{}, {"block_n": 32, "block_k": 256, "reduce": "ticket"},
+                                    {"block_n": 16, "block_k": 512, "split_k": 1, "num_warps": 8},
+                                    {"block_n": 128, "block_k": 128, "block_m": 32, "num_stages": 4}])
+def test_the_ptx_unpack_gives_the_integer_unpack_s_bits(params):
+    """On the GPU the bf12 GEMV's two unpacks (PTX and Triton integer ops) feed the same bf16 tile to
+    the same dot: their outputs are equal bit for bit, plain and fused, at the shapes of the 8B."""
+    for i, (M, N, K) in enumerate(SHAPES_GPU[:5]):
+        g = gen(7000 + i, "cuda")
+        x = randn(M, K, dtype=torch.bfloat16, device="cuda", g=g)
+        w = randn(N, K, dtype=torch.bfloat16, device="cuda", g=g, scale=K ** -0.5)
+        asm, ints = (gemv.small_m_gemm(x, w, weights="bf12", unpack=u, **params) for u in ("asm", "int"))
+        assert torch.equal(asm, ints), (params, M, N, K)
+    x = randn(5, 4096, dtype=torch.bfloat16, device="cuda", g=g)
+    gu = randn(2 * 1024, 4096, dtype=torch.bfloat16, device="cuda", g=g, scale=4096 ** -0.5)
+    asm, ints = (gemv.gate_up_silu(x, gu, weights="bf12", unpack=u, **params) for u in ("asm", "int"))
+    assert torch.equal(asm, ints), params
