@@ -190,11 +190,12 @@ def step_tokens(spec: BenchSpec) -> int:
 
 
 def projection_weight_elems(shape: ModelShape, op: str, tp: int) -> float:
-    """Elements of a layer projection's weight on one rank (what ``_costs`` counts for its W)."""
+    """Elements of a projection's weight on one rank (what ``_costs`` counts for its W; lm_head's split
+    by vocabulary rows)."""
     H, D, I = shape.hidden_size, shape.head_dim, shape.intermediate_size
     Hq, Hkv = shape.num_heads / tp, max(1.0, shape.num_kv_heads / tp)
     return {"qkv_proj": (Hq + 2 * Hkv) * D * H, "o_proj": H * Hq * D, "gate_up_proj": 2 * I / tp * H,
-            "down_proj": H * I / tp}[op]
+            "down_proj": H * I / tp, "lm_head": shape.vocab_size / tp * H}[op]
 
 
 COPY_BYTES = {"fp8": 1.0, "bf12": 1.5}  # bytes a weight of each second-copy format (engine/weight_copies.py)

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import Gain, OpChoice, Plan, weight_copies
+from anneal.engine.plan import BF12_GEMV_DEFAULTS, BF12_WEIGHT_IMPL, Gain, OpChoice, Plan, weight_copies
 from anneal.agents.lab import Lab
 from anneal.agents.scheduler_tuner import score
 from anneal.agents.types import BenchSpec, Candidate, Experiment, LatencyObjective, Measurement, VerifyReport
@@ -289,11 +289,22 @@ def without_weight_copies(cand: Candidate) -> Candidate | None:
     copies = weight_copies(cand.plan)
     if not copies:
         return None
-    ops = {op: OpChoice(impl="triton_gemv_splitk", params=dict(cand.plan.choice(op).params)) for op in copies}
+    ops = {op: OpChoice(impl="triton_gemv_splitk", params=bf16_gemv_params(cand.plan.choice(op))) for op in copies}
     plan = cand.plan.with_ops(**ops).model_copy(update={"name": None})
     formats = "/".join(sorted(set(copies.values())))
     return Candidate(plan=plan, agent=cand.agent, parent=cand.hash,
                      note=f"{cand.note} without {formats} weights (it failed verification)".strip())
+
+
+def bf16_gemv_params(choice: OpChoice) -> dict:
+    """The bf16 GEMV's params for the tiles a copy's GEMV ``choice`` runs: the bf12 GEMV's own
+    defaults made explicit (they differ from the bf16 GEMV's), its ``unpack`` dropped (a bf12 knob
+    the bf16 variant does not declare)."""
+    params = dict(choice.params)
+    if choice.impl == BF12_WEIGHT_IMPL:
+        params = {**BF12_GEMV_DEFAULTS, **params}
+        params.pop("unpack", None)
+    return params
 
 
 def without_own_fusions(cand: Candidate, baseline: Plan) -> Candidate | None:

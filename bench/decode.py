@@ -45,8 +45,7 @@ def plan_weight_bytes(engine, plan) -> int:
 
     total = engine.weights.nbytes()
     for op, fmt in plan_copies(plan).items():
-        for layer in engine.weights.layers:
-            t = getattr(layer, WEIGHT_FIELDS[op])
+        for t in engine.weights.copy_targets(WEIGHT_FIELDS[op]):
             total += weight_copies.copy_bytes(t, fmt) - t.numel() * t.element_size()
     return total
 

@@ -58,6 +58,11 @@ class Weights:
                 total += t.numel() * t.element_size()
         return total
 
+    def copy_targets(self, field: str) -> list[torch.Tensor]:
+        """The tensors a second copy of ``field`` (``plan.WEIGHT_FIELDS``' values) hangs on: lm_head
+        itself, or that attribute of every layer."""
+        return [self.lm_head] if field == "lm_head" else [getattr(L, field) for L in self.layers]
+
     def tensors(self) -> list[torch.Tensor]:
         out = [self.embed, self.final_norm, self.lm_head]
         for L in self.layers:
@@ -99,12 +104,12 @@ def set_weight_copies(w: Weights, wanted: dict[str, str], make: bool = True) -> 
     if unknown or bad:
         raise ValueError(f"weight copies: unknown projections {sorted(unknown)} / formats {sorted(bad)} "
                          f"(projections: {list(every)}; formats: {formats})")
-    freed = sum(weight_copies.drop((getattr(L, f) for L in w.layers for f in every if wanted.get(f) != fmt), fmt)
+    freed = sum(weight_copies.drop((t for f in every if wanted.get(f) != fmt for t in w.copy_targets(f)), fmt)
                 for fmt in formats)
     if not make:
         return freed
-    missing = [(getattr(L, f), fmt) for L in w.layers for f, fmt in wanted.items()
-               if not weight_copies.has_copy(getattr(L, f), fmt)]
+    missing = [(t, fmt) for f, fmt in wanted.items() for t in w.copy_targets(f)
+               if not weight_copies.has_copy(t, fmt)]
     if missing:
         _check_room(w.embed.device, sum(weight_copies.copy_bytes(t, fmt) for t, fmt in missing),
                     "weight copies: the copies", what="the weight copies need",

@@ -464,6 +464,25 @@ def _block_m(M: int, block_m: int, m1: str) -> int:
     return min(block_m, pow2(M, 16))
 
 
+def _weight_copy(name: str, weight: torch.Tensor, weights: str, unpack: str):
+    """What the kernel streams for ``weight`` in format ``weights``: (the tensor, the fp8 row scales
+    or the bf12 rows' bases, the bf12 codes, the kernel's ``W_BF12`` mode: 0 not bf12, 1 Triton's
+    integer unpack, 2 the PTX one)."""
+    if unpack not in BF12_UNPACK:
+        raise KernelInputError(f"{name}: unpack must be one of {BF12_UNPACK}, got {unpack!r}")
+    if weights == "bf16":
+        return weight, None, None, 0
+    if weights == "fp8":  # the e4m3 copy streams instead of W; its row scales are applied once per output
+        data, scale = fp8_of(weight)
+        return data, scale, None, 0
+    if weights == "bf12":  # low bytes and 4-bit codes stream instead of W
+        if weight.dtype != torch.bfloat16:
+            raise KernelInputError(f"{name}: bf12 weights pack bf16 weights, got {weight.dtype}")
+        lo, codes, base, _ = bf12_of(weight)
+        return lo, base, codes, 2 if unpack == "asm" and not interpreting() else 1
+    raise KernelInputError(f"{name}: weights must be 'bf16', 'fp8' or 'bf12', got {weights!r}")
+
+
 def small_m_gemm(
     x: torch.Tensor, weight: torch.Tensor, *, silu_mul_input: bool = False,
     norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, block_m: int = 64,
@@ -492,16 +511,9 @@ def small_m_gemm(
         raise KernelInputError(f"{name}: need gate_up[M, 2*K] for weight[N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
     _check(name, x, weight, x.shape[1] // 2 if silu_mul_input else x.shape[1] if x.dim() == 2 else -1)
     N = weight.shape[0]
-    wscale = wexp = None  # fp8: the row scales; bf12: the rows' exponent bases, and the codes
-    if weights == "fp8":  # the e4m3 copy streams instead of W; its row scales are applied once per output
-        weight, wscale = fp8_of(weight)
-    elif weights == "bf12":  # low bytes and 4-bit codes stream instead of W
-        if weight.dtype != torch.bfloat16:
-            raise KernelInputError(f"{name}: bf12 weights pack bf16 weights, got {weight.dtype}")
-        weight, wexp, wscale, _ = bf12_of(weight)  # low bytes, codes, the rows' bases
+    weight, wscale, wexp, w_mode = _weight_copy(name, weight, weights, unpack)
+    if weights == "bf12":
         m1 = "dot"  # the register-FMA path prefetches raw W tiles ahead of the PDL wait: bf16 only
-    elif weights != "bf16":
-        raise KernelInputError(f"{name}: weights must be 'bf16', 'fp8' or 'bf12', got {weights!r}")
     residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
     norm_w = norm_w.contiguous() if norm_w is not None else None
     if norm is not None:
@@ -549,8 +561,6 @@ def small_m_gemm(
         return out if residual is None else (out, summed)
     if reduce not in ("kernel", "ticket") or m1 not in ("dot", "fma") or ahead not in (1, 2, 3):
         raise KernelInputError(f"{name}: reduce must be 'kernel' or 'ticket', m1 'dot' or 'fma', ahead 1-3")
-    if unpack not in BF12_UNPACK:
-        raise KernelInputError(f"{name}: unpack must be one of {BF12_UNPACK}, got {unpack!r}")
     BLOCK_M = _block_m(M, block_m, m1)
     n_tiles = cdiv(N // 2, block_n // 2) if silu_out else cdiv(N, block_n)
     tiles = n_tiles * cdiv(M, BLOCK_M)
@@ -582,8 +592,7 @@ def small_m_gemm(
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
         BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
         ADD_SS=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
-        W_SCALED=weights == "fp8",
-        W_BF12=0 if weights != "bf12" else 2 if unpack == "asm" and not interpreting() else 1,
+        W_SCALED=weights == "fp8", W_BF12=w_mode,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     if add_norm is not None:
@@ -753,14 +762,19 @@ LM_HEAD_ARGMAX_PARAMS = (
 def lm_head_argmax(
     x: torch.Tensor, weight: torch.Tensor, *, block_m: int = 64, block_n: int = 128,
     block_k: int = 128, num_warps: int = 4, num_stages: int = 3, m1: str = "dot", pdl: bool = False,
-    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, weights: str = "bf16",
+    unpack: str = "asm",
 ) -> torch.Tensor:
     """Greedy tokens ``argmax(x @ weight.T, -1)`` as int64 ``[B]`` without writing the logits.
 
     With ``norm=(residual | None, norm_weight, eps)`` the input is first ``(add_)rmsnorm``-ed in
-    the kernel's prologue (the model's final norm), as in ``add_rmsnorm_linear``."""
+    the kernel's prologue (the model's final norm), as in ``add_rmsnorm_linear``. ``weights`` /
+    ``unpack``: W read from a second copy, as in ``small_m_gemm`` (the lm_head op on that copy)."""
     name = "lm_head_argmax"
     _check(name, x, weight, x.shape[1] if x.dim() == 2 else -1)
+    weight, wscale, wexp, w_mode = _weight_copy(name, weight, weights, unpack)
+    if weights == "bf12":
+        m1 = "dot"
     M, K = x.shape
     residual, norm_w, eps = norm if norm is not None else (None, None, 0.0)
     norm_w = norm_w.contiguous() if norm_w is not None else None
@@ -784,10 +798,11 @@ def lm_head_argmax(
         x, weight, vals, vals, vals, idxs, r, norm_w if norm_w is not None else x, summed, x,
         x, x, x, x, x, x,
         M, N, K, x.stride(0), weight.stride(0), 0, r.stride(0), summed.stride(0),
-        cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0, x, 0, x, x,
+        cdiv(K, block_k) * block_k, float(eps), 0, 0, 0, 0, x, 0, x if wscale is None else wscale,
+        x if wexp is None else wexp,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, SILU_MUL=False,
         NORM=0 if norm is None else 1 if residual is None else 2, ARGMAX=True, TICKET=False,
-        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_mode(pdl),
+        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_mode(pdl), W_SCALED=weights == "fp8", W_BF12=w_mode,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
     argmax_merge_kernel[(M,)](vals, idxs, tokens, tiles, BLOCK_T=min(1024, pow2(tiles)),

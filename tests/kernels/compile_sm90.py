@@ -95,12 +95,18 @@ def specs():
                                           AHEAD=ahead), 4
     # bf12 weights (1: Triton's integer unpack, 2: the PTX one), plain and in the fusions that read them
     bf12_ptrs = {**GEMV_PTRS, "w_ptr": "*u8", "wexp_ptr": "*u8", "wscale_ptr": "*i32"}
-    for unpack, (bm, bn, bk, split, rope, silu_out) in ((u, c) for u in (1, 2) for c in (
-            (16, 32, 256, 2, False, False), (16, 64, 128, 1, True, False), (64, 32, 256, 4, False, True))):
-        yield gemv._gemv_kernel, bf12_ptrs, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SILU_MUL=False,
-                                                 NORM=0, ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False,
-                                                 ROPE=rope, HEAD_D=64 if rope else 1, ADD_NORM=False, BLOCK_NORM=1,
-                                                 SILU_OUT=silu_out, W_BF12=unpack), 4
+    for unpack in (1, 2):
+        for bm, bn, bk, split, rope, silu_out in ((16, 32, 256, 2, False, False), (16, 64, 128, 1, True, False),
+                                                  (64, 32, 256, 4, False, True)):
+            yield gemv._gemv_kernel, bf12_ptrs, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SILU_MUL=False,
+                                                     NORM=0, ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False,
+                                                     ROPE=rope, HEAD_D=64 if rope else 1, ADD_NORM=False,
+                                                     BLOCK_NORM=1, SILU_OUT=silu_out, W_BF12=unpack), 4
+        # lm_head + argmax over lm_head's bf12 copy (session 45)
+        yield gemv._gemv_kernel, bf12_ptrs, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, SILU_MUL=False, NORM=0,
+                                                 ARGMAX=True, TICKET=False, PREC="tf32", UPCAST=False, ROPE=False,
+                                                 HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False,
+                                                 W_BF12=unpack), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import persistent_chain  # bench/: the persistent GEMV chain experiment (session 18)

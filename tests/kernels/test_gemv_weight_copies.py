@@ -157,11 +157,15 @@ def test_fused_gemvs_read_the_copy(device, fmt, dtype):
         }
         for name, (got, want) in cases.items():
             assert_close(got, want, TOL_ACC, what=f"{fmt} {name} {M}x{N}x{K} {dtype}")
+        # lm_head on a copy (session 45): the greedy tokens of the same numbers, tile for tile
+        tiles = {k: v for k, v in kw.items() if k in ("block_n", "block_k")}
+        got, want = gemv.lm_head_argmax(x, w, weights=fmt, **tiles), gemv.lm_head_argmax(x, wd, **tiles)
+        assert torch.equal(got, want), (fmt, M, N, K, got, want)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fmt", ["fp8", "bf12"])
-def test_copy_plan_generates_as_the_reference_on_the_same_weights(device, fmt):
+def test_copy_plan_generates_as_the_reference_on_the_same_weights(device, fmt, monkeypatch):
     """A Llama on a fused plan whose four projections read fp8 (bf12) copies generates what the
     reference plan generates on the weights they stand for (rounded through e4m3 or bf12 first, so
     both runs use the same numbers); the copies exist while the plan serves and go with the next
@@ -177,6 +181,7 @@ def test_copy_plan_generates_as_the_reference_on_the_same_weights(device, fmt):
     eng = Engine(EngineArgs(model="random:tiny", device=device, dtype="float32" if fmt == "fp8" else "bfloat16",
                             num_kv_blocks=128, max_model_len=256))
     projections = [(L, name) for L in eng.weights.layers for name in ("qkv", "o", "gate_up", "down")]
+    projections.append((eng.weights, "lm_head"))  # lm_head reads its copy too, unfused and fused with argmax
     for L, name in projections:
         w = getattr(L, name)
         w.copy_(dense(make(w), w.dtype))
@@ -185,14 +190,21 @@ def test_copy_plan_generates_as_the_reference_on_the_same_weights(device, fmt):
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, eng.config.vocab_size, (n,), generator=g).tolist() for n in (6, 30)]
     ref = eng.generate(prompts, params)
-    plan = fused_plan(device, ("norm_stats", "qkv_rope", "gate_up_silu"))
+    plan = fused_plan(device, ("norm_stats", "qkv_rope", "gate_up_silu", "lm_head_argmax"))
     dot_only = ("m1", "ahead") if fmt == "bf12" else ()  # bf12: the dot path only
     plan = plan.model_copy(update={"ops": {**plan.ops, **{
-        op: OpChoice(impl=impl, params={k: v for k, v in plan.ops[op].params.items() if k not in dot_only})
-        for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}}})
+        op: OpChoice(impl=impl, params={k: v for k, v in plan.choice(op).params.items() if k not in dot_only})
+        for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}}})
     eng.apply_plan(plan)
     assert all(weight_copies.has_copy(getattr(L, name), fmt) for L, name in projections)
+    read = set()  # (kernel, format, rows of W) of every GEMV the steps launch
+    copy_of_w = gemv._weight_copy
+    monkeypatch.setattr(gemv, "_weight_copy", lambda name, w, weights, unpack: (
+        read.add((name, weights, w.shape[0])), copy_of_w(name, w, weights, unpack))[1])
     got = eng.generate(prompts, params)
+    # lm_head reads its copy: fused with the argmax in the GPU's decode graphs, as the op on the CPU
+    head = "lm_head_argmax" if device == "cuda" else "linear"
+    assert (head, fmt, eng.config.vocab_size) in read and (head, "bf16", eng.config.vocab_size) not in read, read
     agree = sum(a == b for r, o in zip(ref, got) for a, b in zip(r, o)) / sum(len(r) for r in ref)
     assert agree > 0.98, (agree, ref, got)
     # the next plan's second copies are made only once this one's are gone (an 8B on an H100 has
@@ -227,7 +239,10 @@ def test_a_projection_keeps_only_the_copy_its_plan_reads():
     assert freed == sum(f8.fp8_bytes(t) + b12.bf12_bytes(L.o) for t, L in zip(qkv, eng.weights.layers))
     assert all(weight_copies.has_copy(t, "bf12") and not weight_copies.has_copy(t, "fp8") for t in qkv)
     assert not any(weight_copies.has_copy(L.o, "bf12") for L in eng.weights.layers)
-    for bad in ({"lm_head": "bf12"}, {"qkv": "int4"}):
+    assert set_weight_copies(eng.weights, {"qkv": "bf12", "lm_head": "bf12"}) == 0  # lm_head: one tensor
+    assert weight_copies.has_copy(eng.weights.lm_head, "bf12")
+    assert set_weight_copies(eng.weights, {"qkv": "bf12"}) == b12.bf12_bytes(eng.weights.lm_head)
+    for bad in ({"embed": "bf12"}, {"qkv": "int4"}):
         with pytest.raises(ValueError, match="weight copies: unknown"):
             set_weight_copies(eng.weights, bad)
     assert all(weight_copies.has_copy(t, "bf12") for t in qkv)
