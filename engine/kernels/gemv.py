@@ -189,6 +189,9 @@ def _add_stats_epilogue(total, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stri
 # sum is at most 7 + 120, so no carry crosses bytes), and two prmt interleave the low and high bytes
 # into two bf16 pairs. The Triton integer version (``unpack="int"``) takes ~9 instructions a weight,
 # more integer work than an H100 SM issues at the rate HBM delivers bf12 weights (session 45).
+# It relies on Triton handing each instance four consecutive weights of a row: the tile's layout keeps
+# 8 consecutive K elements in a thread's registers (Triton 3.6, sm_90, seen in the TTGIR); the GPU test
+# holds its output to the integer unpack's bit for bit, so a layout that broke this would fail there.
 _BF12_ASM = tl.constexpr("""{
 .reg .b32 y, c, t, s;
 shr.u32 y, $3, 4;
