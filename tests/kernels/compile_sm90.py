@@ -248,6 +248,26 @@ def loop_pipelining() -> dict[str, dict[int, tuple[int, int]]]:
     }
 
 
+def bf12_loop_instructions() -> dict[str, int]:
+    """PTX instructions in the GEMV's dot loop (one K tile: 64 weights a thread at block_n 32, block_k
+    256, 4 warps) on bf16 W and on its bf12 copy unpacked in Triton's integer ops and in PTX (session
+    45: ~125, ~660 and ~290 with Triton 3.6)."""
+    import re
+
+    from anneal.engine.kernels import gemv
+
+    base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, SILU_MUL=False, NORM=0, ARGMAX=False, TICKET=True,
+                PREC="tf32", UPCAST=False, ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False, PDL=False)
+    bf12_ptrs = {**GEMV_PTRS, "w_ptr": "*u8", "wexp_ptr": "*u8", "wscale_ptr": "*i32"}
+    out = {}
+    for name, ptrs, mode in (("bf16", GEMV_PTRS, 0), ("bf12_int", bf12_ptrs, 1), ("bf12_asm", bf12_ptrs, 2)):
+        ptx = compile_one(gemv._gemv_kernel, ptrs, dict(base, W_BF12=mode), 4, num_stages=3).asm["ptx"]
+        loop = ptx[ptx.index("Inner Loop Header"):]
+        loop = loop[:loop.index("bra.uni")]
+        out[name] = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?[a-z][a-z0-9_.]*(?:\s|;)", loop, re.M))
+    return out
+
+
 def rope_store_arithmetic() -> dict[str, dict[str, int]]:
     """The bf16 arithmetic instructions in the qk_rope_store kernel's PTX (Llama, bf16), as launched
     and with FMA contraction on: contracted, a rotation is one rounding short (session 21)."""
@@ -276,6 +296,11 @@ def main() -> int:
         import json
 
         print(json.dumps(loop_pipelining()))
+        return 0
+    if "--bf12-loop-instructions" in sys.argv:
+        import json
+
+        print(json.dumps(bf12_loop_instructions()))
         return 0
     if "--rope-attention-usage" in sys.argv:
         import json
