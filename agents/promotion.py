@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from anneal.engine.plan import BF12_GEMV_DEFAULTS, BF12_WEIGHT_IMPL, Gain, OpChoice, Plan, weight_copies
+from anneal.engine.plan import Gain, OpChoice, Plan, gemv_tiles, weight_copies
 from anneal.agents.lab import Lab
 from anneal.agents.scheduler_tuner import score
 from anneal.agents.types import BenchSpec, Candidate, Experiment, LatencyObjective, Measurement, VerifyReport
@@ -300,10 +300,8 @@ def bf16_gemv_params(choice: OpChoice) -> dict:
     """The bf16 GEMV's params for the tiles a copy's GEMV ``choice`` runs: the bf12 GEMV's own
     defaults made explicit (they differ from the bf16 GEMV's), its ``unpack`` dropped (a bf12 knob
     the bf16 variant does not declare)."""
-    params = dict(choice.params)
-    if choice.impl == BF12_WEIGHT_IMPL:
-        params = {**BF12_GEMV_DEFAULTS, **params}
-        params.pop("unpack", None)
+    params = gemv_tiles(choice.impl, choice.params)
+    params.pop("unpack", None)
     return params
 
 

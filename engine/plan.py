@@ -145,13 +145,19 @@ def weight_copies(plan: "Plan") -> dict[str, str]:
             if plan.choice(p).impl in WEIGHT_COPY_IMPLS}
 
 
+def gemv_tiles(impl: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` of a Triton GEMV choice with the bf12 GEMV's own defaults made explicit where
+    ``impl`` is it (``BF12_GEMV_DEFAULTS``): the tiles it runs, whoever else runs them."""
+    return {**BF12_GEMV_DEFAULTS, **params} if impl == BF12_WEIGHT_IMPL else dict(params)
+
+
 def fused_gemv_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The GEMV kernel params a fusion takes from its projection's choice (the projection's own when
     it is the Triton GEMV, on a weight copy or not, else the GEMV's defaults), and the row count
     above which the unfused ops run instead (prefill)."""
     if impl != "triton_gemv_splitk" and impl not in WEIGHT_COPY_IMPLS:
         return {}, GEMV_MAX_M
-    p = {**BF12_GEMV_DEFAULTS, **params} if impl == BF12_WEIGHT_IMPL else dict(params)
+    p = gemv_tiles(impl, params)
     if impl in WEIGHT_COPY_IMPLS:
         p["weights"] = WEIGHT_COPY_IMPLS[impl]  # the fused GEMV streams the same copy the projection does
     return p, p.pop("max_m", GEMV_MAX_M) or 1 << 30

@@ -36,6 +36,8 @@ DECODE_SPLIT_PTRS = {"bt_ptr": "*i32", "lens_ptr": "*i32", "po_ptr": "*fp32", "p
 # the GEMV kernel's non-bf16 pointers (its split-K workspace, argmax, ticket and RoPE operands)
 GEMV_PTRS = {"ws_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
              "cs_ptr": "*fp32", "slot_ptr": "*i64"}
+# the same over a bf12 copy: W's low bytes, its 4-bit codes and the rows' bases
+BF12_GEMV_PTRS = {**GEMV_PTRS, "w_ptr": "*u8", "wexp_ptr": "*u8", "wscale_ptr": "*i32"}
 
 
 def specs():
@@ -94,19 +96,18 @@ def specs():
                                           HEAD_D=64 if rope else 1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False,
                                           AHEAD=ahead), 4
     # bf12 weights (1: Triton's integer unpack, 2: the PTX one), plain and in the fusions that read them
-    bf12_ptrs = {**GEMV_PTRS, "w_ptr": "*u8", "wexp_ptr": "*u8", "wscale_ptr": "*i32"}
     for unpack in (1, 2):
         for bm, bn, bk, split, rope, silu_out in ((16, 32, 256, 2, False, False), (16, 64, 128, 1, True, False),
                                                   (64, 32, 256, 4, False, True)):
-            yield gemv._gemv_kernel, bf12_ptrs, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SILU_MUL=False,
-                                                     NORM=0, ARGMAX=False, TICKET=True, PREC="tf32", UPCAST=False,
-                                                     ROPE=rope, HEAD_D=64 if rope else 1, ADD_NORM=False,
-                                                     BLOCK_NORM=1, SILU_OUT=silu_out, W_BF12=unpack), 4
+            yield gemv._gemv_kernel, BF12_GEMV_PTRS, dict(
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SILU_MUL=False, NORM=0, ARGMAX=False, TICKET=True,
+                PREC="tf32", UPCAST=False, ROPE=rope, HEAD_D=64 if rope else 1, ADD_NORM=False, BLOCK_NORM=1,
+                SILU_OUT=silu_out, W_BF12=unpack), 4
         # lm_head + argmax over lm_head's bf12 copy (session 45)
-        yield gemv._gemv_kernel, bf12_ptrs, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, SILU_MUL=False, NORM=0,
-                                                 ARGMAX=True, TICKET=False, PREC="tf32", UPCAST=False, ROPE=False,
-                                                 HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False,
-                                                 W_BF12=unpack), 4
+        yield gemv._gemv_kernel, BF12_GEMV_PTRS, dict(
+            BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, SILU_MUL=False, NORM=0, ARGMAX=True, TICKET=False,
+            PREC="tf32", UPCAST=False, ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False,
+            W_BF12=unpack), 4
     yield gemv._splitk_sum_kernel, {"ws_ptr": "*fp32"}, dict(SPLIT_K=4, BLOCK=1024), 4
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import persistent_chain  # bench/: the persistent GEMV chain experiment (session 18)
@@ -258,9 +259,9 @@ def bf12_loop_instructions() -> dict[str, int]:
 
     base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, SILU_MUL=False, NORM=0, ARGMAX=False, TICKET=True,
                 PREC="tf32", UPCAST=False, ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False, PDL=False)
-    bf12_ptrs = {**GEMV_PTRS, "w_ptr": "*u8", "wexp_ptr": "*u8", "wscale_ptr": "*i32"}
     out = {}
-    for name, ptrs, mode in (("bf16", GEMV_PTRS, 0), ("bf12_int", bf12_ptrs, 1), ("bf12_asm", bf12_ptrs, 2)):
+    for name, ptrs, mode in (("bf16", GEMV_PTRS, 0), ("bf12_int", BF12_GEMV_PTRS, 1),
+                             ("bf12_asm", BF12_GEMV_PTRS, 2)):
         ptx = compile_one(gemv._gemv_kernel, ptrs, dict(base, W_BF12=mode), 4, num_stages=3).asm["ptx"]
         loop = ptx[ptx.index("Inner Loop Header"):]
         loop = loop[:loop.index("bra.uni")]
