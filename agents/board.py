@@ -98,6 +98,11 @@ class Board:
     token_graph_sizes: list[int] | None = None
     # fusions whose paired trial against the base won -> their step ratio projected to the whole model
     fusions: dict[str, float] = field(default_factory=dict)
+    # the same for the GEMV fusions the tuned ops retile, each tried again beside the tuned ops
+    # (``fusion_retrials``), and the plan they were tried on: its projections' tiles are the ones
+    # those ratios hold for
+    retried_fusions: dict[str, float] = field(default_factory=dict)
+    retrial_base: Plan | None = None
     plans: list[tuple[float, Plan, str]] = field(default_factory=list)  # (ms, plan, agent) decode-spec
     notes: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -162,28 +167,52 @@ class Board:
         with self._lock:
             self.fusions[name] = min(ratio, self.fusions.get(name, ratio))
 
-    def _fusion_set(self, allowed: list[str]) -> list[str]:
-        """Of the ``allowed`` kept fusions, the set the engine runs together (``plan.FUSION_CONFLICTS``)
-        whose trials' ratios multiply to the least: each trial ran one fusion beside the base, and
-        their gains are taken to compound. Session 26's 30-minute chat compile kept norm_stats
-        x0.981, rope_attention x0.981, folded_norm x0.983 and gate_up_silu x0.985; taking the fastest
-        first gave norm_stats + gate_up_silu (x0.966), where rope_attention + folded_norm (x0.964)
-        is the hand-set best's pair."""
-        names = sorted(allowed, key=self.fusions.get)  # ties go to the faster trials
+    def keep_retried_fusion(self, tuned: Plan, name: str, ratio: float) -> None:
+        """``name`` won its trial beside the tuned ops ``tuned`` (``fusion_retrials``)."""
+        with self._lock:
+            self.retrial_base = tuned
+            self.retried_fusions[name] = min(ratio, self.retried_fusions.get(name, ratio))
+
+    def tuned_ops(self, base: Plan) -> Plan:
+        """``base`` with every tuned op (and the agent-written kernels they name), nothing else."""
+        with self._lock:
+            ops = {op: ch for op, (ch, _) in self.best_ops.items()}
+            return base.with_ops(**ops).model_copy(update={"kernels": [*base.kernels, *self._sources(ops)]})
+
+    def _sources(self, ops: dict[str, OpChoice]) -> list[KernelSource]:
+        """The agent-written kernels ``ops`` name (lock held)."""
+        return [self.kernels[f"{op}/{ch.impl}"] for op, ch in sorted(ops.items()) if f"{op}/{ch.impl}" in self.kernels]
+
+    @staticmethod
+    def _fusion_set(ratios: dict[str, float]) -> list[str]:
+        """Of the kept fusions (-> their trials' ratios), the set the engine runs together
+        (``plan.FUSION_CONFLICTS``) whose trials' ratios multiply to the least: each trial ran one
+        fusion beside the base, and their gains are taken to compound. Session 26's 30-minute chat
+        compile kept norm_stats x0.981, rope_attention x0.981, folded_norm x0.983 and gate_up_silu
+        x0.985; taking the fastest first gave norm_stats + gate_up_silu (x0.966), where
+        rope_attention + folded_norm (x0.964) is the hand-set best's pair."""
+        names = sorted(ratios, key=ratios.get)  # ties go to the faster trials
         best, best_ratio = [], 1.0
         for r in range(len(names), 0, -1):
             for combo in itertools.combinations(names, r):
-                ratio = math.prod(self.fusions[f] for f in combo)
+                ratio = math.prod(ratios[f] for f in combo)
                 if ratio < best_ratio and not fusion_conflicts(combo):
                     best, best_ratio = list(combo), ratio
         return best
 
     def _compatible_fusions(self, plan: Plan, base: Plan) -> list[str]:
         """The best set (``_fusion_set``) of the kept fusions that ``plan``'s ops allow and leave as
-        their trials ran them (a fusion whose GEMV the tuned projections retile is another kernel)."""
-        blocked = fusion_blockers(plan.model_copy(update={"fusions": dict.fromkeys(self.fusions, True)}))
+        their trials ran them: a fusion whose GEMV the tuned projections retile is another kernel,
+        so it counts only by its trial beside those tuned ops (``retried_fusions``), if it had one."""
+        every = dict.fromkeys([*self.fusions, *self.retried_fusions], True)
+        blocked = fusion_blockers(plan.model_copy(update={"fusions": every}))
         changed = retiled_fusions(plan, base)
-        return self._fusion_set([f for f in self.fusions if f not in blocked and f not in changed])
+        ratios = {f: r for f, r in self.fusions.items() if f not in blocked and f not in changed}
+        if self.retrial_base is not None:
+            again = retiled_fusions(plan, self.retrial_base)
+            ratios.update({f: r for f, r in self.retried_fusions.items()
+                           if f not in blocked and f in changed and f not in again})
+        return self._fusion_set(ratios)
 
     def composite(self, base: Plan, fusions_first: bool = False) -> Plan:
         """The base plan with every tuned op, the fitted graph buckets, the token graphs and the
@@ -196,7 +225,7 @@ class Board:
         with self._lock:
             ops = {op: ch for op, (ch, _) in self.best_ops.items()}
             if fusions_first and self.fusions:
-                wanted = self._fusion_set(list(self.fusions))
+                wanted = self._fusion_set(dict(self.fusions))
                 on = {"fusions": dict.fromkeys(wanted, True)}
 
                 def spoils(op: str, ch: OpChoice) -> bool:
@@ -206,16 +235,14 @@ class Board:
 
                 ops = {op: ch for op, ch in ops.items() if not spoils(op, ch)}
             plan = base.with_ops(**ops)
-            needed = [self.kernels[f"{op}/{ch.impl}"] for op, ch in sorted(ops.items())
-                      if f"{op}/{ch.impl}" in self.kernels]
-            upd: dict[str, Any] = {"name": "composite", "kernels": [*base.kernels, *needed]}
+            upd: dict[str, Any] = {"name": "composite", "kernels": [*base.kernels, *self._sources(ops)]}
             if self.scheduler is not None:
                 upd["scheduler"] = self.scheduler
             if self.graph_batch_sizes is not None:
                 upd["cuda_graph_batch_sizes"] = list(self.graph_batch_sizes)
             if self.token_graph_sizes is not None:
                 upd["cuda_graph_token_sizes"] = list(self.token_graph_sizes)
-            if self.fusions:
+            if self.fusions or self.retried_fusions:
                 upd["fusions"] = {**base.fusions, **{f: True for f in self._compatible_fusions(plan, base)}}
         return normalized(plan.model_copy(update=upd))
 

@@ -32,12 +32,12 @@ from anneal.agents.engine_client import EngineClient, EngineError
 from anneal.agents.graph_buckets import GraphBucketAgent
 from anneal.agents.job_report import publish_result, report_progress
 from anneal.agents.kernel_tuner import KernelTuner
-from anneal.agents.lab import Lab
+from anneal.agents.lab import BudgetExhausted, Lab
 from anneal.agents.ledger import Ledger
 from anneal.agents.llm_writer import maybe_writer
 from anneal.agents.local_engines import LocalEngines, exit_on_sigterm
 from anneal.agents.op_trials import op_trials
-from anneal.agents.plan_search import PlanSearch
+from anneal.agents.plan_search import PlanSearch, fusion_retrials
 from anneal.agents.promotion import Promotion, promote
 from anneal.agents.report import now_iso, write_artifact, write_report
 from anneal.agents.scheduler_tuner import SchedulerTuner, score
@@ -57,6 +57,7 @@ SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes
 # two runs).
 QUICK_ROUNDS = 3
 OP_TRIALS_SHARE = 0.1  # of the budget, after the search: the op trials' readings (op_trials)
+FUSION_RETRIALS_SHARE = 0.05  # after them: the retiled fusions beside the tuned ops (fusion_retrials)
 PROMOTION_SHARE = 0.85  # no further slow-tier candidate once one is measured; the winner's rounds run on
 EXTRA_PROMOTED = 12  # more fast-tier plans replayed on the slow tier while the promotion deadline allows
 
@@ -365,6 +366,14 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         _say(progress, "op trials: each tuned op alone on the base's decode step ...")
         # up to a third of the time between the search's end and promotion's: the slow tier needs the rest
         op_trials(lab, setting, board, deadline=t0 + settings.budget_s * (SEARCH_SHARE + OP_TRIALS_SHARE))
+        try:  # the fusions whose GEMVs the tuned projections retile, tried again beside them
+            tried = fusion_retrials(lab, setting, board, deadline=t0 + settings.budget_s * (
+                SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE))
+            if tried:
+                _say(progress, f"fusion trials beside the tuned ops: {', '.join(tried)}")
+        except BudgetExhausted:
+            board.note("fusion trials beside the tuned ops: their share of the budget was spent; what was read "
+                       "by then decided")
 
     # Promotion on the slow tier.
     report_progress(settings.report_to, phase="Verifying", experiments=len(ledger), message="promoting on the slow tier")

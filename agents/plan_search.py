@@ -18,8 +18,9 @@ kernels a layer, which random plans bury under their other moves (session 19's c
 from __future__ import annotations
 
 import math
+from typing import Callable
 
-from anneal.engine.plan import STEP_FUSIONS, Plan, inert_fusions
+from anneal.engine.plan import STEP_FUSIONS, Plan, inert_fusions, retiled_fusions
 from anneal.agents.board import Board, SearchSetting
 from anneal.agents.cost_model import CostModel
 from anneal.agents.lab import BudgetExhausted, Lab
@@ -30,6 +31,8 @@ from anneal.agents.types import BenchSpec, Candidate
 # What can change a decode step's time; scheduler knobs only show in a workload (scheduler tuner).
 STEP_MOVES = ("op", "fusion", "graphs")
 FUSION_TRIAL_SEED = 7100  # decode-step seeds of the fusion trials (7100, 7101, ...), none a search's own
+FUSION_RETRIAL_SEED = 7600  # the same beside the tuned ops (``fusion_retrials``)
+FUSION_MIN_GAIN = 0.005  # a fusion's trial keeps it when the whole model's step is this much faster
 
 
 def full_model_ratio(cm: CostModel | None, fusion: str, base: Plan, spec: BenchSpec, base_ms: float,
@@ -50,7 +53,10 @@ def full_model_ratio(cm: CostModel | None, fusion: str, base: Plan, spec: BenchS
 FUSION_REREAD_BAND = 0.01
 
 
-def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, min_gain: float) -> None:
+def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, min_gain: float, *,
+                  base: Plan | None = None, names: list[str] | None = None, seed: int = FUSION_TRIAL_SEED,
+                  deadline: float | None = None, keep: Callable[[str, float], None] | None = None,
+                  where: str = "") -> None:
     """Each fusion the base does not have, alone on the base, its decode step timed between two
     of the base's (B F1 B F2 B ..., a fresh seed each): the fast tier's host drifts over a search
     (compile-ahead's builds share it), so a fusion is only compared with the base steps beside it.
@@ -58,29 +64,34 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
     (``full_model_ratio``), is ``min_gain`` faster than their mean; one within
     ``FUSION_REREAD_BAND`` of that bar is read again after the others, and the mean of its two
     readings decides. Its plan is offered as a candidate either way. A fusion that would run
-    nothing on this model under the base's params (``plan.inert_fusions``) is not tried."""
-    base = setting.base
+    nothing on this model under the base's params (``plan.inert_fusions``) is not tried.
+    ``base`` (the setting's by default), ``names`` (every fusion of the space), ``seed`` (the
+    first step's), ``keep`` (``board.keep_fusion``) and ``where`` (said in the notes) are what
+    ``fusion_retrials`` changes; no step starts after ``deadline`` (``time.monotonic``)."""
+    base = base or setting.base
+    keep = keep or board.keep_fusion
     trials = []
-    for f in setting.space.fusions:
+    for f in (setting.space.fusions if names is None else names):
         plan = normalized(base.model_copy(update={"fusions": {**base.fusions, f: True}, "name": None}))
         if not base.fusions.get(f) and plan.fusions.get(f) and plan.hash != base.hash:
             inert = inert_fusions(plan, setting.model_config).get(f) if setting.model_config else None
             if inert:  # the engine would run the unfused ops: its trial would time noise
-                board.note(f"fusion {f}: not tried, it runs nothing on this model under the base's params ({inert})")
+                board.note(f"fusion {f}{where}: not tried, it runs nothing on this model under the base's params ({inert})")
                 continue
             trials.append((f, plan))  # normalized drops a fusion the base's ops exclude
     if not trials:
         return
     spec = setting.decode_spec.model_copy(update={"per_op": False})
     bar = 1 - min_gain
-    seeds = iter(range(FUSION_TRIAL_SEED + 1, FUSION_TRIAL_SEED + 1 + 2 * len(trials)))
+    seeds = iter(range(seed + 1, seed + 1 + 2 * len(trials)))
+    base_note = f"fusion trials{where}: the base"
 
     def step_ms(plan: Plan, seed: int, note: str) -> tuple[float | None, str]:
         exp = lab.measure(Candidate(plan=plan, agent=agent, note=note),
-                          spec.model_copy(update={"seed": seed}), prune=False)
+                          spec.model_copy(update={"seed": seed}), prune=False, deadline=deadline)
         return (exp.measurement.median_ms if exp.measurement is not None else None), exp.verdict.reason
 
-    prev = step_ms(base, FUSION_TRIAL_SEED, "fusion trials: the base")
+    prev = step_ms(base, seed, base_note)
     readings: dict[str, list[tuple[float, float, float, float]]] = {}  # (fused, before, after, full)
 
     def read(f: str, plan: Plan) -> bool:
@@ -88,11 +99,11 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
         step could not be timed."""
         nonlocal prev
         seed = next(seeds)
-        steps = (prev, step_ms(plan, seed, f"fusion trial: {f}"), step_ms(base, seed, "fusion trials: the base"))
+        steps = (prev, step_ms(plan, seed, f"fusion trial{where}: {f}"), step_ms(base, seed, base_note))
         prev = steps[2]
         failed = next((why for ms, why in steps if ms is None), None)
         if failed is not None:
-            board.note(f"fusion {f}: no step time ({failed}); not kept")
+            board.note(f"fusion {f}{where}: no step time ({failed}); not kept")
             return False
         (before, _), (fused, _), (after, _) = steps
         full = full_model_ratio(lab.cost_model, f, base, spec, (before + after) / 2, fused)
@@ -114,23 +125,46 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
         rs = readings[f]
         full = sum(r[3] for r in rs) / len(rs)
         fused, before, after, _ = rs[0]
-        keep = full < bar
         again = "" if len(rs) == 1 else f" (readings {', '.join(f'x{r[3]:.3f}' for r in rs)}: the mean)"
-        board.note(f"fusion {f}: decode step {fused:.3f} ms, x{fused / ((before + after) / 2):.3f} the base's beside "
-                   f"it ({before:.3f}, {after:.3f} ms), x{full:.3f} on the whole model{again}"
-                   + ("; kept" if keep else "; not kept"))
+        won = full < bar
+        board.note(f"fusion {f}{where}: decode step {fused:.3f} ms, x{fused / ((before + after) / 2):.3f} the base's "
+                   f"beside it ({before:.3f}, {after:.3f} ms), x{full:.3f} on the whole model{again}"
+                   + ("; kept" if won else "; not kept"))
         board.offer_plan(sum(r[0] for r in rs) / len(rs), plan, agent)
-        if keep:
-            board.keep_fusion(f, full)
+        if won:
+            keep(f, full)
     if out_of_budget is not None:
         raise out_of_budget
+
+
+def fusion_retrials(lab: Lab, setting: SearchSetting, board: Board, agent: str = "plan-search",
+                    min_gain: float = FUSION_MIN_GAIN, deadline: float | None = None) -> list[str]:
+    """The GEMV fusions the tuned ops retile (``plan.retiled_fusions``), each tried again as
+    ``fusion_trials`` tries it, beside the base with every tuned op instead of the bare base; the
+    composite then counts a retiled fusion by this trial alone (``Board.retried_fusions``).
+
+    Why: a fused GEMV runs its projection's tiles and weight copy, so its trial on the base timed
+    another kernel than the composite would run, and the composite dropped it. Session 45's chat
+    compile put every projection on the bf12 GEMV: gate_up_silu, kept on the base at x0.994, was left
+    out; linear_norm and norm_stats, x1.15 and x1.01 there (where they also took o / down off
+    cuBLAS), were never timed over bf12, though the norm kernels they remove were ~0.2 ms of a
+    ~6.7-ms step. Runs after the op trials (the tuned ops are final then); none when no tuned op
+    retiles a fusion of the space. Returns the fusions it tried."""
+    tuned = board.tuned_ops(setting.base).model_copy(update={"name": None})
+    names = [f for f in retiled_fusions(tuned, setting.base) if f in setting.space.fusions]
+    if not names:
+        return []
+    fusion_trials(lab, setting, board, agent, min_gain, base=tuned, names=names, seed=FUSION_RETRIAL_SEED,
+                  deadline=deadline, keep=lambda f, ratio: board.keep_retried_fusion(tuned, f, ratio),
+                  where=" beside the tuned ops")
+    return names
 
 
 class PlanSearch:
     name = "plan-search"
 
     def __init__(self, population: int = 6, max_children: int | None = None, stall_limit: int = 40,
-                 fusion_min_gain: float = 0.005):
+                 fusion_min_gain: float = FUSION_MIN_GAIN):
         self.population = population
         self.max_children = max_children
         self.stall_limit = stall_limit  # stop after this many children in a row add nothing new

@@ -146,6 +146,30 @@ def test_kernel_tuner_gives_turns_by_the_gap_to_the_roofline(env, monkeypatch):
     assert any("gap to the roofline" in n for n in board.notes)
 
 
+def test_kernel_tuner_measures_an_ops_gap_from_its_least_bytes_implementation(tmp_path):
+    """lm_head on cuBLAS ran at ~95% of its bf16 roofline on the 8B and got one turn in session 45's
+    chat compile, its bf12 copy (three quarters of the bytes) never timed: the gap is measured from
+    the roofline of the implementation of its space that reads the fewest bytes."""
+    bf12 = {"qkv_proj": {"reference": {}, "triton_gemv_bf12": {"block_n": [32, 64]}}}
+    with _lab_on(tmp_path, extra_variants=bf12) as (lab, setting, _):
+        from anneal.agents.kernel_tuner import _shape_weights
+
+        tuner = KernelTuner()
+
+        def roofline(plan, op):  # weighted over the op's buckets as the tuner weighs them
+            return sum(w * lab.cost_model.predict(plan, setting.spec_for(op, b, ctx), calibrated=False,
+                                                  step_factor=False).per_op_ms[op]
+                       for (b, ctx), w in _shape_weights(op, setting).items())
+
+        dense = roofline(setting.base, "qkv_proj")
+        copied = roofline(setting.base.with_ops(qkv_proj=OpChoice(impl="triton_gemv_bf12", params={"block_n": 32})),
+                          "qkv_proj")
+        assert copied < dense
+        assert tuner.floor_ms("qkv_proj", lab, setting) == pytest.approx(copied)
+        # an op without a smaller copy keeps its own roofline
+        assert tuner.floor_ms("rmsnorm", lab, setting) == pytest.approx(roofline(setting.base, "rmsnorm"))
+
+
 def test_kernel_tuner_weighs_prefill_attention_by_how_often_prompt_steps_come(env, monkeypatch):
     """Chat's s12 compile gave prefill attention (1.34 ms above its roofline per prompt step) 10
     turns to decode attention's 4, though a replay runs ~30 decode steps per prompt step."""
@@ -380,6 +404,36 @@ def test_the_composite_takes_the_set_of_fusions_whose_gains_compound_most_and_a_
     assert board.composite(base).hash == board.composite(base, fusions_first=True).hash
 
 
+def test_a_fusion_the_tuned_ops_retile_counts_by_its_trial_beside_them():
+    """Session 45's chat compile put every projection on the bf12 GEMV: gate_up_silu, kept on the
+    base, was retiled and left out, and the norm fusions were never timed over bf12. A retiled
+    fusion now counts by its trial beside the tuned ops (``keep_retried_fusion``), mixed with the
+    base's trials of the fusions left as they ran, and only while the ops keep the tiles it ran."""
+    from anneal.engine.plan import Plan
+
+    base = Plan().with_ops(attention_decode=OpChoice(impl="triton_splitk"))
+    board = Board()
+    board.keep_fusion("gate_up_silu", 0.994)
+    board.keep_fusion("rope_attention", 0.993)
+    bf12 = OpChoice(impl="triton_gemv_bf12")
+    for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        board.best_ops[op] = (bf12, 0.1)
+    assert board.composite(base).fusions == {"rope_attention": True}  # gate_up_silu retiled, no retrial
+    tuned = board.tuned_ops(base)
+    assert tuned.fusions == base.fusions and all(tuned.choice(op) == bf12 for op in ("qkv_proj", "down_proj"))
+    board.keep_retried_fusion(tuned, "gate_up_silu", 0.99)
+    assert board.composite(base).fusions == {"rope_attention": True, "gate_up_silu": True}
+    # norm_stats (RoPE in the qkv GEMV) excludes rope_attention: the better product wins
+    board.keep_retried_fusion(tuned, "norm_stats", 0.97)
+    comp = board.composite(base)
+    assert comp.fusions == {"norm_stats": True, "gate_up_silu": True}
+    assert comp.choice("gate_up_proj") == bf12
+    # other tiles than the retrial's: its fused kernels were never timed so, and the base's trial of
+    # gate_up_silu ran other ones still
+    board.best_ops["gate_up_proj"] = (OpChoice(impl="triton_gemv_bf12", params={"block_n": 64}), 0.1)
+    assert board.composite(base).fusions == {"rope_attention": True}
+
+
 def test_promotion_takes_the_fastest_plan_of_each_fusion_set_among_the_tied_ones():
     """Session 26 promoted three plans with one fusion set, 0.551-0.554 ms apart on the fast tier.
     Among the plans within 3% of the fastest, each fusion set's fastest goes first; a plan further
@@ -462,6 +516,44 @@ def test_plan_search_tries_each_fusion_beside_the_base_and_the_composite_keeps_t
         srv.shutdown()
 
 
+def test_fusion_retrials_try_the_retiled_fusions_beside_the_tuned_ops_and_the_composite_keeps_a_winner(tmp_path):
+    """A tuned bf12 gate_up retiles gate_up_silu, norm_linear and norm_stats; each is timed between
+    two steps of the base with the tuned ops (fresh seeds of their own), the one that makes every step 3%
+    faster is kept as a retrial, the others not, and the composite carries it on the bf12 gate_up."""
+    from anneal.agents.plan_search import FUSION_RETRIAL_SEED, fusion_retrials
+    from anneal.engine.plan import retiled_fusions
+
+    bf12 = OpChoice(impl="triton_gemv_bf12")
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", noise=0.0, fusion_gains={"gate_up_silu": 0.03},
+                                          extra_variants={"gate_up_proj": {"reference": {}, "triton_gemv_bf12": {}}}))
+    try:
+        with EngineClient(url, "tok") as client:
+            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+            led = Ledger(tmp_path / "l.sqlite")
+            board = Board()
+            assert fusion_retrials(Lab(ledger=led, engines={"fast": client}), setting, board) == []  # no tuned op
+            board.best_ops["gate_up_proj"] = (bf12, 0.1)
+            tuned = board.tuned_ops(setting.base)
+            retiled = [f for f in retiled_fusions(tuned, setting.base) if f in setting.space.fusions]
+            assert {"gate_up_silu", "norm_stats"} <= set(retiled)
+            tried = fusion_retrials(Lab(ledger=led, engines={"fast": client}), setting, board)
+            rows = led.experiments()
+            led.close()
+    finally:
+        srv.shutdown()
+    assert tried == retiled
+    trials = [r for r in rows if r.note.startswith("fusion trial beside the tuned ops: ")]
+    bases = [r for r in rows if r.note == "fusion trials beside the tuned ops: the base"]
+    assert {r.note.rsplit(": ", 1)[1] for r in trials} == set(retiled)
+    assert all(r.plan.choice("gate_up_proj") == bf12 for r in trials + bases)
+    assert {r.plan.hash for r in bases} == {tuned.hash} and min(r.spec.seed for r in bases) == FUSION_RETRIAL_SEED
+    assert not board.fusions and set(board.retried_fusions) == {"gate_up_silu"}, board.notes
+    assert board.retried_fusions["gate_up_silu"] < 0.99
+    comp = board.composite(setting.base)
+    assert comp.fusions.get("gate_up_silu") and comp.choice("gate_up_proj") == bf12
+    assert any(n.startswith("fusion norm_stats beside the tuned ops:") and n.endswith("not kept") for n in board.notes)
+
+
 def test_the_token_graph_trial_reads_session_22s_pairs_by_their_prompt_steps():
     """The chat compile's trial on the H200 (session 22): whole replays x0.937 and x1.056, prompt
     steps 226 -> 104 and 184 -> 110 ms over the same prompt tokens. By the prompt steps both pairs
@@ -495,7 +587,7 @@ def test_a_fusion_near_the_keep_bar_is_read_again_and_the_mean_of_its_readings_d
     class StubLab:
         cost_model = None  # the measured ratio is the whole model's
 
-        def measure(self, cand, spec, prune=True):
+        def measure(self, cand, spec, prune=True, **kw):
             f = cand.note.removeprefix("fusion trial: ") if cand.note.startswith("fusion trial: ") else None
             calls.append((f or "base", spec.seed))
             ms = 1.0 if f is None else readings[f][sum(1 for c in calls if c[0] == f) - 1]
@@ -514,7 +606,7 @@ def test_a_fusion_near_the_keep_bar_is_read_again_and_the_mean_of_its_readings_d
     from anneal.agents.lab import BudgetExhausted
 
     class ShortLab(StubLab):
-        def measure(self, cand, spec, prune=True):
+        def measure(self, cand, spec, prune=True, **kw):
             if len(calls) >= 9 + 2:  # the first readings (1 + 4 x 2), then one more fusion step and its base
                 raise BudgetExhausted("budget spent")
             return super().measure(cand, spec, prune)
@@ -543,7 +635,7 @@ def test_fusion_trials_skip_a_fusion_that_runs_nothing_on_the_model_and_say_why(
     class StubLab:
         cost_model = None
 
-        def measure(self, cand, spec, prune=True):
+        def measure(self, cand, spec, prune=True, **kw):
             tried.append(cand.note)
             ms = 0.95 if cand.note.startswith("fusion trial: ") else 1.0
             return SimpleNamespace(measurement=SimpleNamespace(median_ms=ms), verdict=SimpleNamespace(reason=""))
