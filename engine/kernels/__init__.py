@@ -14,8 +14,8 @@ Registered variants (every one also takes ``pdl``: programmatic dependent launch
 | attention_prefill | triton | block_m, block_n, num_warps, num_stages, pv_precision |
 | argmax | triton | block, num_warps |
 | qkv_proj, o_proj, gate_up_proj, down_proj, lm_head | triton_gemv_splitk | block_m, block_n, block_k, split_k, num_warps, num_stages, m1, reduce, max_m |
-| qkv_proj, o_proj, gate_up_proj, down_proj | triton_gemv_fp8 (W's e4m3 copy; lossy, opt-in) | as triton_gemv_splitk |
-| qkv_proj, o_proj, gate_up_proj, down_proj | triton_gemv_bf12 (W's 12-bit copy, engine/bf12_weights.py) | as triton_gemv_splitk, less m1 and ahead (the dot path) |
+| qkv_proj, o_proj, gate_up_proj, down_proj, lm_head | triton_gemv_fp8 (W's e4m3 copy; lossy, opt-in) | as triton_gemv_splitk |
+| qkv_proj, o_proj, gate_up_proj, down_proj, lm_head | triton_gemv_bf12 (W's 12-bit copy, engine/bf12_weights.py) | as triton_gemv_splitk, less m1 and ahead (the dot path), plus unpack |
 
 Fused entry points, whose signatures are not those of a single reference op, for the plan's
 fusions (``fused_entry_points()`` lists them with their tunable params, as data):

@@ -181,27 +181,32 @@ def _add_stats_epilogue(total, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stri
     tl.store(ss_ptr + m * ss_tiles + pid_n, tl.sum(sf * sf, axis=1), mask=mm)
 
 
-# bf12 -> bf16 for four weights in eight instructions (``unpack="asm"``). In: the four low bytes,
-# their code bytes as the tile repeats them (c0 c0 c1 c1: weight 2j's code is byte j's low nibble,
-# 2j+1's its high one) and the row's base in every byte. Each weight's code is brought to the low
-# nibble of its own byte (shr + lop3: byte 0 and 2 from the bytes as they are, 1 and 3 shifted down),
-# then per byte: high byte = (code & 7) + base, its sign bit 3 moved to bit 7 (shl + lop3; a byte's
-# sum is at most 7 + 120, so no carry crosses bytes), and two prmt interleave the low and high bytes
-# into two bf16 pairs. The Triton integer version (``unpack="int"``) takes ~9 instructions a weight,
-# more integer work than an H100 SM issues at the rate HBM delivers bf12 weights (session 45).
-# It relies on Triton handing each instance four consecutive weights of a row: the tile's layout keeps
-# 8 consecutive K elements in a thread's registers (Triton 3.6, sm_90, seen in the TTGIR); the GPU test
-# holds its output to the integer unpack's bit for bit, so a layout that broke this would fail there.
+# bf12 -> bf16 for eight weights in twelve instructions (``unpack="asm"``), four pairs an instance.
+# In: four pairs' low bytes as 16-bit values ($4, $5: weight 2j's low byte in the low half), their four
+# code bytes ($6: weight 2j's code in byte j's low nibble, 2j+1's in its high one) and the row's base
+# in every byte ($7). Per byte, the high byte of a weight is ``(code & 7) + base`` with the code's
+# sign bit (3) moved to bit 7: for the even weights and, shifting the bytes down a nibble, for the
+# odd ones (and, add, shl / shr, lop3; a byte's sum is at most 7 + 120, so no carry crosses bytes).
+# Four prmt interleave low and high bytes into the even weights' bf16 pairs ($0, $1) and the odd
+# ones' ($2, $3), which the tile joins back in order. Every output element depends on its own
+# input elements only, so the result does not depend on how Triton lays the tile out. Session 45's
+# first PTX unpack took its code bytes repeated (c0 c0 c1 c1, a prmt and two cvt a four weights to
+# build) and 8 instructions a four weights; the Triton integer version (``unpack="int"``) ~9 a weight,
+# more integer work than an H100 SM issues at the rate HBM delivers bf12 weights.
 _BF12_ASM = tl.constexpr("""{
-.reg .b32 y, c, t, s;
-shr.u32 y, $3, 4;
-lop3.b32 c, $3, y, 0x00FF00FF, 0xE4;
-and.b32 t, c, 0x07070707;
-add.u32 t, t, $4;
-shl.b32 s, c, 4;
-lop3.b32 t, s, 0x80808080, t, 0xEA;
-prmt.b32 $0, $2, t, 0x5140;
-prmt.b32 $1, $2, t, 0x7362;
+.reg .b32 y, he, ho;
+and.b32 he, $6, 0x07070707;
+add.u32 he, he, $7;
+shl.b32 y, $6, 4;
+lop3.b32 he, y, 0x80808080, he, 0xEA;
+shr.u32 y, $6, 4;
+and.b32 ho, y, 0x07070707;
+add.u32 ho, ho, $7;
+lop3.b32 ho, $6, 0x80808080, ho, 0xEA;
+prmt.b32 $0, $4, he, 0x5240;
+prmt.b32 $1, $5, he, 0x7260;
+prmt.b32 $2, $4, ho, 0x5341;
+prmt.b32 $3, $5, ho, 0x7361;
 }""")
 
 
@@ -210,17 +215,19 @@ def _bf12_tile(w_rows, e_rows, w_base, k0, k_hi, nm, BLOCK_N: tl.constexpr, BLOC
                ASM: tl.constexpr):
     """A ``[BLOCK_N, BLOCK_K]`` tile of W from its bf12 copy (engine/bf12_weights.py), as bf16: each
     weight's low byte and its 4-bit code (sign, top exponent bits less the row's base) made the
-    high byte again; with ``ASM`` by ``_BF12_ASM``, four weights at a time (``w_base``: the rows'
+    high byte again; with ``ASM`` by ``_BF12_ASM``, four pairs at a time (``w_base``: the rows'
     bases as uint8 then), else in Triton's integer ops (the interpreter's way)."""
+    kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    pm = nm[:, None] & (kh < k_hi // 2)[None, :]
+    e = tl.load(e_rows + kh[None, :], mask=pm, other=0)
+    if ASM:  # a pair's two low bytes as one 16-bit load
+        lo2 = tl.load(w_rows.to(tl.pointer_type(tl.uint16)) + kh[None, :], mask=pm, other=0)
+        b = tl.broadcast_to(w_base[:, None], [BLOCK_N, BLOCK_K // 2])
+        even, odd = tl.inline_asm_elementwise(_BF12_ASM, "=r,=r,=r,=r,r,r,r,r", [lo2, e, b],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_K])
     k = k0 + tl.arange(0, BLOCK_K)
     lo = tl.load(w_rows + k[None, :], mask=nm[:, None] & (k < k_hi)[None, :], other=0)
-    kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    e = tl.load(e_rows + kh[None, :], mask=nm[:, None] & (kh < k_hi // 2)[None, :], other=0)
-    if ASM:
-        c = tl.reshape(tl.join(e, e), [BLOCK_N, BLOCK_K])  # each code byte for both of its weights
-        b = tl.broadcast_to(w_base[:, None], [BLOCK_N, BLOCK_K])
-        return tl.inline_asm_elementwise(_BF12_ASM, "=r,=r,r,r,r", [lo, c, b], dtype=tl.bfloat16, is_pure=True,
-                                         pack=4)
     e = e.to(tl.int32)
     v = tl.reshape(tl.join(e & 15, e >> 4), [BLOCK_N, BLOCK_K])  # byte j: weights 2j (low), 2j + 1
     bits = (v + (v & 8) * 15 + w_base[:, None]) * 256 + lo.to(tl.int32)  # (sign << 7 | top7) << 8 | lo

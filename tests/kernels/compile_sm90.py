@@ -249,24 +249,54 @@ def loop_pipelining() -> dict[str, dict[int, tuple[int, int]]]:
     }
 
 
-def bf12_loop_instructions() -> dict[str, int]:
-    """PTX instructions in the GEMV's dot loop (one K tile: 64 weights a thread at block_n 32, block_k
-    256, 4 warps) on bf16 W and on its bf12 copy unpacked in Triton's integer ops and in PTX (session
-    45: ~125, ~660 and ~290 with Triton 3.6)."""
+def bf12_loop_instructions() -> dict[str, dict[str, int]]:
+    """Instructions in the GEMV's dot loop (one K tile: 64 weights a thread at block_n 32, block_k 256,
+    4 warps) on bf16 W and on its bf12 copy unpacked in Triton's integer ops and in PTX: ``ptx`` as
+    Triton emits it, ``sass`` as ptxas compiles it (the loop's own body, from its label to its
+    backward branch). Session 46, Triton 3.6: PTX 124 / 660 / 298, SASS 127 / 731 / 316 (session
+    45's first PTX unpack: 292 PTX, 357 SASS; 385 / 450 with Triton 3.9, against 298 / 318 now)."""
     import re
 
     from anneal.engine.kernels import gemv
 
     base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, SILU_MUL=False, NORM=0, ARGMAX=False, TICKET=True,
                 PREC="tf32", UPCAST=False, ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1, SILU_OUT=False, PDL=False)
-    out = {}
+    out: dict[str, dict[str, int]] = {"ptx": {}, "sass": {}}
     for name, ptrs, mode in (("bf16", GEMV_PTRS, 0), ("bf12_int", BF12_GEMV_PTRS, 1),
                              ("bf12_asm", BF12_GEMV_PTRS, 2)):
-        ptx = compile_one(gemv._gemv_kernel, ptrs, dict(base, W_BF12=mode), 4, num_stages=3).asm["ptx"]
+        compiled = compile_one(gemv._gemv_kernel, ptrs, dict(base, W_BF12=mode), 4, num_stages=3)
+        ptx = compiled.asm["ptx"]
         loop = ptx[ptx.index("Inner Loop Header"):]
         loop = loop[:loop.index("bra.uni")]
-        out[name] = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?[a-z][a-z0-9_.]*(?:\s|;)", loop, re.M))
+        out["ptx"][name] = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?[a-z][a-z0-9_.]*(?:\s|;)", loop, re.M))
+        out["sass"][name] = sass_loop_length(compiled.asm["cubin"])
     return out
+
+
+def sass_loop_length(cubin: bytes) -> int:
+    """Instructions of the longest loop in ``cubin``'s SASS (nvdisasm, shipped with Triton): from a
+    label to the last branch back to it."""
+    import re
+    import subprocess
+    import tempfile
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    labels: dict[str, int] = {}
+    instrs: list[str] = []
+    for line in sass.splitlines():
+        if m := re.match(r"^\s*\.(L_x_\d+):", line):
+            labels[m.group(1)] = len(instrs)
+        elif m := re.match(r"^\s*/\*[0-9a-f]+\*/\s+(.*?);", line):
+            instrs.append(m.group(1))
+    back = [i - labels[m.group(1)] + 1 for i, ins in enumerate(instrs)
+            if (m := re.search(r"BRA\s+`?\(?\.(L_x_\d+)", ins)) and labels.get(m.group(1), i + 1) <= i]
+    if not back:
+        raise RuntimeError("no loop found in the SASS")
+    return max(back)
 
 
 def rope_store_arithmetic() -> dict[str, dict[str, int]]:

@@ -85,8 +85,10 @@ def test_the_decode_attention_loop_keeps_a_tile_in_flight_from_five_stages():
 def test_the_bf12_ptx_unpack_keeps_the_gemv_loop_short():
     """The bf12 GEMV was bound by its integer unpack (~9 instructions a weight, session 44: 0.81-0.92x
     the bf16 GEMV's time where 0.75x is its bytes'); the PTX unpack takes the loop to under half of
-    that with Triton 3.6 (292 against 660 instructions; 385 against 689 with 3.9), and the H100 to
-    0.80-0.83x. A Triton whose layouts split the unpack's groups of four would show here first."""
+    that (session 46, Triton 3.6: 316 against 731 SASS instructions, 318 against 734 with 3.9; the
+    bf16 loop 127-134). Session 45's first PTX unpack, which relied on Triton's layout for its groups
+    of four, came out at 357 SASS with 3.6 and 450 with 3.9: a layout that costs the unpack its
+    shape shows here first."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("compile_sm90.py")
@@ -94,4 +96,6 @@ def test_the_bf12_ptx_unpack_keeps_the_gemv_loop_short():
                        env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     n = json.loads(r.stdout.strip().splitlines()[-1])
-    assert n["bf16"] < n["bf12_asm"] < 0.65 * n["bf12_int"], n
+    ptx, sass = n["ptx"], n["sass"]
+    assert ptx["bf16"] < ptx["bf12_asm"] < 0.65 * ptx["bf12_int"], n
+    assert sass["bf16"] < sass["bf12_asm"] < min(0.5 * sass["bf12_int"], 2.6 * sass["bf16"]), n

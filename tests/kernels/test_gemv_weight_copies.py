@@ -290,22 +290,24 @@ def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def test_the_ptx_unpack_rebuilds_what_unpacked_does():
-    """``gemv._BF12_ASM`` (the GPU's bf12 unpack, four weights an instance) gives the bf16 bits
-    ``b12.unpacked`` does, for every code, sign and base, emulated instruction by instruction."""
+    """``gemv._BF12_ASM`` (the GPU's bf12 unpack, four pairs of weights an instance) gives the bf16
+    bits ``b12.unpacked`` does, for every code, sign and base, emulated instruction by instruction."""
     g = torch.Generator().manual_seed(11)
     w = (torch.randn(64, 256, generator=g) * torch.logspace(-35, 30, 64)[:, None]).bfloat16()
     w[0, :8] = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-40, -2.0 ** -133]).bfloat16()
     q = b12.pack(w)
     assert int(q.base.max()) > 100 and int(q.base.min()) == 0  # the window's whole range of bases
     want = b12.unpacked(q).view(torch.int16).to(torch.int64) & 0xFFFF  # [N, K]
-    lo = q.lo.to(torch.int64).view(64, -1, 4)  # four weights an instance
-    codes = q.codes.to(torch.int64).view(64, -1, 2)
+    lo = q.lo.to(torch.int64).view(64, -1, 8)  # eight weights (four pairs) an instance
+    codes = q.codes.to(torch.int64).view(64, -1, 4)  # their four code bytes
     as_word = lambda b: b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24  # noqa: E731
-    regs = {"$2": as_word(lo),  # the low bytes; the code bytes as the tile repeats them: c0 c0 c1 c1
-            "$3": as_word(torch.stack((codes[..., 0], codes[..., 0], codes[..., 1], codes[..., 1]), -1)),
-            "$4": (q.base.to(torch.int64) * 0x01010101)[:, None].expand(lo.shape[:2])}
+    regs = {"$4": as_word(lo[..., :4]), "$5": as_word(lo[..., 4:]),  # pairs 0-1 and 2-3, 16 bits each
+            "$6": as_word(codes), "$7": (q.base.to(torch.int64) * 0x01010101)[:, None].expand(lo.shape[:2])}
     out = _run_ptx(str(gemv._BF12_ASM.value), regs)
-    got = torch.stack((out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16), -1).view(64, -1)
+    halves = lambda r: (out[r] & 0xFFFF, out[r] >> 16)  # noqa: E731
+    even = torch.stack((*halves("$0"), *halves("$1")), -1)  # weights 0, 2, 4, 6 of the eight
+    odd = torch.stack((*halves("$2"), *halves("$3")), -1)  # 1, 3, 5, 7
+    got = torch.stack((even, odd), -1).view(64, -1)
     assert torch.equal(got, want)
 
 
