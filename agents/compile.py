@@ -57,7 +57,7 @@ SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes
 # two runs).
 QUICK_ROUNDS = 3
 OP_TRIALS_SHARE = 0.1  # of the budget, after the search: the op trials' readings (op_trials)
-FUSION_RETRIALS_SHARE = 0.05  # after them: the retiled fusions beside the tuned ops (fusion_retrials)
+FUSION_RETRIALS_SHARE = 0.1  # after them: the retiled fusions beside the tuned ops (fusion_retrials)
 PROMOTION_SHARE = 0.85  # no further slow-tier candidate once one is measured; the winner's rounds run on
 EXTRA_PROMOTED = 12  # more fast-tier plans replayed on the slow tier while the promotion deadline allows
 

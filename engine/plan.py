@@ -167,10 +167,19 @@ def retiled_fusions(plan: "Plan", base: "Plan") -> list[str]:
     """The GEMV fusions that would run with other tiles in ``plan`` than in ``base``: each takes its
     projections' GEMV params (``fused_gemv_params``), so a projection tuned unfused changes a fused
     kernel that was never timed with them (session 23: `gemv-m16-alldot`'s tiles in the compiled
-    chat plan's fused GEMVs, 10-12% slower decode steps)."""
-    return [f for f, projs in GEMV_FUSION_PROJECTIONS.items()
-            if any(fused_gemv_params(plan.choice(p).impl, plan.choice(p).params)
-                   != fused_gemv_params(base.choice(p).impl, base.choice(p).params) for p in projs)]
+    chat plan's fused GEMVs, 10-12% slower decode steps). ``lm_head_argmax`` too when lm_head's weight
+    copy or its tiles change: it reads the copy lm_head runs on, with lm_head's tiles, and keeps its
+    own kernel otherwise (``fusions._lm_head_argmax``)."""
+    out = [f for f, projs in GEMV_FUSION_PROJECTIONS.items()
+           if any(fused_gemv_params(plan.choice(p).impl, plan.choice(p).params)
+                  != fused_gemv_params(base.choice(p).impl, base.choice(p).params) for p in projs)]
+    return out + (["lm_head_argmax"] if _head_copy_tiles(plan) != _head_copy_tiles(base) else [])
+
+
+def _head_copy_tiles(plan: "Plan") -> tuple[dict[str, Any], int] | None:
+    """What ``lm_head_argmax`` takes from lm_head's choice: its copy's GEMV params, when it reads one."""
+    ch = plan.choice("lm_head")
+    return fused_gemv_params(ch.impl, ch.params) if ch.impl in WEIGHT_COPY_IMPLS else None
 
 
 def rope_fusable(block_n: int, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:

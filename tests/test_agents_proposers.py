@@ -432,6 +432,12 @@ def test_a_fusion_the_tuned_ops_retile_counts_by_its_trial_beside_them():
     # gate_up_silu ran other ones still
     board.best_ops["gate_up_proj"] = (OpChoice(impl="triton_gemv_bf12", params={"block_n": 64}), 0.1)
     assert board.composite(base).fusions == {"rope_attention": True}
+    # lm_head_argmax reads lm_head's copy with its tiles: on the bf16 GEMV it keeps its own kernel
+    board.keep_fusion("lm_head_argmax", 0.994)
+    board.best_ops["lm_head"] = (OpChoice(impl="triton_gemv_splitk", params={"block_n": 64}), 0.3)
+    assert board.composite(base).fusions == {"rope_attention": True, "lm_head_argmax": True}
+    board.best_ops["lm_head"] = (bf12, 0.3)
+    assert board.composite(base).fusions == {"rope_attention": True}
 
 
 def test_promotion_takes_the_fastest_plan_of_each_fusion_set_among_the_tied_ones():
