@@ -47,7 +47,8 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
         elif name == "norm_stats":  # o_proj and down_proj leave the statistics, qkv_proj and gate_up_proj use them
             for proj in ("o_proj", "down_proj"):
                 out[f"{proj}_add_stats"] = _add_stats(gemv, fns, proj, *gemv_params[proj])
-            out["norm_stats_qkv"] = _norm_stats_qkv(gemv, fns, out, *gemv_params["qkv_proj"])
+            out["norm_stats_qkv"] = _norm_stats_qkv(gemv, fns, out, *gemv_params["qkv_proj"],
+                                                    rotate_in_attention="rope_attention" in names)
             out["norm_stats_gate_up"] = _norm_stats_gate_up(gemv, fns, out, *gemv_params["gate_up_proj"])
     return out
 
@@ -211,10 +212,13 @@ def _normed(fns: dict[str, Callable], pending: NormInput, norm_w, eps):
     return fns["add_rmsnorm"](pending.x, pending.residual, norm_w, eps)
 
 
-def _norm_stats_qkv(gemv, fns: dict[str, Callable], fused: dict[str, Callable], params: dict, max_m: int) -> Callable:
-    """``(q, summed)`` from a ``NormInput``: with statistics the qkv GEMV normalises as it loads, with
-    RoPE and the cache store in its epilogue when the plan fuses ``qkv_rope`` and the heads allow;
-    without them the plan's norm kernel, then its qkv path."""
+def _norm_stats_qkv(gemv, fns: dict[str, Callable], fused: dict[str, Callable], params: dict, max_m: int,
+                    rotate_in_attention: bool = False) -> Callable:
+    """``(q, qkv, summed)`` from a ``NormInput``, one of ``q`` (rotated, stored) and ``qkv`` (not yet)
+    set: with statistics the qkv GEMV normalises as it loads, with RoPE and the cache store in its
+    epilogue when the plan fuses ``qkv_rope`` and the heads allow; without them the plan's norm
+    kernel, then its qkv path. With ``rotate_in_attention`` (the plan's ``rope_attention``) the
+    unrotated ``qkv``, which the model's attention path rotates and stores."""
     qkv_proj, rope = fns["qkv_proj"], fns["qk_rope_store"]
     block_n = params.get("block_n", GEMV_BLOCK_N)
 
@@ -225,12 +229,16 @@ def _norm_stats_qkv(gemv, fns: dict[str, Callable], fused: dict[str, Callable], 
         x, ss = pending.x, pending.ss
         if ss is None or x.shape[0] > max_m:
             h, summed = _normed(fns, pending, norm_w, eps)
+            if rotate_in_attention:
+                return None, qkv_proj(h, w), summed
             q = fused_rope(h, w, *rope_args) if fused_rope is not None else rope(qkv_proj(h, w), *rope_args)
-            return q, summed
+            return q, None, summed
+        if rotate_in_attention:
+            return None, gemv.norm_stats_linear(x, ss, norm_w, eps, w, **params), x
         if fused_rope is not None and q_norm is None and gemv.rope_fusable(block_n, cos_sin.shape[-1], H, Hkv):
             return gemv.qkv_rope_store(x, w, positions, cos_sin, k_cache, v_cache, slots, H, Hkv,
-                                       norm_stats=(ss, norm_w, eps), **params), x
-        return rope(gemv.norm_stats_linear(x, ss, norm_w, eps, w, **params), *rope_args), x
+                                       norm_stats=(ss, norm_w, eps), **params), None, x
+        return rope(gemv.norm_stats_linear(x, ss, norm_w, eps, w, **params), *rope_args), None, x
 
     return norm_stats_qkv
 

@@ -30,7 +30,9 @@ class OpTable:
     # norm_stats: (x, w, residual) -> NormInput (x @ w.T + residual with its rows' sums of squares)
     o_proj_add_stats: Callable | None = None
     down_proj_add_stats: Callable | None = None
-    norm_stats_qkv: Callable | None = None  # (NormInput, norm_w, eps, w, *qk_rope_store args) -> (q, summed)
+    # (NormInput, norm_w, eps, w, *qk_rope_store args) -> (q, qkv, summed): q rotated and stored, or under
+    # rope_attention the unrotated qkv
+    norm_stats_qkv: Callable | None = None
     norm_stats_gate_up: Callable | None = None  # (NormInput, norm_w, eps, w) -> (act | None, gate_up | None, summed)
     # folded_norm: (qkv of the residual stream through folded weights, stream, eps, *qk_rope_store args) -> q
     folded_rope_store: Callable | None = None

@@ -50,7 +50,8 @@ FUSIONS = {
                    "qk_rope_store / silu_and_mul as they load: the GEMV norm fusions' gain for cuBLAS GEMMs",
     "rope_attention": "qk_rope_store + attention_decode in decode steps: q/k norm, RoPE and the KV-cache store "
                       "done by the split-K attention kernel as it starts (attention_decode must be "
-                      "triton_splitk; with folded_norm too), one kernel less a layer; prompt steps unfused",
+                      "triton_splitk; with folded_norm or norm_stats too), one kernel less a layer; prompt steps "
+                      "unfused",
 }
 
 # Fusions of ops that run once a step, not once a layer: on a fast tier of a few layers their gain
@@ -60,7 +61,10 @@ STEP_FUSIONS = ("lm_head_argmax",)
 # Fusions that rewrite the same ops as another one: a plan may enable one of each pair.
 FUSION_CONFLICTS = {
     "folded_norm": ("norm_linear", "linear_norm", "norm_stats", "qkv_rope", "gate_up_silu", "silu_mul_down"),
-    "rope_attention": ("qkv_rope", "norm_stats"),  # those do the RoPE + store in the qkv GEMV's epilogue
+    # qkv_rope does the RoPE + store in the qkv GEMV's epilogue. norm_stats does too when beside qkv_rope;
+    # beside rope_attention its qkv GEMV normalises and the attention rotates (session 46: on the bf12
+    # GEMVs, whose 32-wide tiles cannot hold a head, the pair was refused though nothing clashed)
+    "rope_attention": ("qkv_rope",),
 }
 
 

@@ -76,7 +76,7 @@ class Transformer:
                          L.q_norm, L.k_norm, eps)
             q = qkv = None  # the rotated queries, or the qkv rows still to rotate (with the attention)
             if pending is not None:
-                q, residual = ops.norm_stats_qkv(pending, L.input_norm, eps, L.qkv, *rope_args)
+                q, qkv, residual = ops.norm_stats_qkv(pending, L.input_norm, eps, L.qkv, *rope_args)
                 pending = None
             elif h is None and ops.norm_qkv_proj is not None:  # fused: the norm in the GEMV's prologue
                 qkv, residual = ops.norm_qkv_proj(x, residual, L.input_norm, eps, L.qkv)

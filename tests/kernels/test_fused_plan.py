@@ -29,7 +29,8 @@ def fused_plan(device: str, fusions: tuple[str, ...]) -> Plan:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen3"])
 @pytest.mark.parametrize("fusions", [("norm_linear", "silu_mul_down"), ("qkv_rope", "linear_norm", "gate_up_silu"),
-                                     ("norm_stats", "qkv_rope", "gate_up_silu"), ("norm_stats", "silu_mul_down")])
+                                     ("norm_stats", "qkv_rope", "gate_up_silu"), ("norm_stats", "silu_mul_down"),
+                                     ("norm_stats", "rope_attention", "gate_up_silu")])
 def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
     params = SamplingParams(max_tokens=12 if device == "cpu" else 48, temperature=0, ignore_eos=True)
     eng = Engine(EngineArgs(model=model, device=device, dtype="float32", num_kv_blocks=128, max_model_len=256))
@@ -58,6 +59,12 @@ def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
     monkeypatch.setattr(gemv, "linear_add_stats", lambda *a, **k: stats_calls.append(1) or add_stats(*a, **k))
     monkeypatch.setattr(gemv, "small_m_gemm", lambda *a, **k: stats_used.append(k.get("norm_stats") is not None)
                         or small(*a, **k))
+    from anneal.engine.kernels import attention_decode
+
+    rope_attn_calls = []
+    rope_attn = attention_decode.rope_decode_attention
+    monkeypatch.setattr(attention_decode, "rope_decode_attention",
+                        lambda *a, **k: rope_attn_calls.append(1) or rope_attn(*a, **k))
     report = eng.apply_plan(fused_plan(device, fusions))
     assert report is not None
     ops = eng.runner.ops
@@ -78,6 +85,8 @@ def test_fused_plan_generates_as_reference(device, model, fusions, monkeypatch):
         assert silu_calls
     if "norm_stats" in fusions:  # every decode step: both producers, and consumers normalising from them
         assert stats_calls and sum(stats_used) >= len(stats_calls)
+    # under norm_stats too, the attention rotates and stores what the qkv GEMV normalised
+    assert bool(rope_attn_calls) == ("rope_attention" in fusions)
     agree = sum(a == b for r, o in zip(ref, got) for a, b in zip(r, o)) / sum(len(r) for r in ref)
     assert agree > 0.98, (agree, ref, got)
 
