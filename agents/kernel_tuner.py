@@ -64,13 +64,15 @@ class KernelTuner:
 
     def _take_turns(self, phase: list[str], descents: dict[str, "_Descent"], unfinished: set[str],
                     lab: Lab, setting: SearchSetting) -> None:
-        """Every op of ``phase`` times its base first (in ``phase`` order); then the op with the
-        fewest turns per ms of gap to its roofline goes next (stride scheduling: each op's turns
-        grow in proportion to its gap, and none starves)."""
+        """Every op of ``phase`` times its base and each other implementation at its defaults first
+        (its opening, in ``phase`` order); then the op with the fewest turns per ms of gap to its
+        roofline goes next (stride scheduling: each op's turns grow in proportion to its gap, and
+        none starves). Why the openings first: session 46's 180-s chat compile gave lm_head one
+        turn (its gap the smallest), so its bf12 copy, a quarter of its bytes, was never timed."""
         turns = {op: descents[op].steps() for op in phase}
         taken = dict.fromkeys(phase, 0)
         while turns:
-            fresh = [op for op in phase if op in turns and taken[op] == 0]
+            fresh = [op for op in phase if op in turns and taken[op] < len(descents[op].openings())]
             op = fresh[0] if fresh else min(turns, key=lambda o: (taken[o] / self.gaps[o], phase.index(o)))
             try:
                 next(turns[op])
@@ -183,23 +185,32 @@ class _Descent:
             self.best, self.best_choice = ms, choice
         return ms
 
-    def steps(self) -> Iterator[None]:
+    def openings(self) -> list[OpChoice]:
+        """The base's choice, then each implementation of the space at its defaults (the base's own
+        at its params) that differs from it: what the descent times before it walks any param."""
         space = self.setting.space.ops[self.op]
         current = self.setting.base.choice(self.op)
+        out = [current]
+        for impl in sorted(space.impls):
+            params = space.default(impl) if impl != current.impl else {**space.default(impl), **current.params}
+            if OpChoice(impl=impl, params=params) != current:
+                out.append(OpChoice(impl=impl, params=params))
+        return out
+
+    def steps(self) -> Iterator[None]:
+        space = self.setting.space.ops[self.op]
+        current, *others = self.openings()
         current_ms = self._score(current)
         yield
         starts: list[tuple[float, str, dict[str, Any]]] = []
-        for impl in sorted(space.impls):
-            params: dict[str, Any] = space.default(impl) if impl != current.impl else {
-                **space.default(impl), **current.params}
-            choice = OpChoice(impl=impl, params=params)
-            if choice == current:
-                ms = current_ms
-            else:
-                ms = self._score(choice)
-                yield
+        if current.impl in space.impls and all(c.impl != current.impl for c in others):  # at its defaults already
+            starts.append((current_ms, current.impl, dict(current.params)))
+        for choice in others:
+            ms = self._score(choice)
+            yield
             if math.isfinite(ms):  # an impl that does not build or run at its defaults: no descent
-                starts.append((ms, impl, params))
+                starts.append((ms, choice.impl, dict(choice.params)))
+        starts = [t for t in starts if math.isfinite(t[0])]
         for ms, impl, params in sorted(starts, key=lambda t: t[0]):
             names = sorted(n for n, ch in space.impls[impl].items() if len(ch) > 1)
             for _ in range(self.tuner.passes):

@@ -289,18 +289,18 @@ def without_weight_copies(cand: Candidate) -> Candidate | None:
     copies = weight_copies(cand.plan)
     if not copies:
         return None
-    ops = {op: OpChoice(impl="triton_gemv_splitk", params=bf16_gemv_params(cand.plan.choice(op))) for op in copies}
+    ops = {op: OpChoice(impl="triton_gemv_splitk", params=bf16_gemv_params(cand.plan.choice(op), op)) for op in copies}
     plan = cand.plan.with_ops(**ops).model_copy(update={"name": None})
     formats = "/".join(sorted(set(copies.values())))
     return Candidate(plan=plan, agent=cand.agent, parent=cand.hash,
                      note=f"{cand.note} without {formats} weights (it failed verification)".strip())
 
 
-def bf16_gemv_params(choice: OpChoice) -> dict:
-    """The bf16 GEMV's params for the tiles a copy's GEMV ``choice`` runs: the bf12 GEMV's own
-    defaults made explicit (they differ from the bf16 GEMV's), its ``unpack`` dropped (a bf12 knob
-    the bf16 variant does not declare)."""
-    params = gemv_tiles(choice.impl, choice.params)
+def bf16_gemv_params(choice: OpChoice, op: str) -> dict:
+    """The bf16 GEMV's params for the tiles projection ``op``'s copy GEMV ``choice`` runs: the bf12
+    GEMV's own defaults made explicit (they differ from the bf16 GEMV's), its ``unpack`` dropped (a
+    bf12 knob the bf16 variant does not declare)."""
+    params = gemv_tiles(choice.impl, choice.params, op)
     params.pop("unpack", None)
     return params
 

@@ -25,7 +25,7 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
     out: dict[str, Callable] = {}
     for name in names:
         projs = GEMV_FUSION_PROJECTIONS.get(name, ())
-        gemv_params = {proj: fused_gemv_params(*choices[proj]) for proj in projs}
+        gemv_params = {proj: fused_gemv_params(*choices[proj], proj) for proj in projs}
         if name == "lm_head_argmax":
             out[name] = _lm_head_argmax(gemv, *choices.get("lm_head", ("reference", {})))
         elif name == "silu_mul_down":  # down_proj
@@ -59,7 +59,7 @@ def _lm_head_argmax(gemv, impl: str, params: dict) -> Callable:
     defaults, as before copies existed."""
     if impl not in WEIGHT_COPY_IMPLS:
         return gemv.lm_head_argmax
-    p, _ = fused_gemv_params(impl, params)
+    p, _ = fused_gemv_params(impl, params, "lm_head")
     own = {prm.name for prm in gemv.LM_HEAD_ARGMAX_PARAMS}
     kw = {k: v for k, v in p.items() if k in own or k in ("weights", "unpack")}
     return functools.partial(gemv.lm_head_argmax, **kw)

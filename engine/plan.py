@@ -135,6 +135,12 @@ WEIGHT_COPY_IMPLS = {FP8_WEIGHT_IMPL: "fp8", BF12_WEIGHT_IMPL: "bf12"}  # varian
 # best, against 0.88-0.94x at the bf16 defaults), so a tuner's first timing of it is near its best.
 # The variant declares them and its fused GEMVs take them (``fused_gemv_params``).
 BF12_GEMV_DEFAULTS = {"block_n": 32, "block_k": 256, "reduce": "ticket"}
+# ... and where one projection's best differs (the same bench, M 16, sessions 45-46, two H100s):
+# gate_up 65.9-66.5 µs at 64-wide tiles and 8 warps against 70.6 at the common ones (M 8: 66.4 both),
+# o 12.7 against 13.3 and down 36.6 against 37.0 with two K splits. A tuner's coordinate descent
+# cannot reach gate_up's from the common tiles: each move alone is slower (70.7, 73.4).
+BF12_GEMV_OP_DEFAULTS = {"gate_up_proj": {"block_n": 64, "num_warps": 8}, "o_proj": {"split_k": 2},
+                         "down_proj": {"split_k": 2}}
 # the projections that may read a second copy, and where each one's weight lives: a ``LayerWeights``
 # attribute of every layer, or for lm_head ``Weights.lm_head`` itself (``Weights.copy_targets``).
 # lm_head joined in session 45: 0.37 ms of the 8B's ~5.5-ms chat decode step on an H100.
@@ -149,19 +155,24 @@ def weight_copies(plan: "Plan") -> dict[str, str]:
             if plan.choice(p).impl in WEIGHT_COPY_IMPLS}
 
 
-def gemv_tiles(impl: str, params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` of a Triton GEMV choice with the bf12 GEMV's own defaults made explicit where
-    ``impl`` is it (``BF12_GEMV_DEFAULTS``): the tiles it runs, whoever else runs them."""
-    return {**BF12_GEMV_DEFAULTS, **params} if impl == BF12_WEIGHT_IMPL else dict(params)
+def bf12_gemv_defaults(op: str) -> dict[str, Any]:
+    """The bf12 GEMV's declared defaults for projection ``op`` where they differ from the bf16 GEMV's."""
+    return {**BF12_GEMV_DEFAULTS, **BF12_GEMV_OP_DEFAULTS.get(op, {})}
 
 
-def fused_gemv_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """The GEMV kernel params a fusion takes from its projection's choice (the projection's own when
-    it is the Triton GEMV, on a weight copy or not, else the GEMV's defaults), and the row count
+def gemv_tiles(impl: str, params: dict[str, Any], op: str) -> dict[str, Any]:
+    """``params`` of projection ``op``'s Triton GEMV choice with the bf12 GEMV's own defaults made
+    explicit where ``impl`` is it (``bf12_gemv_defaults``): the tiles it runs, whoever else runs them."""
+    return {**bf12_gemv_defaults(op), **params} if impl == BF12_WEIGHT_IMPL else dict(params)
+
+
+def fused_gemv_params(impl: str, params: dict[str, Any], op: str) -> tuple[dict[str, Any], int]:
+    """The GEMV kernel params a fusion takes from projection ``op``'s choice (the projection's own
+    when it is the Triton GEMV, on a weight copy or not, else the GEMV's defaults), and the row count
     above which the unfused ops run instead (prefill)."""
     if impl != "triton_gemv_splitk" and impl not in WEIGHT_COPY_IMPLS:
         return {}, GEMV_MAX_M
-    p = gemv_tiles(impl, params)
+    p = gemv_tiles(impl, params, op)
     if impl in WEIGHT_COPY_IMPLS:
         p["weights"] = WEIGHT_COPY_IMPLS[impl]  # the fused GEMV streams the same copy the projection does
     return p, p.pop("max_m", GEMV_MAX_M) or 1 << 30
@@ -175,15 +186,15 @@ def retiled_fusions(plan: "Plan", base: "Plan") -> list[str]:
     copy or its tiles change: it reads the copy lm_head runs on, with lm_head's tiles, and keeps its
     own kernel otherwise (``fusions._lm_head_argmax``)."""
     out = [f for f, projs in GEMV_FUSION_PROJECTIONS.items()
-           if any(fused_gemv_params(plan.choice(p).impl, plan.choice(p).params)
-                  != fused_gemv_params(base.choice(p).impl, base.choice(p).params) for p in projs)]
+           if any(fused_gemv_params(plan.choice(p).impl, plan.choice(p).params, p)
+                  != fused_gemv_params(base.choice(p).impl, base.choice(p).params, p) for p in projs)]
     return out + (["lm_head_argmax"] if _head_copy_tiles(plan) != _head_copy_tiles(base) else [])
 
 
 def _head_copy_tiles(plan: "Plan") -> tuple[dict[str, Any], int] | None:
     """What ``lm_head_argmax`` takes from lm_head's choice: its copy's GEMV params, when it reads one."""
     ch = plan.choice("lm_head")
-    return fused_gemv_params(ch.impl, ch.params) if ch.impl in WEIGHT_COPY_IMPLS else None
+    return fused_gemv_params(ch.impl, ch.params, "lm_head") if ch.impl in WEIGHT_COPY_IMPLS else None
 
 
 def rope_fusable(block_n: int, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
@@ -201,7 +212,7 @@ def inert_fusions(plan: "Plan", config: dict[str, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     if plan.fusions.get("qkv_rope"):
         choice = plan.choice("qkv_proj")
-        block_n = int(fused_gemv_params(choice.impl, choice.params)[0].get("block_n", GEMV_BLOCK_N))
+        block_n = int(fused_gemv_params(choice.impl, choice.params, "qkv_proj")[0].get("block_n", GEMV_BLOCK_N))
         D, H, Hkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
         if config.get("family") == "qwen3":
             out["qkv_rope"] = "the q/k norm runs between the qkv projection and RoPE (Qwen3): RoPE stays in qk_rope_store"

@@ -73,7 +73,10 @@ def test_the_space_lists_each_param_s_default_first():
             got = listed[op][impl][p.name]
             assert got[0] == p.default and sorted(map(repr, got)) == sorted(map(repr, p.choices)), (op, impl, p.name)
     assert listed["gate_up_proj"]["triton_gemv_splitk"]["block_n"][0] == 64
-    assert listed["gate_up_proj"]["triton_gemv_bf12"]["block_n"][0] == 32  # its own default (BF12_GEMV_DEFAULTS)
+    assert listed["qkv_proj"]["triton_gemv_bf12"]["block_n"][0] == 32  # its own default (BF12_GEMV_DEFAULTS)
+    assert listed["gate_up_proj"]["triton_gemv_bf12"]["block_n"][0] == 64  # gate_up's (BF12_GEMV_OP_DEFAULTS)
+    assert listed["gate_up_proj"]["triton_gemv_bf12"]["num_warps"][0] == 8
+    assert listed["o_proj"]["triton_gemv_bf12"]["split_k"][0] == listed["down_proj"]["triton_gemv_bf12"]["split_k"][0] == 2
 
 
 def test_plan_swap_and_rejection_keep_serving(server):

@@ -183,11 +183,12 @@ def test_a_candidate_on_fp8_weights_that_fails_verification_is_retried_on_bf16(t
     bf12 = without_weight_copies(Candidate(plan=fast_plan.with_ops(o_proj=OpChoice(impl="triton_gemv_bf12", params={
         "block_k": 256})), agent="t", note="bf12"))
     assert bf12.plan == fast_plan.with_ops(o_proj=OpChoice(impl="triton_gemv_splitk", params={
-        "block_k": 256, "block_n": 32, "reduce": "ticket"}))  # the bf12 GEMV's tiles, its defaults made explicit
+        "block_k": 256, "block_n": 32, "reduce": "ticket", "split_k": 2}))  # the bf12 GEMV's tiles, o_proj's defaults
+    # made explicit
     assert bf12.note == "bf12 without bf12 weights (it failed verification)"
     asm = without_weight_copies(Candidate(plan=fast_plan.with_ops(o_proj=OpChoice(impl="triton_gemv_bf12", params={
         "block_n": 64, "unpack": "asm"})), agent="t"))  # unpack is bf12's own knob
-    assert asm.plan.choice("o_proj").params == {"block_n": 64, "block_k": 256, "reduce": "ticket"}
+    assert asm.plan.choice("o_proj").params == {"block_n": 64, "block_k": 256, "reduce": "ticket", "split_k": 2}
     _, url = fakes(noise=0.0, bad_impls=("triton_gemv_fp8",),
                    extra_variants={"o_proj": {"reference": {}, "triton_gemv_splitk": {"block_k": [128, 256]},
                                               "triton_gemv_fp8": {"block_k": [128, 256]}}})

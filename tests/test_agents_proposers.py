@@ -133,14 +133,17 @@ def test_kernel_tuner_gives_turns_by_the_gap_to_the_roofline(env, monkeypatch):
         return {"attention_decode": 10.0}.get(op, 0.0)
 
     monkeypatch.setattr(tuner, "floor_ms", floor)
-    calls = _budget_measurements(lab, monkeypatch, 16)
+    calls = _budget_measurements(lab, monkeypatch, 24)
     tuner.run(lab, setting, board)
     per_bucket = len(setting.shape_buckets("rmsnorm"))
     att_bucket = len(setting.shape_buckets("attention_decode"))
     turns = {op: calls.count(op) for op in set(calls)}
     assert set(turns) == set(setting.space.tunable_ops())  # every op timed its base
-    assert turns["attention_decode"] == att_bucket  # its base only: 2% of its time is its gap
-    assert turns["rmsnorm"] >= 2 * per_bucket and turns["silu_and_mul"] >= 2 * per_bucket
+    # the openings (base, the other impl at its defaults: 16 timings), then turns by the gap: none
+    # to attention, 2% of whose time is its gap
+    assert turns["attention_decode"] == 2 * att_bucket
+    assert turns["rmsnorm"] + turns["silu_and_mul"] == 24 - 2 * att_bucket
+    assert turns["rmsnorm"] >= 3 * per_bucket and turns["silu_and_mul"] >= 3 * per_bucket
     assert tuner.gaps["attention_decode"] < tuner.gaps["rmsnorm"]
     assert set(computed) == set(turns) and all(v > 0 for v in computed.values())  # real rooflines
     assert any("gap to the roofline" in n for n in board.notes)
@@ -168,6 +171,28 @@ def test_kernel_tuner_measures_an_ops_gap_from_its_least_bytes_implementation(tm
         assert tuner.floor_ms("qkv_proj", lab, setting) == pytest.approx(copied)
         # an op without a smaller copy keeps its own roofline
         assert tuner.floor_ms("rmsnorm", lab, setting) == pytest.approx(roofline(setting.base, "rmsnorm"))
+
+
+def test_kernel_tuner_times_every_ops_implementations_at_their_defaults_before_turns_by_the_gap(tmp_path, monkeypatch):
+    """Session 46's 180-s chat compile gave lm_head one turn (the smallest gap), so its bf12 copy was
+    never timed: every op's opening (its base, then each other implementation at its defaults) comes
+    before any op's descent, however small its gap."""
+    from anneal.agents.kernel_tuner import _Descent
+
+    bf12 = {"qkv_proj": {"reference": {}, "triton_gemv_bf12": {"block_n": [32, 64]}}}
+    with _lab_on(tmp_path, extra_variants=bf12) as (lab, setting, board):
+        tuner = KernelTuner(major_share=0.0)
+        monkeypatch.setattr(tuner, "floor_ms", lambda op, lab_, setting_: {"qkv_proj": 10.0}.get(op, 0.0))
+        scored = []
+        score = tuner.score
+        monkeypatch.setattr(tuner, "score", lambda op, choice, *a: scored.append((op, choice)) or score(op, choice, *a))
+        tuner.run(lab, setting, board)
+        openings = [(op, ch) for op in setting.space.tunable_ops()
+                    for ch in _Descent(op, tuner, lab, setting, board).openings()]
+    assert ("qkv_proj", OpChoice(impl="triton_gemv_bf12", params={"block_n": 32})) in openings
+    assert sorted(map(repr, scored[:len(openings)])) == sorted(map(repr, openings))
+    assert len(scored) > len(openings)  # then the descents
+    assert tuner.gaps["qkv_proj"] == min(tuner.gaps.values())  # at its roofline, yet its copy was timed
 
 
 def test_kernel_tuner_weighs_prefill_attention_by_how_often_prompt_steps_come(env, monkeypatch):
@@ -432,7 +457,7 @@ def test_a_fusion_the_tuned_ops_retile_counts_by_its_trial_beside_them():
     assert comp.choice("gate_up_proj") == bf12
     # other tiles than the retrial's: its fused kernels were never timed so, and the base's trial of
     # gate_up_silu ran other ones still
-    board.best_ops["gate_up_proj"] = (OpChoice(impl="triton_gemv_bf12", params={"block_n": 64}), 0.1)
+    board.best_ops["gate_up_proj"] = (OpChoice(impl="triton_gemv_bf12", params={"block_n": 128}), 0.1)
     assert board.composite(base).fusions == {"rope_attention": True}
     # lm_head_argmax reads lm_head's copy with its tiles: on the bf16 GEMV it keeps its own kernel
     board.keep_fusion("lm_head_argmax", 0.994)

@@ -60,7 +60,7 @@ from anneal.engine.bf12_weights import bf12_of
 from anneal.engine.fp8_weights import fp8_of
 from anneal.engine.kernels.rope import rotate_half
 from anneal.engine.ops.registry import Param, interpreting, variant
-from anneal.engine.plan import BF12_GEMV_DEFAULTS, BF12_WEIGHT_IMPL, COPY_PROJECTIONS, FP8_WEIGHT_IMPL, GEMV_BLOCK_N, GEMV_MAX_M, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
+from anneal.engine.plan import BF12_WEIGHT_IMPL, COPY_PROJECTIONS, FP8_WEIGHT_IMPL, GEMV_BLOCK_N, GEMV_MAX_M, bf12_gemv_defaults, rope_fusable  # noqa: F401 (rope_fusable: the kernels' API)
 
 MAX_SPLIT_K = 16
 BF12_UNPACK = ("asm", "int")  # how the bf12 GEMV rebuilds bf16 weights: PTX (prmt / lop3) or Triton integer ops
@@ -676,7 +676,7 @@ for _op in COPY_PROJECTIONS:
     )(_copy_linear("fp8"))
     variant(
         _op, BF12_WEIGHT_IMPL,
-        params=tuple(dataclasses.replace(p, default=BF12_GEMV_DEFAULTS.get(p.name, p.default))
+        params=tuple(dataclasses.replace(p, default=bf12_gemv_defaults(_op).get(p.name, p.default))
                      for p in GEMV_PARAMS if p.name not in ("m1", "ahead")) + (Param("unpack", BF12_UNPACK, "asm"),),
         devices=("cuda",),
         description="the small-M GEMV (dot path) over W's bf12 copy: bf16 with a 4-bit exponent code a "

@@ -195,14 +195,15 @@ def test_copy_plan_generates_as_the_reference_on_the_same_weights(device, fmt, m
     plan = plan.model_copy(update={"ops": {**plan.ops, **{
         op: OpChoice(impl=impl, params={k: v for k, v in plan.choice(op).params.items() if k not in dot_only})
         for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}}})
-    eng.apply_plan(plan)
-    assert all(weight_copies.has_copy(getattr(L, name), fmt) for L, name in projections)
-    read = set()  # (kernel, format, rows of W) of every GEMV the steps launch
+    read = set()  # (kernel, format, rows of W) of every GEMV the plan launches, its graphs' captures included
     copy_of_w = gemv._weight_copy
     monkeypatch.setattr(gemv, "_weight_copy", lambda name, w, weights, unpack: (
         read.add((name, weights, w.shape[0])), copy_of_w(name, w, weights, unpack))[1])
+    eng.apply_plan(plan)
+    assert all(weight_copies.has_copy(getattr(L, name), fmt) for L, name in projections)
     got = eng.generate(prompts, params)
-    # lm_head reads its copy: fused with the argmax in the GPU's decode graphs, as the op on the CPU
+    # lm_head reads its copy: fused with the argmax in the GPU's decode graphs (captured by the apply:
+    # session 46's first GPU run patched after it and saw only the prompt steps), as the op on the CPU
     head = "lm_head_argmax" if device == "cuda" else "linear"
     assert (head, fmt, eng.config.vocab_size) in read and (head, "bf16", eng.config.vocab_size) not in read, read
     agree = sum(a == b for r, o in zip(ref, got) for a, b in zip(r, o)) / sum(len(r) for r in ref)
