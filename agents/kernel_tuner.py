@@ -71,8 +71,9 @@ class KernelTuner:
         turn (its gap the smallest), so its bf12 copy, a quarter of its bytes, was never timed."""
         turns = {op: descents[op].steps() for op in phase}
         taken = dict.fromkeys(phase, 0)
+        opening = {op: len(descents[op].openings()) for op in phase}
         while turns:
-            fresh = [op for op in phase if op in turns and taken[op] < len(descents[op].openings())]
+            fresh = [op for op in phase if op in turns and taken[op] < opening[op]]
             op = fresh[0] if fresh else min(turns, key=lambda o: (taken[o] / self.gaps[o], phase.index(o)))
             try:
                 next(turns[op])
@@ -202,15 +203,15 @@ class _Descent:
         current, *others = self.openings()
         current_ms = self._score(current)
         yield
+        # the descents' starting points; an impl that does not build or run at its defaults has none
         starts: list[tuple[float, str, dict[str, Any]]] = []
-        if current.impl in space.impls and all(c.impl != current.impl for c in others):  # at its defaults already
-            starts.append((current_ms, current.impl, dict(current.params)))
+        if current.impl in space.impls and all(c.impl != current.impl for c in others) and math.isfinite(current_ms):
+            starts.append((current_ms, current.impl, dict(current.params)))  # at its defaults already
         for choice in others:
             ms = self._score(choice)
             yield
-            if math.isfinite(ms):  # an impl that does not build or run at its defaults: no descent
+            if math.isfinite(ms):
                 starts.append((ms, choice.impl, dict(choice.params)))
-        starts = [t for t in starts if math.isfinite(t[0])]
         for ms, impl, params in sorted(starts, key=lambda t: t[0]):
             names = sorted(n for n, ch in space.impls[impl].items() if len(ch) > 1)
             for _ in range(self.tuner.passes):

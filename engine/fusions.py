@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from anneal.engine.plan import GEMV_BLOCK_N, GEMV_FUSION_PROJECTIONS, WEIGHT_COPY_IMPLS, fused_gemv_params
+from anneal.engine.plan import GEMV_BLOCK_N, GEMV_FUSION_PROJECTIONS, fused_gemv_params, head_copy_params
 
 
 def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]) -> dict[str, Callable]:
@@ -57,9 +57,10 @@ def _lm_head_argmax(gemv, impl: str, params: dict) -> Callable:
     """lm_head + argmax in one GEMV: over lm_head's weight copy with its tiles when the plan runs
     lm_head on one (bf12: ~0.8 of the bf16 GEMV's time on the layer projections), else at the fused kernel's own
     defaults, as before copies existed."""
-    if impl not in WEIGHT_COPY_IMPLS:
+    copy = head_copy_params(impl, params)
+    if copy is None:
         return gemv.lm_head_argmax
-    p, _ = fused_gemv_params(impl, params, "lm_head")
+    p, _ = copy
     own = {prm.name for prm in gemv.LM_HEAD_ARGMAX_PARAMS}
     kw = {k: v for k, v in p.items() if k in own or k in ("weights", "unpack")}
     return functools.partial(gemv.lm_head_argmax, **kw)

@@ -188,13 +188,15 @@ def retiled_fusions(plan: "Plan", base: "Plan") -> list[str]:
     out = [f for f, projs in GEMV_FUSION_PROJECTIONS.items()
            if any(fused_gemv_params(plan.choice(p).impl, plan.choice(p).params, p)
                   != fused_gemv_params(base.choice(p).impl, base.choice(p).params, p) for p in projs)]
-    return out + (["lm_head_argmax"] if _head_copy_tiles(plan) != _head_copy_tiles(base) else [])
+    head, base_head = plan.choice("lm_head"), base.choice("lm_head")
+    moved = head_copy_params(head.impl, head.params) != head_copy_params(base_head.impl, base_head.params)
+    return out + (["lm_head_argmax"] if moved else [])
 
 
-def _head_copy_tiles(plan: "Plan") -> tuple[dict[str, Any], int] | None:
-    """What ``lm_head_argmax`` takes from lm_head's choice: its copy's GEMV params, when it reads one."""
-    ch = plan.choice("lm_head")
-    return fused_gemv_params(ch.impl, ch.params, "lm_head") if ch.impl in WEIGHT_COPY_IMPLS else None
+def head_copy_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
+    """What ``lm_head_argmax`` takes from lm_head's choice: its copy's GEMV params (``fused_gemv_params``)
+    when lm_head reads a weight copy, else None (the fused kernel keeps its own defaults)."""
+    return fused_gemv_params(impl, params, "lm_head") if impl in WEIGHT_COPY_IMPLS else None
 
 
 def rope_fusable(block_n: int, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
