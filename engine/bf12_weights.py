@@ -41,20 +41,44 @@ class Bf12Weight(NamedTuple):
     flushed: int  # weights below their row's window, stored as its smallest value
 
 
+PACK_CHUNK_ELEMENTS = 1 << 23  # a chunk's int32 temporaries: 32 MB each, whatever the weight's size
+
+
 def pack(w: torch.Tensor) -> Bf12Weight:
-    """``w`` ([N, K] bf16, K even) in bf12 (see the module doc)."""
+    """``w`` ([N, K] bf16, K even) in bf12 (see the module doc).
+
+    Packed a block of rows at a time: the whole-matrix int32 temporaries of lm_head (0.5 G weights)
+    ran a fast-tier engine out of GPU memory beside its slow tier on an H100 (session 47); the copy
+    itself is 1.5 bytes a weight.
+    """
     if w.dim() != 2 or w.dtype != torch.bfloat16 or w.shape[1] % 2:
         raise ValueError(f"bf12 weights: need a bf16 [N, K] matrix with K even, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    lo = torch.empty((n, k), dtype=torch.uint8, device=w.device)
+    codes = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
+    base = torch.zeros(n, dtype=torch.int32, device=w.device)
+    rows = max(1, PACK_CHUNK_ELEMENTS // max(1, k))
+    flushed = torch.zeros((), dtype=torch.int64, device=w.device)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        flushed += _pack_rows(w[r0:r1], lo[r0:r1], codes[r0:r1], base[r0:r1])
+    return Bf12Weight(lo, codes, base, int(flushed))
+
+
+def _pack_rows(w: torch.Tensor, lo_out: torch.Tensor, codes_out: torch.Tensor, base_out: torch.Tensor) -> torch.Tensor:
+    """Rows of ``w`` into their slices of the copy; returns how many weights were flushed."""
+    if not w.numel():
+        return torch.zeros((), dtype=torch.int64, device=w.device)
     bits = w.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     lo, sign, top = bits & 0xFF, bits >> 15, (bits >> 8) & 0x7F
-    base = ((top.amax(dim=1) if w.numel() else torch.zeros(w.shape[0], dtype=torch.int32)) - (CODES - 1)).clamp(min=0)
+    base = (top.amax(dim=1) - (CODES - 1)).clamp(min=0)
     below = top < base[:, None]  # under the window: the window's smallest value, signed
     code = torch.where(below, torch.zeros_like(top), top - base[:, None])
-    lo = torch.where(below, torch.zeros_like(lo), lo)
+    lo_out.copy_(torch.where(below, torch.zeros_like(lo), lo))
     v = (sign << 3) | code
-    codes = (v[:, 0::2] | (v[:, 1::2] << 4)).to(torch.uint8)
-    return Bf12Weight(lo.to(torch.uint8).contiguous(), codes.contiguous(), base.to(torch.int32).contiguous(),
-                      int(below.sum()))
+    codes_out.copy_(v[:, 0::2] | (v[:, 1::2] << 4))
+    base_out.copy_(base)
+    return below.sum()
 
 
 def unpacked(q: Bf12Weight) -> torch.Tensor:

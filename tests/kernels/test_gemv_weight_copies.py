@@ -97,6 +97,22 @@ def test_bf12_keeps_every_weight_in_its_row_s_window():
             b12.pack(bad)
 
 
+@pytest.mark.parametrize("chunk", [512 * 5, 512 * 48, 1])
+def test_bf12_packs_a_block_of_rows_at_a_time_as_in_one(monkeypatch, chunk):
+    """The packer works on blocks of rows (its temporaries stay small beside lm_head's 0.5 G weights):
+    any block size, one that does not divide the rows included, gives the same copy as a single block."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(37, 512, generator=g) * torch.logspace(-20, 2, 37)[:, None]).bfloat16()
+    whole = b12.pack(w)
+    monkeypatch.setattr(b12, "PACK_CHUNK_ELEMENTS", chunk)
+    blocks = b12.pack(w)
+    for a, b in zip(whole[:3], blocks[:3]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert blocks.flushed == whole.flushed > 0
+    empty = b12.pack(torch.zeros(0, 8, dtype=torch.bfloat16))
+    assert empty.lo.shape == (0, 8) and empty.codes.shape == (0, 4) and empty.base.shape == (0,)
+
+
 @pytest.mark.parametrize("device, pi, params", device_configs(PARAMS_CPU, PARAMS_GPU))
 @pytest.mark.parametrize("fmt, dtype", FORMAT_DTYPES)
 @pytest.mark.parametrize("op", ["qkv_proj", "down_proj"])
