@@ -47,9 +47,9 @@ PACK_CHUNK_ELEMENTS = 1 << 23  # a chunk's int32 temporaries: 32 MB each, whatev
 def pack(w: torch.Tensor) -> Bf12Weight:
     """``w`` ([N, K] bf16, K even) in bf12 (see the module doc).
 
-    Packed a block of rows at a time: the whole-matrix int32 temporaries of lm_head (0.5 G weights)
-    ran a fast-tier engine out of GPU memory beside its slow tier on an H100 (session 47); the copy
-    itself is 1.5 bytes a weight.
+    Packed a block of rows at a time: on lm_head (0.5 G weights) the whole matrix's int32
+    temporaries, and the int64 a bool ``sum`` casts it to (3.9 GB), ran a fast-tier engine out of
+    GPU memory beside its slow tier on an H100 (session 47); the copy itself is 1.5 bytes a weight.
     """
     if w.dim() != 2 or w.dtype != torch.bfloat16 or w.shape[1] % 2:
         raise ValueError(f"bf12 weights: need a bf16 [N, K] matrix with K even, got {w.dtype} {tuple(w.shape)}")
@@ -78,7 +78,7 @@ def _pack_rows(w: torch.Tensor, lo_out: torch.Tensor, codes_out: torch.Tensor, b
     v = (sign << 3) | code
     codes_out.copy_(v[:, 0::2] | (v[:, 1::2] << 4))
     base_out.copy_(base)
-    return below.sum()
+    return torch.count_nonzero(below)
 
 
 def unpacked(q: Bf12Weight) -> torch.Tensor:
