@@ -41,27 +41,17 @@ class Bf12Weight(NamedTuple):
     flushed: int  # weights below their row's window, stored as its smallest value
 
 
-PACK_CHUNK_ELEMENTS = 1 << 23  # a chunk's int32 temporaries: 32 MB each, whatever the weight's size
-
-
 def pack(w: torch.Tensor) -> Bf12Weight:
-    """``w`` ([N, K] bf16, K even) in bf12 (see the module doc).
-
-    Packed a block of rows at a time: on lm_head (0.5 G weights) the whole matrix's int32
-    temporaries, and the int64 a bool ``sum`` casts it to (3.9 GB), ran a fast-tier engine out of
-    GPU memory beside its slow tier on an H100 (session 47); the copy itself is 1.5 bytes a weight.
-    """
+    """``w`` ([N, K] bf16, K even) in bf12 (see the module doc), a block of rows at a time."""
     if w.dim() != 2 or w.dtype != torch.bfloat16 or w.shape[1] % 2:
         raise ValueError(f"bf12 weights: need a bf16 [N, K] matrix with K even, got {w.dtype} {tuple(w.shape)}")
     n, k = w.shape
     lo = torch.empty((n, k), dtype=torch.uint8, device=w.device)
     codes = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
     base = torch.zeros(n, dtype=torch.int32, device=w.device)
-    rows = max(1, PACK_CHUNK_ELEMENTS // max(1, k))
     flushed = torch.zeros((), dtype=torch.int64, device=w.device)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        flushed += _pack_rows(w[r0:r1], lo[r0:r1], codes[r0:r1], base[r0:r1])
+    for r in weight_copies.row_blocks(w):
+        flushed += _pack_rows(w[r], lo[r], codes[r], base[r])
     return Bf12Weight(lo, codes, base, int(flushed))
 
 

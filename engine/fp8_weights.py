@@ -31,14 +31,17 @@ class Fp8Weight(NamedTuple):
 
 def quantize(w: torch.Tensor) -> Fp8Weight:
     """``w`` ([N, K]) as e4m3 rows scaled so each row's largest magnitude lands on 448 (round to
-    nearest; an all-zero row keeps scale 1)."""
+    nearest; an all-zero row keeps scale 1), a block of rows at a time."""
     if w.dim() != 2:
         raise ValueError(f"fp8 weights: need a [N, K] matrix, got {tuple(w.shape)}")
-    wf = w.float()
-    amax = wf.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    data = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return Fp8Weight(data.contiguous(), scale.contiguous())
+    data = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for r in weight_copies.row_blocks(w):
+        wf = w[r].float()
+        amax = wf.abs().amax(dim=1) if wf.numel() else torch.zeros(wf.shape[0], device=w.device)
+        scale[r] = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        data[r] = (wf / scale[r, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Weight(data, scale)
 
 
 def dequantized(q: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:

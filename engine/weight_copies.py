@@ -11,12 +11,25 @@ steps, bound by compute, run it through torch's GEMM.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 _LOCK = threading.Lock()  # the engine thread and compile-ahead passes may ask at once
 _MAKERS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[[torch.Tensor], int]]] = {}
+
+
+ROW_BLOCK_ELEMENTS = 1 << 23  # a block's 4-byte temporaries: 32 MB each, whatever the weight's size
+
+
+def row_blocks(w: torch.Tensor) -> Iterator[slice]:
+    """The row ranges a maker converts one at a time. On lm_head (0.5 G weights) the whole
+    matrix's fp32/int32 temporaries, and the int64 a bool ``sum`` casts it to (3.9 GB), ran a fast
+    tier out of GPU memory beside its slow tier on an H100 (session 47); the copies themselves are
+    1-1.5 bytes a weight."""
+    rows = max(1, ROW_BLOCK_ELEMENTS // max(1, w.shape[1]))
+    for r0 in range(0, w.shape[0], rows):
+        yield slice(r0, min(w.shape[0], r0 + rows))
 
 
 def register(fmt: str, make: Callable[[torch.Tensor], Any], nbytes: Callable[[torch.Tensor], int]) -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from anneal.engine import bf12_weights as b12
 from anneal.engine import fp8_weights as f8
+from anneal.engine import weight_copies
 from anneal.engine.kernels import gemv
 from anneal.engine.kernels._common import KernelInputError
 from anneal.engine.ops.registry import build_op
@@ -97,20 +98,24 @@ def test_bf12_keeps_every_weight_in_its_row_s_window():
             b12.pack(bad)
 
 
-@pytest.mark.parametrize("chunk", [512 * 5, 512 * 48, 1])
-def test_bf12_packs_a_block_of_rows_at_a_time_as_in_one(monkeypatch, chunk):
-    """The packer works on blocks of rows (its temporaries stay small beside lm_head's 0.5 G weights):
-    any block size, one that does not divide the rows included, gives the same copy as a single block."""
+@pytest.mark.parametrize("block", [512 * 5, 512 * 48, 1])
+def test_copies_are_made_a_block_of_rows_at_a_time_as_in_one(monkeypatch, block):
+    """The makers convert blocks of rows (their temporaries stay small beside lm_head's 0.5 G
+    weights): any block size, one that does not divide the rows included, gives the same copy."""
     g = torch.Generator().manual_seed(11)
     w = (torch.randn(37, 512, generator=g) * torch.logspace(-20, 2, 37)[:, None]).bfloat16()
-    whole = b12.pack(w)
-    monkeypatch.setattr(b12, "PACK_CHUNK_ELEMENTS", chunk)
-    blocks = b12.pack(w)
-    for a, b in zip(whole[:3], blocks[:3]):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    assert blocks.flushed == whole.flushed > 0
-    empty = b12.pack(torch.zeros(0, 8, dtype=torch.bfloat16))
-    assert empty.lo.shape == (0, 8) and empty.codes.shape == (0, 4) and empty.base.shape == (0,)
+    w[6] = 0.0
+    whole = (b12.pack(w), f8.quantize(w))
+    monkeypatch.setattr(weight_copies, "ROW_BLOCK_ELEMENTS", block)
+    blocks = (b12.pack(w), f8.quantize(w))
+    for a, b in zip(whole[0][:3] + tuple(whole[1]), blocks[0][:3] + tuple(blocks[1])):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype == f8.FP8 else a,
+                                                                         b.view(torch.uint8) if b.dtype == f8.FP8 else b)
+    assert blocks[0].flushed == whole[0].flushed > 0
+    assert float(blocks[1].scale[6]) == 1.0  # an all-zero row keeps scale 1
+    empty = torch.zeros(0, 8, dtype=torch.bfloat16)
+    assert b12.pack(empty).lo.shape == (0, 8) and b12.pack(empty).codes.shape == (0, 4)
+    assert f8.quantize(empty).data.shape == (0, 8) and f8.quantize(empty).scale.shape == (0,)
 
 
 @pytest.mark.parametrize("device, pi, params", device_configs(PARAMS_CPU, PARAMS_GPU))
