@@ -20,11 +20,14 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from anneal.engine.plan import STEP_FUSIONS, Plan, inert_fusions, retiled_fusions
+from anneal.engine.plan import (
+    BF12_GEMV_DEFAULTS, BF12_GEMV_OP_DEFAULTS, BF12_WEIGHT_IMPL, GEMV_FUSION_PROJECTIONS, STEP_FUSIONS, OpChoice, Plan,
+    inert_fusions, retiled_fusions,
+)
 from anneal.agents.board import Board, SearchSetting
 from anneal.agents.cost_model import CostModel
 from anneal.agents.lab import BudgetExhausted, Lab
-from anneal.agents.space import normalized
+from anneal.agents.space import CandidateSpace, normalized
 from anneal.agents.types import BenchSpec, Candidate
 
 
@@ -32,6 +35,10 @@ from anneal.agents.types import BenchSpec, Candidate
 STEP_MOVES = ("op", "fusion", "graphs")
 FUSION_TRIAL_SEED = 7100  # decode-step seeds of the fusion trials (7100, 7101, ...), none a search's own
 FUSION_RETRIAL_SEED = 7600  # the same beside the tuned ops (``fusion_retrials``)
+FUSION_COMMON_TILES_SEED = 7800  # ... and on the common tiles beside them
+# A retiled fusion that loses beside the tuned ops by less than this is tried again on the common
+# tiles (session 47: norm_stats x1.010 on gate_up's own, x0.980 on the common ones in session 46).
+FUSION_COMMON_TILES_BAND = 0.03
 FUSION_MIN_GAIN = 0.005  # a fusion's trial keeps it when the whole model's step is this much faster
 
 
@@ -56,7 +63,7 @@ FUSION_REREAD_BAND = 0.01
 def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, min_gain: float, *,
                   base: Plan | None = None, names: list[str] | None = None, seed: int = FUSION_TRIAL_SEED,
                   deadline: float | None = None, keep: Callable[[str, float], None] | None = None,
-                  where: str = "") -> None:
+                  where: str = "", ops_for: Callable[[str], Plan] | None = None) -> dict[str, float]:
     """Each fusion the base does not have, alone on the base, its decode step timed between two
     of the base's (B F1 B F2 B ..., a fresh seed each): the fast tier's host drifts over a search
     (compile-ahead's builds share it), so a fusion is only compared with the base steps beside it.
@@ -67,12 +74,15 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
     nothing on this model under the base's params (``plan.inert_fusions``) is not tried.
     ``base`` (the setting's by default), ``names`` (every fusion of the space), ``seed`` (the
     first step's), ``keep`` (``board.keep_fusion``) and ``where`` (said in the notes) are what
-    ``fusion_retrials`` changes; no step starts after ``deadline`` (``time.monotonic``)."""
+    ``fusion_retrials`` changes, and ``ops_for(f)``: the ops ``f`` is tried on (the base's by
+    default); no step starts after ``deadline`` (``time.monotonic``). Returns each decided
+    fusion's whole-model ratio."""
     base = base or setting.base
     keep = keep or board.keep_fusion
     trials = []
     for f in (setting.space.fusions if names is None else names):
-        plan = normalized(base.model_copy(update={"fusions": {**base.fusions, f: True}, "name": None}))
+        on = ops_for(f) if ops_for is not None else base
+        plan = normalized(on.model_copy(update={"fusions": {**base.fusions, f: True}, "name": None}))
         if not base.fusions.get(f) and plan.fusions.get(f) and plan.hash != base.hash:
             inert = inert_fusions(plan, setting.model_config).get(f) if setting.model_config else None
             if inert:  # the engine would run the unfused ops: its trial would time noise
@@ -80,7 +90,7 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
                 continue
             trials.append((f, plan))  # normalized drops a fusion the base's ops exclude
     if not trials:
-        return
+        return {}
     spec = setting.decode_spec.model_copy(update={"per_op": False})
     bar = 1 - min_gain
     seeds = iter(range(seed + 1, seed + 1 + 2 * len(trials)))
@@ -119,11 +129,12 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
                 readings.pop(f)
     except BudgetExhausted as e:
         out_of_budget = e
+    decided: dict[str, float] = {}
     for f, plan in trials:
         if f not in readings:
             continue
         rs = readings[f]
-        full = sum(r[3] for r in rs) / len(rs)
+        full = decided[f] = sum(r[3] for r in rs) / len(rs)
         fused, before, after, _ = rs[0]
         again = "" if len(rs) == 1 else f" (readings {', '.join(f'x{r[3]:.3f}' for r in rs)}: the mean)"
         won = full < bar
@@ -135,6 +146,19 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
             keep(f, full)
     if out_of_budget is not None:
         raise out_of_budget
+    return decided
+
+
+def common_tiles(space: CandidateSpace, op: str, choice: OpChoice) -> OpChoice:
+    """``choice`` with the bf12 GEMV's per-projection defaults (``BF12_GEMV_OP_DEFAULTS``) back at
+    the tiles every projection shares (bf12's common ones, else the bf16 GEMV's defaults); other
+    choices as they are. Those defaults won on the projection alone; a fused GEMV takes them too."""
+    keys = BF12_GEMV_OP_DEFAULTS.get(op, {}) if choice.impl == BF12_WEIGHT_IMPL else {}
+    space_op = space.ops.get(op)
+    bf16 = space_op.default("triton_gemv_splitk") if space_op is not None else {}
+    common = {k: BF12_GEMV_DEFAULTS.get(k, bf16.get(k)) for k in keys}
+    common = {k: v for k, v in common.items() if v is not None}
+    return choice.model_copy(update={"params": {**choice.params, **common}}) if common else choice
 
 
 def fusion_retrials(lab: Lab, setting: SearchSetting, board: Board, agent: str = "plan-search",
@@ -149,14 +173,31 @@ def fusion_retrials(lab: Lab, setting: SearchSetting, board: Board, agent: str =
     out; linear_norm and norm_stats, x1.15 and x1.01 there (where they also took o / down off
     cuBLAS), were never timed over bf12, though the norm kernels they remove were ~0.2 ms of a
     ~6.7-ms step. Runs after the op trials (the tuned ops are final then); none when no tuned op
-    retiles a fusion of the space. Returns the fusions it tried."""
+    retiles a fusion of the space. A fusion that loses there by less than
+    ``FUSION_COMMON_TILES_BAND`` is tried once more with its projections on the common tiles
+    (``common_tiles``), read against the tuned ops, so the tiles' cost is in its ratio; the
+    composite then weighs the two (``Board._retiled_for_fusions``). Returns the fusions it tried."""
     tuned = board.tuned_ops(setting.base).model_copy(update={"name": None})
     names = [f for f in retiled_fusions(tuned, setting.base) if f in setting.space.fusions]
     if not names:
         return []
-    fusion_trials(lab, setting, board, agent, min_gain, base=tuned, names=names, seed=FUSION_RETRIAL_SEED,
-                  deadline=deadline, keep=lambda f, ratio: board.keep_retried_fusion(tuned, f, ratio),
-                  where=" beside the tuned ops")
+    ratios = fusion_trials(lab, setting, board, agent, min_gain, base=tuned, names=names, seed=FUSION_RETRIAL_SEED,
+                           deadline=deadline, keep=lambda f, ratio: board.keep_retried_fusion(tuned, f, ratio),
+                           where=" beside the tuned ops")
+    # A fusion that lost narrowly, on projections the per-projection defaults retile: once more on
+    # the common tiles, read against the tuned ops (the composite weighs the two: Board._retiled_for_fusions)
+    near = sorted((r, f) for f, r in ratios.items() if f not in board.retried_fusions and r < 1 + FUSION_COMMON_TILES_BAND)
+    on_common: dict[str, Plan] = {}
+    for _, f in near:
+        ops = {p: common_tiles(setting.space, p, tuned.choice(p)) for p in GEMV_FUSION_PROJECTIONS.get(f, ())}
+        ops = {p: ch for p, ch in ops.items() if ch != tuned.choice(p)}
+        if ops:
+            on_common[f] = tuned.with_ops(**ops)
+    if on_common:
+        fusion_trials(lab, setting, board, agent, min_gain, base=tuned, names=list(on_common),
+                      seed=FUSION_COMMON_TILES_SEED, deadline=deadline, ops_for=on_common.__getitem__,
+                      keep=lambda f, ratio: board.keep_retried_fusion(on_common[f], f, ratio, against=tuned),
+                      where=" on the common tiles, beside the tuned ops")
     return names
 
 

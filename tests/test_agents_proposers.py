@@ -587,6 +587,76 @@ def test_fusion_retrials_try_the_retiled_fusions_beside_the_tuned_ops_and_the_co
     assert any(n.startswith("fusion norm_stats beside the tuned ops:") and n.endswith("not kept") for n in board.notes)
 
 
+def test_a_fusion_that_loses_on_the_tuned_tiles_is_retried_on_the_common_ones_and_the_composite_takes_them(tmp_path):
+    """Session 47: on gate_up's own bf12 tiles (64 wide, 8 warps) norm_stats read x1.010 beside the
+    tuned ops and was dropped; on the common ones (session 46) x0.980. A retiled fusion that loses
+    narrowly is tried once more with its projections on the common tiles, read against the tuned
+    ops; if it wins there the composite moves those projections back for it. One that loses by far
+    (gate_up_silu) gets no second trial, one that still loses (norm_linear) is not kept."""
+    from anneal.agents.plan_search import FUSION_COMMON_TILES_SEED, common_tiles, fusion_retrials
+
+    def gain(f: str, plan) -> float:
+        common = plan.choice("gate_up_proj").params.get("block_n") == 32
+        return {"norm_stats": 0.03 if common else -0.01, "gate_up_silu": -0.2}.get(f, 0.0)
+
+    own = OpChoice(impl="triton_gemv_bf12", params={"block_n": 64, "num_warps": 8})
+    gemvs = {"reference": {}, "triton_gemv_splitk": {"num_warps": [4, 8], "block_n": [64, 32]},
+             "triton_gemv_bf12": {"num_warps": [8, 4], "block_n": [64, 32]}}
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", noise=0.0, fusion_gain_of=gain,
+                                          extra_variants={"gate_up_proj": gemvs}))
+    try:
+        with EngineClient(url, "tok") as client:
+            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+            led = Ledger(tmp_path / "l.sqlite")
+            board = Board()
+            board.best_ops["gate_up_proj"] = (own, 0.1)
+            tuned = board.tuned_ops(setting.base)
+            assert common_tiles(setting.space, "gate_up_proj", own) == OpChoice(
+                impl="triton_gemv_bf12", params={"block_n": 32, "num_warps": 4})
+            assert common_tiles(setting.space, "qkv_proj", own) == own  # no per-projection defaults there
+            fusion_retrials(Lab(ledger=led, engines={"fast": client}), setting, board)
+            rows = led.experiments()
+            led.close()
+    finally:
+        srv.shutdown()
+    second = [r for r in rows if r.note.startswith("fusion trial on the common tiles, beside the tuned ops: ")]
+    assert {r.note.rsplit(": ", 1)[1] for r in second} == {"norm_stats", "norm_linear"}, board.notes
+    assert all(r.plan.choice("gate_up_proj").params["block_n"] == 32 for r in second)
+    bases = [r for r in rows if r.note == "fusion trials on the common tiles, beside the tuned ops: the base"]
+    assert {r.plan.hash for r in bases} == {tuned.hash} and min(r.spec.seed for r in bases) == FUSION_COMMON_TILES_SEED
+    assert set(board.retried_fusions) == {"norm_stats"} and board.retried_fusions["norm_stats"] < 0.99, board.notes
+    comp = board.composite(setting.base)
+    assert comp.fusions.get("norm_stats")
+    assert comp.choice("gate_up_proj") == OpChoice(impl="triton_gemv_bf12", params={"block_n": 32, "num_warps": 4})
+
+
+def test_the_composite_moves_projections_to_a_retrial_s_tiles_only_where_that_goes_further():
+    """A fusion retried on the common tiles counts, with those tiles, where its set of fusions beats
+    the tuned tiles' set, and only while the tuned ops are the ones its ratio was read against."""
+    from anneal.engine.plan import Plan
+
+    base = Plan().with_ops(attention_decode=OpChoice(impl="triton_splitk"))
+    own = OpChoice(impl="triton_gemv_bf12", params={"block_n": 64, "num_warps": 8})
+    common = OpChoice(impl="triton_gemv_bf12", params={"block_n": 32, "num_warps": 4})
+    board = Board()
+    for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        board.best_ops[op] = (own if op == "gate_up_proj" else OpChoice(impl="triton_gemv_bf12"), 0.1)
+    tuned = board.tuned_ops(base)
+    board.keep_fusion("rope_attention", 0.993)
+    board.keep_retried_fusion(tuned, "gate_up_silu", 0.992)  # on the tuned tiles
+    board.keep_retried_fusion(tuned.with_ops(gate_up_proj=common), "norm_stats", 0.98, against=tuned)
+    comp = board.composite(base)  # norm_stats + rope_attention (x0.973) beats gate_up_silu + rope_attention
+    assert comp.fusions == {"norm_stats": True, "rope_attention": True} and comp.choice("gate_up_proj") == common
+    assert comp.choice("down_proj") == tuned.choice("down_proj")
+    board.retried_fusions["norm_stats"] = 0.995  # now x0.988 against x0.985 on the tuned tiles
+    comp = board.composite(base)
+    assert comp.fusions == {"gate_up_silu": True, "rope_attention": True} and comp.choice("gate_up_proj") == own
+    board.retried_fusions["norm_stats"] = 0.98
+    board.best_ops["gate_up_proj"] = (OpChoice(impl="triton_gemv_bf12", params={"block_n": 128}), 0.1)
+    comp = board.composite(base)  # the tuned ops moved since the retrial: its ratio says nothing of them
+    assert not comp.fusions.get("norm_stats") and comp.choice("gate_up_proj").params == {"block_n": 128}
+
+
 def test_the_token_graph_trial_reads_session_22s_pairs_by_their_prompt_steps():
     """The chat compile's trial on the H200 (session 22): whole replays x0.937 and x1.056, prompt
     steps 226 -> 104 and 184 -> 110 ms over the same prompt tokens. By the prompt steps both pairs

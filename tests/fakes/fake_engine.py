@@ -17,6 +17,7 @@ import json
 import random
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 
 from anneal.engine.plan import OP_NAMES, Plan
 
@@ -54,7 +55,8 @@ class FakeEngine:
                  per_op: bool = True, sample_spread: float = 0.0, token_graph_gain: float = 0.0,
                  extra_variants: dict | None = None, drift: float = 0.0, fusion_gains: dict[str, float] | None = None,
                  decode_drift: float = 0.0, bad_fusions: tuple[str, ...] = (), token_plan_decode_noise: float = 0.0,
-                 step_penalties: dict[tuple[str, str], float] | None = None, drafted_tokens_per_step: float | None = None):
+                 step_penalties: dict[tuple[str, str], float] | None = None, drafted_tokens_per_step: float | None = None,
+                 fusion_gain_of: Callable[[str, Plan], float] | None = None):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
@@ -67,6 +69,8 @@ class FakeEngine:
         # this much slower for every benchmark before it, whatever its plan
         self.drift, self.benchmarks = drift, 0
         self.fusion_gains = fusion_gains or {}  # fusion -> how much faster every step runs with it
+        # or that gain as a function of the fusion and the plan (a fused GEMV runs its projection's tiles)
+        self.fusion_gain_of = fusion_gain_of
         self.decode_drift = decode_drift  # the same drift for decode-step benchmarks
         self.bad_fusions = set(bad_fusions)  # fusions whose plans fail verification (quality)
         # (op, impl) -> ms each layer's step loses with it, which its own per-op time does not show
@@ -120,7 +124,7 @@ class FakeEngine:
         step = sum(per_op.values()) * self.layers + 0.1
         step += self.layers * sum(ms for (op, impl), ms in self.step_penalties.items() if plan.choice(op).impl == impl)
         for f in plan.fusions:
-            step *= 1 - self.fusion_gains.get(f, 0.0)
+            step *= 1 - (self.fusion_gain_of(f, plan) if self.fusion_gain_of else self.fusion_gains.get(f, 0.0))
         if body.get("mode") == "decode":
             step *= 1 + self.decode_drift * before
         if body.get("mode") == "workload":
