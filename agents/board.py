@@ -195,13 +195,9 @@ class Board:
         return [self.kernels[f"{op}/{ch.impl}"] for op, ch in sorted(ops.items()) if f"{op}/{ch.impl}" in self.kernels]
 
     @staticmethod
-    def _fusion_set(ratios: dict[str, float]) -> list[str]:
-        return Board._best_fusion_set(ratios)[0]
-
-    @staticmethod
-    def _best_fusion_set(ratios: dict[str, float]) -> tuple[list[str], float]:
+    def _fusion_set(ratios: dict[str, float]) -> tuple[list[str], float]:
         """Of the kept fusions (-> their trials' ratios), the set the engine runs together
-        (``plan.FUSION_CONFLICTS``) whose trials' ratios multiply to the least: each trial ran one
+        (``plan.FUSION_CONFLICTS``) whose trials' ratios multiply to the least, and that product: each trial ran one
         fusion beside the base, and their gains are taken to compound. Session 26's 30-minute chat
         compile kept norm_stats x0.981, rope_attention x0.981, folded_norm x0.983 and gate_up_silu
         x0.985; taking the fastest first gave norm_stats + gate_up_silu (x0.966), where
@@ -216,7 +212,7 @@ class Board:
         return best, best_ratio
 
     def _compatible_fusions(self, plan: Plan, base: Plan) -> tuple[list[str], float]:
-        """The best set (``_best_fusion_set``) of the kept fusions that ``plan``'s ops allow and
+        """The best set (``_fusion_set``) of the kept fusions that ``plan``'s ops allow and
         leave as their trials ran them, and its ratio: a fusion whose GEMV the tuned projections
         retile is another kernel, so it counts only by its retrial (``retried_fusions``), if it had
         one, and only while ``plan``'s projections keep the tiles that retrial ran."""
@@ -226,7 +222,7 @@ class Board:
         ratios = {f: r for f, r in self.fusions.items() if f not in blocked and f not in changed}
         ratios.update({f: r for f, r in self.retried_fusions.items()
                        if f not in blocked and f in changed and f not in retiled_fusions(plan, self.retrial_bases[f])})
-        return self._best_fusion_set(ratios)
+        return self._fusion_set(ratios)
 
     def _retiled_for_fusions(self, plan: Plan, base: Plan) -> tuple[Plan, list[str]]:
         """``plan`` (the tuned ops) or, where a fusion won its retrial on other tiles than the tuned
@@ -260,7 +256,7 @@ class Board:
         with self._lock:
             ops = {op: ch for op, (ch, _) in self.best_ops.items()}
             if fusions_first and self.fusions:
-                wanted = self._fusion_set(dict(self.fusions))
+                wanted, _ = self._fusion_set(dict(self.fusions))
                 on = {"fusions": dict.fromkeys(wanted, True)}
 
                 def spoils(op: str, ch: OpChoice) -> bool:
