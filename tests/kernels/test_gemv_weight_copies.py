@@ -107,7 +107,12 @@ def test_copies_are_made_a_block_of_rows_at_a_time_as_in_one(monkeypatch, block)
     w[6] = 0.0
     whole = (b12.pack(w), f8.quantize(w))
     monkeypatch.setattr(weight_copies, "ROW_BLOCK_ELEMENTS", block)
+    seen: list[slice] = []
+    row_blocks = weight_copies.row_blocks
+    monkeypatch.setattr(weight_copies, "row_blocks", lambda t: [seen.append(r) or r for r in row_blocks(t)])
     blocks = (b12.pack(w), f8.quantize(w))
+    rows = max(1, block // 512)
+    assert len(seen) == 2 * -(-37 // rows) and all(r.stop - r.start <= rows for r in seen)  # both makers, by blocks
     def bits(t: torch.Tensor) -> torch.Tensor:  # e4m3 compared by its bytes
         return t.view(torch.uint8) if t.dtype == f8.FP8 else t
 
