@@ -71,10 +71,10 @@ class Lab:
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def check_budget(self, deadline: float | None = None) -> None:
+    def check_budget(self, deadline: float | None = None, grace_s: float = 0.0) -> None:
         """BudgetExhausted past the search's deadline, or past ``deadline`` (a later phase's own)
-        when given; always once the run is stopped."""
-        if self.stopped or (self.deadline if deadline is None else deadline) <= time.monotonic():
+        when given, each moved ``grace_s`` later; always once the run is stopped."""
+        if self.stopped or (self.deadline if deadline is None else deadline) + grace_s <= time.monotonic():
             raise BudgetExhausted()
 
     def stop(self) -> None:
@@ -93,10 +93,12 @@ class Lab:
     def measure(
         self, cand: Candidate, spec: BenchSpec, tier: Tier = "fast", *, prune: bool = True,
         traffic: dict[str, Any] | None = None, budgeted: bool = True, deadline: float | None = None,
+        grace_s: float = 0.0,
     ) -> Experiment:
         """Measure one candidate (or reuse its finished experiment) and record it.
 
         Two agents asking for the same experiment at once get one measurement: the second waits.
+        ``grace_s``: it may still start this long past the deadline (never once the run is stopped).
         """
         key = experiment_key(cand.hash, tier, "benchmark", spec)
         while True:
@@ -107,13 +109,14 @@ class Lab:
                     break
             ev.wait()
         try:
-            return self._measure(key, cand, spec, tier, prune, traffic, budgeted, deadline)
+            return self._measure(key, cand, spec, tier, prune, traffic, budgeted, deadline, grace_s)
         finally:
             with self._state_lock:
                 self._inflight.pop(key).set()
 
     def _measure(self, key: str, cand: Candidate, spec: BenchSpec, tier: Tier, prune: bool,
-                 traffic: dict[str, Any] | None, budgeted: bool, deadline: float | None = None) -> Experiment:
+                 traffic: dict[str, Any] | None, budgeted: bool, deadline: float | None = None,
+                 grace_s: float = 0.0) -> Experiment:
         old = self.ledger.lookup(key)
         if old is not None and _transient(old):
             old = None  # the engine crashed or was unreachable that time: worth another try
@@ -127,7 +130,7 @@ class Lab:
             self._note_best(old, spec)
             return old
         if budgeted:  # a finished experiment above is reused whatever the time
-            self.check_budget(deadline)
+            self.check_budget(deadline, grace_s)
         pred = self._predict(cand.plan, spec)
         exp = Experiment(
             run_id=self.run_id, key=key, plan=cand.plan, plan_hash=cand.hash, tier=tier,

@@ -58,6 +58,11 @@ def full_model_ratio(cm: CostModel | None, fusion: str, base: Plan, spec: BenchS
 # (session 21-22: rope_attention read x0.995, x1.000, x0.987 on the 8B's chat and agentic trials,
 # -1.0..-1.7% a step on the full model).
 FUSION_REREAD_BAND = 0.01
+# How long past its deadline the base step that closes a fusion's B F B reading may still start. The
+# base's kernels are compiled, so it is a reading of a few seconds; without it a deadline that falls
+# while the fused step runs throws that step away (session 48: the H200's 150-s chat compile timed
+# rope_attention, the last fusion of its trials, and never decided it).
+CLOSING_BASE_GRACE_S = 60.0
 
 
 def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, min_gain: float, *,
@@ -75,7 +80,8 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
     ``base`` (the setting's by default), ``names`` (every fusion of the space), ``seed`` (the
     first step's), ``keep`` (``board.keep_fusion``) and ``where`` (said in the notes) are what
     ``fusion_retrials`` changes, and ``ops_for(f)``: the ops ``f`` is tried on (the base's by
-    default); no step starts after ``deadline`` (``time.monotonic``). Returns each decided
+    default); no step starts after ``deadline`` (``time.monotonic``) but the base step that closes a
+    timed fused step's reading (up to ``CLOSING_BASE_GRACE_S`` after it). Returns each decided
     fusion's whole-model ratio."""
     base = base or setting.base
     keep = keep or board.keep_fusion
@@ -96,9 +102,9 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
     seeds = iter(range(seed + 1, seed + 1 + 2 * len(trials)))
     base_note = f"fusion trials{where}: the base"
 
-    def step_ms(plan: Plan, seed: int, note: str) -> tuple[float | None, str]:
+    def step_ms(plan: Plan, seed: int, note: str, grace_s: float = 0.0) -> tuple[float | None, str]:
         exp = lab.measure(Candidate(plan=plan, agent=agent, note=note),
-                          spec.model_copy(update={"seed": seed}), prune=False, deadline=deadline)
+                          spec.model_copy(update={"seed": seed}), prune=False, deadline=deadline, grace_s=grace_s)
         return (exp.measurement.median_ms if exp.measurement is not None else None), exp.verdict.reason
 
     prev = step_ms(base, seed, base_note)
@@ -109,8 +115,11 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
         step could not be timed."""
         nonlocal prev
         seed = next(seeds)
-        steps = (prev, step_ms(plan, seed, f"fusion trial{where}: {f}"), step_ms(base, seed, base_note))
-        prev = steps[2]
+        fused = step_ms(plan, seed, f"fusion trial{where}: {f}")
+        # a timed fused step is bracketed even where the deadline fell while it ran
+        after = step_ms(base, seed, base_note, grace_s=CLOSING_BASE_GRACE_S if fused[0] is not None else 0.0)
+        steps = prev, fused, after
+        prev = after
         failed = next((why for ms, why in steps if ms is None), None)
         if failed is not None:
             board.note(f"fusion {f}{where}: no step time ({failed}); not kept")

@@ -723,6 +723,77 @@ def test_a_fusion_near_the_keep_bar_is_read_again_and_the_mean_of_its_readings_d
     assert any(n.startswith("fusion norm_stats:") and "x0.999" in n and n.endswith("not kept") for n in short.notes)
 
 
+def test_a_fused_step_the_deadline_fell_inside_is_still_bracketed_and_decided(env):
+    """Session 48: the H200's chat compile timed rope_attention, the last fusion of its trials, and
+    the search's deadline passed while it ran, so the base step after it was refused and the reading
+    thrown away. The closing base may start up to CLOSING_BASE_GRACE_S late; no other step may
+    (qkv_rope stands for the late fusion here: the fake engine's base keeps rope_attention out)."""
+    from types import SimpleNamespace
+
+    from anneal.agents.lab import BudgetExhausted
+    from anneal.agents.plan_search import CLOSING_BASE_GRACE_S, fusion_trials
+
+    lab, setting, _ = env
+    calls: list[tuple[str, float]] = []  # (what, grace it was asked with)
+    past_deadline = 4  # the base, then folded_norm and its base, then qkv_rope: the deadline passes
+
+    class DeadlineLab:
+        cost_model = None
+
+        def measure(self, cand, spec, prune=True, grace_s=0.0, **kw):
+            what = cand.note.removeprefix("fusion trial: ") if cand.note.startswith("fusion trial: ") else "base"
+            if len(calls) >= past_deadline and grace_s < 1.0:  # a second past the deadline
+                raise BudgetExhausted("budget spent")
+            calls.append((what, grace_s))
+            ms = {"base": 1.0, "folded_norm": 1.02, "qkv_rope": 0.97}.get(what, 0.9)
+            return SimpleNamespace(measurement=SimpleNamespace(median_ms=ms), verdict=SimpleNamespace(reason=""))
+
+    board = Board()
+    space = dataclasses.replace(setting.space, fusions=("folded_norm", "qkv_rope", "linear_norm"))
+    with pytest.raises(BudgetExhausted):
+        fusion_trials(DeadlineLab(), dataclasses.replace(setting, space=space), board, "plan-search", 0.005)
+    assert [w for w, _ in calls] == ["base", "folded_norm", "base", "qkv_rope", "base"]
+    assert [g for w, g in calls if w != "base"] == [0.0, 0.0]  # fused steps get no grace
+    assert calls[2][1] == calls[4][1] == CLOSING_BASE_GRACE_S and calls[0][1] == 0.0
+    assert set(board.fusions) == {"qkv_rope"} and board.fusions["qkv_rope"] == pytest.approx(0.97)
+    assert not any(n.startswith("fusion linear_norm") for n in board.notes)  # never started past the deadline
+
+    # a fused step that could not be timed gets no late base
+    calls.clear()
+
+    class FailingLab(DeadlineLab):
+        def measure(self, cand, spec, prune=True, grace_s=0.0, **kw):
+            if cand.note == "fusion trial: qkv_rope":
+                calls.append(("qkv_rope", grace_s))
+                return SimpleNamespace(measurement=None, verdict=SimpleNamespace(reason="kernel failed"))
+            return super().measure(cand, spec, prune, grace_s=grace_s)
+
+    failing = Board()
+    with pytest.raises(BudgetExhausted):
+        fusion_trials(FailingLab(), dataclasses.replace(setting, space=space), failing, "plan-search", 0.005)
+    assert [w for w, _ in calls] == ["base", "folded_norm", "base", "qkv_rope"]
+    assert "qkv_rope" not in failing.fusions
+
+
+def test_a_step_may_start_within_its_grace_past_the_deadline_but_never_once_the_run_is_stopped(env):
+    import time
+
+    from anneal.agents.lab import BudgetExhausted
+    from anneal.agents.types import Candidate
+
+    lab, setting, _ = env
+    lab.deadline = time.monotonic() - 1.0
+    spec = setting.decode_spec.model_copy(update={"per_op": False})
+    with pytest.raises(BudgetExhausted):
+        lab.measure(Candidate(plan=setting.base, agent="t", note="late"), spec)
+    exp = lab.measure(Candidate(plan=setting.base, agent="t", note="late, with grace"), spec, grace_s=60.0)
+    assert exp.verdict.status == "measured" and exp.measurement.median_ms > 0
+    lab.stop()
+    with pytest.raises(BudgetExhausted):
+        lab.measure(Candidate(plan=setting.base, agent="t", note="stopped"), spec.model_copy(update={"seed": 9}),
+                    grace_s=1e9)
+
+
 def test_fusion_trials_skip_a_fusion_that_runs_nothing_on_the_model_and_say_why(env):
     """Session 23: on the 8B the qkv_rope trial timed noise (x0.989, kept): its fused GEMV cannot
     hold the 128-wide heads at the base's tiles, so the engine ran the unfused ops. With the model's
