@@ -78,6 +78,11 @@ for s in "$@"; do
       # COMPILE_LIMIT the stage's limit: a budget longer than one device call runs as several, each
       # stopped at its limit and the next one spending what is left (`--budget` counts over the runs)
       out_dir=${COMPILE_OUT:-$OUT/$s${COMPILE_TAG:-}}
+      # A 150-s compile takes ~260 s with its engines' start, the winner's checks and the cross-shape
+      # replays: a limit under BUDGET + 150 kills a fresh one in promotion (session 48 lost a 240-s
+      # compile at 315 s). Its ledger resumes, so this is said, not refused.
+      [ -z "${COMPILE_OUT:-}" ] && [ "${COMPILE_LIMIT:-$((BUDGET + 150))}" -lt $((BUDGET + 150)) ] && \
+        echo "=== warning: COMPILE_LIMIT=$COMPILE_LIMIT is under BUDGET + 150 = $((BUDGET + 150)) s: $s may be killed before it writes its plan"
       stage "$s${COMPILE_TAG:-}" "${COMPILE_LIMIT:-$((BUDGET + 150))}" $py -m anneal.cli compile --model random:llama-3.1-8b \
         --traffic "$traffic" --cross-traffic "$other" --budget "$BUDGET" --fast-layers 2 \
         --baseline-plan bench/plans/triton.json --rounds "${ROUNDS:-3}" --out "$out_dir" --quiet ${COMPILE_ARGS:-}
