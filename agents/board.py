@@ -99,6 +99,8 @@ class Board:
     token_graph_sizes: list[int] | None = None
     # fusions whose paired trial against the base won -> their step ratio projected to the whole model
     fusions: dict[str, float] = field(default_factory=dict)
+    # every fusion's decided trial against the base, won or lost: the order of their retrials
+    fusion_ratios: dict[str, float] = field(default_factory=dict)
     # the same for the GEMV fusions the tuned ops retile, each tried again beside the tuned ops
     # (``fusion_retrials``), and the plan each was tried on: its projections' tiles are the ones
     # that ratio holds for (the tuned ops', or for a fusion retried on the common tiles, those)
@@ -166,6 +168,10 @@ class Board:
                 seen.add(key)
                 firsts.append(entry)
         return (firsts + [e for e in plans if not any(e is f for f in firsts)])[:k]
+
+    def record_fusion_ratio(self, name: str, ratio: float) -> None:
+        with self._lock:
+            self.fusion_ratios[name] = ratio
 
     def keep_fusion(self, name: str, ratio: float) -> None:
         with self._lock:

@@ -82,7 +82,8 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
     ``fusion_retrials`` changes, and ``ops_for(f)``: the ops ``f`` is tried on (the base's by
     default); no step starts after ``deadline`` (``time.monotonic``) but the base step that closes a
     timed fused step's reading (up to ``CLOSING_BASE_GRACE_S`` after it). Returns each decided
-    fusion's whole-model ratio."""
+    fusion's whole-model ratio; those read on the setting's base also go to ``board.fusion_ratios``."""
+    on_setting_base = base is None
     base = base or setting.base
     keep = keep or board.keep_fusion
     trials = []
@@ -144,6 +145,8 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
             continue
         rs = readings[f]
         full = decided[f] = sum(r[3] for r in rs) / len(rs)
+        if on_setting_base:
+            board.record_fusion_ratio(f, full)
         fused, before, after, _ = rs[0]
         again = "" if len(rs) == 1 else f" (readings {', '.join(f'x{r[3]:.3f}' for r in rs)}: the mean)"
         won = full < bar
@@ -181,13 +184,16 @@ def fusion_retrials(lab: Lab, setting: SearchSetting, board: Board, agent: str =
     compile put every projection on the bf12 GEMV: gate_up_silu, kept on the base at x0.994, was left
     out; linear_norm and norm_stats, x1.15 and x1.01 there (where they also took o / down off
     cuBLAS), were never timed over bf12, though the norm kernels they remove were ~0.2 ms of a
-    ~6.7-ms step. Runs after the op trials (the tuned ops are final then); none when no tuned op
-    retiles a fusion of the space. A fusion that loses there by less than
+    ~6.7-ms step. Runs after the op trials (the tuned ops are final then), best on the base first
+    (``Board.fusion_ratios``); none when no tuned op retiles a fusion of the space. A fusion that loses there by less than
     ``FUSION_COMMON_TILES_BAND`` is tried once more with its projections on the common tiles
     (``common_tiles``), read against the tuned ops, so the tiles' cost is in its ratio; the
     composite then weighs the two (``Board._retiled_for_fusions``). Returns the fusions it tried."""
     tuned = board.tuned_ops(setting.base).model_copy(update={"name": None})
     names = [f for f in retiled_fusions(tuned, setting.base) if f in setting.space.fusions]
+    # the best on the base first, those never read there last: a short budget ends these trials
+    # early (session 48's H200 chat compile read four of them, norm_stats not among them)
+    names.sort(key=lambda f: board.fusion_ratios.get(f, math.inf))
     if not names:
         return []
     ratios = fusion_trials(lab, setting, board, agent, min_gain, base=tuned, names=names, seed=FUSION_RETRIAL_SEED,

@@ -587,6 +587,62 @@ def test_fusion_retrials_try_the_retiled_fusions_beside_the_tuned_ops_and_the_co
     assert any(n.startswith("fusion norm_stats beside the tuned ops:") and n.endswith("not kept") for n in board.notes)
 
 
+def test_fusion_retrials_run_best_on_the_base_first_so_a_short_budget_reads_those(tmp_path):
+    """Session 48: the H200's 150-s chat compile retried silu_mul_down, linear_norm, gate_up_silu and
+    norm_linear (x1.19-1.28 on the base or never read there) and ran out of budget before norm_stats
+    (x1.002 there; session 46's winner at x0.980). The retrials now go by their ratio on the base,
+    best first, those never read there last; the trials on the base record every ratio, kept or not."""
+    from types import SimpleNamespace
+
+    from anneal.agents.lab import BudgetExhausted
+    from anneal.agents.plan_search import fusion_retrials, fusion_trials
+
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", noise=0.0,
+                                          extra_variants={"gate_up_proj": {"reference": {}, "triton_gemv_bf12": {}},
+                                                          "down_proj": {"reference": {}, "triton_gemv_bf12": {}}}))
+    try:
+        with EngineClient(url, "tok") as client:
+            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+    finally:
+        srv.shutdown()
+    ratios = {"linear_norm": 1.186, "gate_up_silu": 0.964, "norm_stats": 1.002}
+    tried: list[str] = []
+
+    class StubLab:
+        cost_model = None
+
+        def __init__(self, steps: int):
+            self.steps = steps
+
+        def measure(self, cand, spec, prune=True, grace_s=0.0, **kw):
+            if not grace_s and len(tried) >= self.steps:
+                raise BudgetExhausted("budget spent")
+            f = None if cand.note.endswith(": the base") else cand.note.rsplit(": ", 1)[1]
+            tried.append(f or "base")
+            ms = ratios.get(f, 1.0) if f else 1.0
+            return SimpleNamespace(measurement=SimpleNamespace(median_ms=ms), verdict=SimpleNamespace(reason=""))
+
+    board = Board()
+    on_base = dataclasses.replace(setting, space=dataclasses.replace(setting.space, fusions=tuple(ratios)))
+    fusion_trials(StubLab(100), on_base, board, "plan-search", 0.005)
+    assert board.fusion_ratios == pytest.approx(ratios)  # lost ones too
+    assert set(board.fusions) == {"gate_up_silu"}
+
+    bf12 = OpChoice(impl="triton_gemv_bf12")
+    board.best_ops.update({"gate_up_proj": (bf12, 0.1), "down_proj": (bf12, 0.1)})
+    retrial = dataclasses.replace(setting, space=dataclasses.replace(
+        setting.space, fusions=("linear_norm", "silu_mul_down", "norm_stats", "gate_up_silu")))
+    tried.clear()
+    with pytest.raises(BudgetExhausted):  # room for the first base and two readings
+        fusion_retrials(StubLab(4), retrial, board)
+    assert [f for f in tried if f != "base"] == ["gate_up_silu", "norm_stats"]
+    assert board.fusion_ratios == pytest.approx(ratios)  # the retrials do not overwrite the base's
+
+    tried.clear()
+    assert fusion_retrials(StubLab(100), retrial, Board(best_ops=dict(board.best_ops), fusion_ratios=dict(ratios))) == [
+        "gate_up_silu", "norm_stats", "linear_norm", "silu_mul_down"]  # never read on the base: last
+
+
 def test_a_fusion_that_loses_on_the_tuned_tiles_is_retried_on_the_common_ones_and_the_composite_takes_them(tmp_path):
     """Session 47: on gate_up's own bf12 tiles (64 wide, 8 warps) norm_stats read x1.010 beside the
     tuned ops and was dropped; on the common ones (session 46) x0.980. A retiled fusion that loses
