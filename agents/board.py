@@ -99,8 +99,6 @@ class Board:
     token_graph_sizes: list[int] | None = None
     # fusions whose paired trial against the base won -> their step ratio projected to the whole model
     fusions: dict[str, float] = field(default_factory=dict)
-    # every fusion's decided trial against the base, won or lost: the order of their retrials
-    fusion_ratios: dict[str, float] = field(default_factory=dict)
     # the same for the GEMV fusions the tuned ops retile, each tried again beside the tuned ops
     # (``fusion_retrials``), and the plan each was tried on: its projections' tiles are the ones
     # that ratio holds for (the tuned ops', or for a fusion retried on the common tiles, those)
@@ -109,6 +107,8 @@ class Board:
     # for a fusion retried on the common tiles: the tuned ops its ratio is against (it counts only
     # while the composite's ops are still those, moved onto the retrial's tiles)
     retrial_against: dict[str, Plan] = field(default_factory=dict)
+    # every fusion's decided trial against the base, won or lost: the order of their retrials
+    fusion_ratios: dict[str, float] = field(default_factory=dict)
     plans: list[tuple[float, Plan, str]] = field(default_factory=list)  # (ms, plan, agent) decode-spec
     notes: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
