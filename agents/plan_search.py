@@ -185,10 +185,11 @@ def fusion_retrials(lab: Lab, setting: SearchSetting, board: Board, agent: str =
     out; linear_norm and norm_stats, x1.15 and x1.01 there (where they also took o / down off
     cuBLAS), were never timed over bf12, though the norm kernels they remove were ~0.2 ms of a
     ~6.7-ms step. Runs after the op trials (the tuned ops are final then), best on the base first
-    (``Board.fusion_ratios``); none when no tuned op retiles a fusion of the space. A fusion that loses there by less than
-    ``FUSION_COMMON_TILES_BAND`` is tried once more with its projections on the common tiles
-    (``common_tiles``), read against the tuned ops, so the tiles' cost is in its ratio; the
-    composite then weighs the two (``Board._retiled_for_fusions``). Returns the fusions it tried."""
+    (``Board.fusion_ratios``); none when no tuned op retiles a fusion of the space. A fusion that
+    loses there by less than ``FUSION_COMMON_TILES_BAND`` is tried once more with its projections on
+    the common tiles (``common_tiles``), read against the tuned ops, so the tiles' cost is in its
+    ratio; the composite then weighs the two (``Board._retiled_for_fusions``). Returns the fusions
+    it tried."""
     tuned = board.tuned_ops(setting.base).model_copy(update={"name": None})
     names = [f for f in retiled_fusions(tuned, setting.base) if f in setting.space.fusions]
     # the best on the base first, those never read there last: a short budget ends these trials
@@ -201,7 +202,8 @@ def fusion_retrials(lab: Lab, setting: SearchSetting, board: Board, agent: str =
                            where=" beside the tuned ops")
     # A fusion that lost narrowly, on projections the per-projection defaults retile: once more on
     # the common tiles, read against the tuned ops (the composite weighs the two: Board._retiled_for_fusions)
-    near = sorted((r, f) for f, r in ratios.items() if f not in board.retried_fusions and r < 1 + FUSION_COMMON_TILES_BAND)
+    near = sorted((r, f) for f, r in ratios.items()
+                  if f not in board.retried_fusions and r < 1 + FUSION_COMMON_TILES_BAND)
     on_common: dict[str, Plan] = {}
     for _, f in near:
         ops = {p: common_tiles(setting.space, p, tuned.choice(p)) for p in GEMV_FUSION_PROJECTIONS.get(f, ())}
