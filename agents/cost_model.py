@@ -627,7 +627,7 @@ class CostModel:
         """The whole-step factor for ``plan``: fitted on plans with its fusions, else on the plans whose
         fusions overlap its own most (Jaccard; the most observed on a tie), else on every plan.
         Why per fusion set: a fused plan's engine reports its fused ops (``rope_attention``,
-        ``linear_residual_``, ...), not the op slots they replace, so its per-op prediction is the
+        ``o_proj_residual_``, ...), not the op slots they replace, so its per-op prediction is the
         unfused plan's and only the step factor can learn what the fusions save. One factor over all
         plans put session 31's fused chat plans 6-10% high (0.611 predicted, 0.556 measured)."""
         with self._lock:

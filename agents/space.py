@@ -260,8 +260,8 @@ def normalized(plan: Plan) -> Plan:
     if plan.choice("attention_prefill").impl == "reference":
         data["cuda_graph_token_sizes"] = []
     # Fusions the engine refuses together (plan.FUSION_CONFLICTS): the first of a pair wins. And
-    # those the op choices rule out (plan.fusion_blockers: folded_norm needs o / down on the
-    # reference GEMM and qkv / gate_up off weight copies, rope_attention the split-K decode attention).
+    # those the op choices rule out (plan.fusion_blockers: folded_norm needs o / down on a variant that
+    # adds its residual in place, rope_attention the split-K decode attention).
     fusions = data["fusions"]
     for f in fusion_blockers(plan):
         del fusions[f]

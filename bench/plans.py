@@ -47,11 +47,12 @@ WARM_SEED = 10_000  # not a round's seed (rounds use 0, 1, ...)
 class InProcessEngine:
     """The engine in this process: plans hot-swapped and replays run by direct calls."""
 
-    def __init__(self, model: str, device: str) -> None:
+    def __init__(self, model: str, device: str, memory_utilization: float | None = None) -> None:
         from anneal.engine.hardware import measure
         from anneal.engine.llm import Engine, EngineArgs
 
-        self.eng = Engine(EngineArgs(model=model, device=device))
+        sizing = {} if memory_utilization is None else {"gpu_memory_utilization": memory_utilization}
+        self.eng = Engine(EngineArgs(model=model, device=device, **sizing))
         self.config = self.eng.config.model_dump()
         self.dtype_bytes = self.eng.dtype.itemsize
         self.max_model_len = self.eng.max_model_len
@@ -130,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", action="store_true",
                     help="run the verification suite on every plan but the reference first (what `anneal "
                          "compile` requires of its winner), and report which pass")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="in-process: the engine's share of GPU memory for weights and KV cache (its default "
+                         "0.85); lower leaves room for a plan's second copies of weights, which are made "
+                         "beside a KV cache sized once for the first plan (folded_norm on bf12 copies: ~20 GB "
+                         "on an 8B)")
     ap.add_argument("--name", default=None, help="result file stem (default plans-<model>)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     if args.engine == "in-process":
-        eng = InProcessEngine(args.model, device)
+        eng = InProcessEngine(args.model, device, args.gpu_memory_utilization)
     else:
         logs = Path(args.out or "bench/results") / f"{args.name or 'plans'}-engines"
         eng = ServedEngine(args.model, device, logs, 2 if args.engine == "served-beside-fast-tier" else None)

@@ -14,7 +14,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from anneal.engine.plan import GEMV_BLOCK_N, GEMV_FUSION_PROJECTIONS, fused_gemv_params, head_copy_params
+from anneal.engine.plan import (
+    GEMV_BLOCK_N, GEMV_FUSION_PROJECTIONS, WEIGHT_COPY_IMPLS, fused_gemv_params, head_copy_params,
+)
 
 
 def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]) -> dict[str, Callable]:
@@ -40,8 +42,8 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
         elif name == "norm_linear":  # qkv_proj, gate_up_proj
             for proj in projs:
                 out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *gemv_params[proj])
-        elif name == "folded_norm":
-            out.update(_folded_norm(fns, choices))
+        elif name == "folded_norm":  # o_proj, down_proj add the residual (cuBLAS, or the GEMV's epilogue)
+            out.update(_folded_norm(gemv, fns, choices, gemv_params))
         elif name == "rope_attention":
             out["rope_attention"] = _rope_attention(choices)
         elif name == "norm_stats":  # o_proj and down_proj leave the statistics, qkv_proj and gate_up_proj use them
@@ -66,14 +68,17 @@ def _lm_head_argmax(gemv, impl: str, params: dict) -> Callable:
     return functools.partial(gemv.lm_head_argmax, **kw)
 
 
-def _folded_norm(fns: dict[str, Callable], choices: dict[str, tuple[str, dict]]) -> dict[str, Callable]:
+def _folded_norm(gemv, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
+                 gemv_params: dict[str, tuple[dict, int]]) -> dict[str, Callable]:
     """``folded_norm``: a layer's RMSNorms spread over the kernels around them (the model's
     ``_forward_folded``). The residual stream ``s`` is never normalised in memory: qkv and gate_up
-    project ``s`` itself through weights with the norm weight folded in (``weights.fold_norms``),
-    RoPE + store and SiLU-mul scale each row by ``s``'s 1/rms as they load it, and o / down add
-    their output to ``s`` in the GEMM (``s.addmm_``: cuBLAS's beta = 1, no add kernel, no copy).
-    The Triton RoPE and SiLU kernels take the plan's params for those ops when it chose them; the op
-    table refuses o / down on anything but the reference GEMM before this is built."""
+    project ``s`` itself through weights with the norm weight folded in (``weights.fold_norms``; their
+    fp8 / bf12 copies are made of those), RoPE + store and SiLU-mul scale each row by ``s``'s 1/rms as
+    they load it, and o / down add their output to ``s`` in place: in the GEMM (``s.addmm_``: cuBLAS's
+    beta = 1) when they are the reference, in the epilogue of the Triton GEMV they are (on their
+    weight copy, if any) up to its ``max_m`` rows. No add kernel, no norm kernel, no copy. The Triton
+    RoPE and SiLU kernels take the plan's params for those ops when it chose them; the op table
+    refuses o / down on another variant before this is built (``plan.folded_norm_blockers``)."""
     from anneal.engine.kernels import activation, rope
 
     rope_params = dict(choices["qk_rope_store"][1]) if choices["qk_rope_store"][0] == "triton" else {}
@@ -87,12 +92,22 @@ def _folded_norm(fns: dict[str, Callable], choices: dict[str, tuple[str, dict]])
     def folded_silu_and_mul(gu_raw, stream, eps):
         return activation.silu_and_mul(gu_raw, rms_of=stream, rms_eps=eps, **silu_params)
 
+    return {"folded_rope_store": folded_rope_store, "folded_silu_and_mul": folded_silu_and_mul,
+            **{f"{proj}_residual_": _linear_residual(gemv, choices[proj][0], *gemv_params[proj])
+               for proj in ("o_proj", "down_proj")}}
+
+
+def _linear_residual(gemv, impl: str, params: dict, max_m: int) -> Callable:
+    """``stream += x @ w.T`` in place for a projection chosen as ``impl``: the Triton GEMV's residual
+    epilogue up to ``max_m`` rows, else (prompt rows, or the reference projection) cuBLAS's beta = 1."""
+    on_gemv = impl == "triton_gemv_splitk" or impl in WEIGHT_COPY_IMPLS
+
     def linear_residual_(x, w, stream):
-        """``stream += x @ w.T``, in place, in the GEMM."""
+        if on_gemv and x.shape[0] <= max_m:
+            return gemv.linear_residual_(x, w, stream, **params)
         return stream.addmm_(x, w.t())
 
-    return {"folded_rope_store": folded_rope_store, "folded_silu_and_mul": folded_silu_and_mul,
-            "linear_residual_": linear_residual_}
+    return linear_residual_
 
 
 def _rope_attention(choices: dict[str, tuple[str, dict]]) -> Callable:

@@ -28,7 +28,7 @@ from anneal.engine.sequence import RequestOutput, Sequence, positions_attended
 from anneal.engine.speculation import Speculator
 from anneal.engine.tensor_parallel import TensorParallel, rank_device, shard_config, shard_weights
 from anneal.engine.tp_workers import Workers, free_address
-from anneal.engine.weights import DTYPES, fold_norms, load_weights, resolve_config, set_weight_copies
+from anneal.engine.weights import DTYPES, FOLDED_FIELDS, fold_norms, load_weights, resolve_config, set_weight_copies
 
 
 class EngineArgs(BaseModel):
@@ -468,7 +468,11 @@ class Engine:
         # What the plan does not use goes first: on an H100 an 8B's fp8 copies left by the previous
         # plan made the next one's folded weights not fit (session 43).
         copies = {WEIGHT_FIELDS[p]: fmt for p, fmt in weight_copies(plan).items()}
-        freed = set_weight_copies(self.weights, copies, make=False) > 0
+        # qkv / gate_up copies hang on the folded weights while the plan folds (Weights.copy_targets):
+        # when folding starts or stops, those of the tensors left behind go before anything is made
+        moving = ("folded_norm" in plan.fusions) != (self.weights.folded is not None)
+        keep = {f: fmt for f, fmt in copies.items() if not (moving and f in FOLDED_FIELDS)}
+        freed = set_weight_copies(self.weights, keep, make=False) > 0
         if "folded_norm" not in plan.fusions and self.weights.folded is not None:
             self.weights.folded = None
             freed = True

@@ -45,9 +45,10 @@ FUSIONS = {
                   "share of the row's sum of squares, and the next GEMV (qkv, gate_up) normalises as it loads "
                   "(no norm kernel, no row pass; before linear_norm and norm_linear)",
     "folded_norm": "both RMSNorms of a layer without a kernel: their weights folded into qkv_proj / gate_up_proj "
-                   "(a second copy of those weights), the residual adds done by o_proj / down_proj in their "
-                   "GEMM (cuBLAS, beta = 1, in place; both must be the reference GEMM) and 1/rms applied by "
-                   "qk_rope_store / silu_and_mul as they load: the GEMV norm fusions' gain for cuBLAS GEMMs",
+                   "(a second copy of those weights, of which their fp8 / bf12 copies are made), the residual "
+                   "adds done in place by o_proj / down_proj (cuBLAS's beta = 1 for the reference GEMM, the "
+                   "Triton GEMV's epilogue on it or its weight copy) and 1/rms applied by qk_rope_store / "
+                   "silu_and_mul (or rope_attention) as they load",
     "rope_attention": "qk_rope_store + attention_decode in decode steps: q/k norm, RoPE and the KV-cache store "
                       "done by the split-K attention kernel as it starts (attention_decode must be "
                       "triton_splitk; with folded_norm or norm_stats too), one kernel less a layer; prompt steps "
@@ -75,9 +76,10 @@ def fusion_conflicts(fusions) -> list[tuple[str, str]]:
 
 
 def folded_norm_blockers(plan: "Plan") -> list[str]:
-    """The projections whose choice rules out ``plan``'s folded_norm: it adds the residual in the GEMM
-    of o_proj and down_proj (addmm, beta = 1), so both must be the reference GEMM."""
-    return [p for p in ("o_proj", "down_proj") if plan.choice(p).impl != "reference"]
+    """The projections whose choice rules out ``plan``'s folded_norm: it adds the residual in o_proj
+    and down_proj, in place, which only the reference GEMM (addmm, beta = 1) and the Triton GEMV (its
+    epilogue) do."""
+    return [p for p in ("o_proj", "down_proj") if plan.choice(p).impl not in RESIDUAL_ADD_IMPLS]
 
 
 # Fusions that add the residual inside o_proj / down_proj: split by rows at tensor_parallel > 1, they
@@ -90,14 +92,10 @@ def fusion_blockers(plan: "Plan") -> dict[str, str]:
     with the reason (the op table refuses such a plan; the search's ``normalized`` drops the fusion)."""
     out = {}
     gemm = folded_norm_blockers(plan) if "folded_norm" in plan.fusions else []
-    copied = ([p for p in ("qkv_proj", "gate_up_proj") if p in weight_copies(plan)]
-              if "folded_norm" in plan.fusions else [])
     if gemm:
-        out["folded_norm"] = ("folded_norm adds the residual in the GEMM of o_proj and down_proj (addmm, beta = 1): "
-                              f"{', '.join(gemm)} must be the reference GEMM")
-    elif copied:
-        out["folded_norm"] = ("folded_norm projects through its folded weights, which have no fp8 / bf12 copies: "
-                              f"{', '.join(copied)} must not read a weight copy")
+        out["folded_norm"] = ("folded_norm adds the residual in place in o_proj and down_proj: "
+                              f"{', '.join(gemm)} must be the reference GEMM or the Triton GEMV "
+                              f"({', '.join(RESIDUAL_ADD_IMPLS)})")
     impl = plan.choice("attention_decode").impl
     if "rope_attention" in plan.fusions and impl != "triton_splitk":
         out["rope_attention"] = ("rope_attention runs in the split-K decode attention kernel: attention_decode "
@@ -120,6 +118,7 @@ GEMV_FUSION_PROJECTIONS = {
     "silu_mul_down": ("down_proj",), "linear_norm": ("o_proj", "down_proj"), "gate_up_silu": ("gate_up_proj",),
     "qkv_rope": ("qkv_proj",), "norm_linear": ("qkv_proj", "gate_up_proj"),
     "norm_stats": ("o_proj", "down_proj", "qkv_proj", "gate_up_proj"),
+    "folded_norm": ("o_proj", "down_proj"),  # their residual add, when they are the Triton GEMV
 }
 
 
@@ -130,6 +129,9 @@ GEMV_FUSION_PROJECTIONS = {
 FP8_WEIGHT_IMPL = "triton_gemv_fp8"
 BF12_WEIGHT_IMPL = "triton_gemv_bf12"
 WEIGHT_COPY_IMPLS = {FP8_WEIGHT_IMPL: "fp8", BF12_WEIGHT_IMPL: "bf12"}  # variant -> the copy's format
+# the o_proj / down_proj variants that can add folded_norm's residual in place: cuBLAS's addmm (beta =
+# 1) or the Triton GEMV's residual epilogue (on W or its weight copy); an agent-written kernel cannot
+RESIDUAL_ADD_IMPLS = ("reference", "triton_gemv_splitk", *WEIGHT_COPY_IMPLS)
 # The bf12 GEMV's defaults where they differ from the bf16 GEMV's: its best tiles on every 8B
 # projection at M 8 / 16 on an H100 (session 45, bench/fp8_gemv.py: 0.80-0.83x the bf16 GEMV's
 # best, against 0.88-0.94x at the bf16 defaults), so a tuner's first timing of it is near its best.
@@ -186,11 +188,19 @@ def retiled_fusions(plan: "Plan", base: "Plan") -> list[str]:
     copy or its tiles change: it reads the copy lm_head runs on, with lm_head's tiles, and keeps its
     own kernel otherwise (``fusions._lm_head_argmax``)."""
     out = [f for f, projs in GEMV_FUSION_PROJECTIONS.items()
-           if any(fused_gemv_params(plan.choice(p).impl, plan.choice(p).params, p)
-                  != fused_gemv_params(base.choice(p).impl, base.choice(p).params, p) for p in projs)]
+           if any(_fused_path(f, plan.choice(p), p) != _fused_path(f, base.choice(p), p) for p in projs)]
     head, base_head = plan.choice("lm_head"), base.choice("lm_head")
     moved = head_copy_params(head.impl, head.params) != head_copy_params(base_head.impl, base_head.params)
     return out + (["lm_head_argmax"] if moved else [])
+
+
+def _fused_path(fusion: str, choice: "OpChoice", op: str) -> tuple:
+    """What a fusion runs for projection ``op`` chosen as ``choice``: its GEMV params; for folded_norm
+    also whether the residual add is cuBLAS's or the GEMV's (its GEMV fusions run the GEMV either way)."""
+    gemv = fused_gemv_params(choice.impl, choice.params, op)
+    if fusion == "folded_norm":
+        return choice.impl == "reference", gemv
+    return (gemv,)
 
 
 def head_copy_params(impl: str, params: dict[str, Any]) -> tuple[dict[str, Any], int] | None:

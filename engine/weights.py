@@ -41,6 +41,9 @@ class FoldedLayer:
     gate_up: torch.Tensor
 
 
+FOLDED_FIELDS = ("qkv", "gate_up")  # the layer weights folded_norm keeps folded (FoldedLayer's fields)
+
+
 @dataclass
 class Weights:
     embed: torch.Tensor  # [vocab, hidden]
@@ -60,8 +63,20 @@ class Weights:
 
     def copy_targets(self, field: str) -> list[torch.Tensor]:
         """The tensors a second copy of ``field`` (``plan.WEIGHT_FIELDS``' values) hangs on: lm_head
-        itself, or that attribute of every layer."""
-        return [self.lm_head] if field == "lm_head" else [getattr(L, field) for L in self.layers]
+        itself, or that attribute of every layer; for qkv and gate_up that of every folded layer
+        while there are folded weights (``folded_norm`` projects through those)."""
+        if field == "lm_head":
+            return [self.lm_head]
+        if self.folded is not None and field in FOLDED_FIELDS:
+            return [getattr(F, field) for F in self.folded]
+        return [getattr(L, field) for L in self.layers]
+
+    def copy_holders(self, field: str) -> list[torch.Tensor]:
+        """Every tensor that may hold a second copy of ``field``: its targets, and the layers' own
+        tensors of it while the targets are folded ones (a copy made before the plan folded)."""
+        targets = self.copy_targets(field)
+        own = [self.lm_head] if field == "lm_head" else [getattr(L, field) for L in self.layers]
+        return targets + [t for t in own if all(t is not u for u in targets)]
 
     def tensors(self) -> list[torch.Tensor]:
         out = [self.embed, self.final_norm, self.lm_head]
@@ -104,8 +119,10 @@ def set_weight_copies(w: Weights, wanted: dict[str, str], make: bool = True) -> 
     if unknown or bad:
         raise ValueError(f"weight copies: unknown projections {sorted(unknown)} / formats {sorted(bad)} "
                          f"(projections: {list(every)}; formats: {formats})")
-    freed = sum(weight_copies.drop((t for f in every if wanted.get(f) != fmt for t in w.copy_targets(f)), fmt)
-                for fmt in formats)
+    freed = 0
+    for fmt in formats:  # what no wanted copy of this format hangs on gives its copy back
+        keep = {id(t) for f in every if wanted.get(f) == fmt for t in w.copy_targets(f)}
+        freed += weight_copies.drop((t for f in every for t in w.copy_holders(f) if id(t) not in keep), fmt)
     if not make:
         return freed
     missing = [(t, fmt) for f, fmt in wanted.items() for t in w.copy_targets(f)

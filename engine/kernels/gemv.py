@@ -168,17 +168,20 @@ def _last_tile_add_norm(y_ptr, r_ptr, nw_ptr, sum_ptr, h_ptr, cnt_ptr, M, N, str
 
 @triton.jit
 def _add_stats_epilogue(total, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stride_om, stride_rm, ss_tiles,
-                        DT: tl.constexpr):
+                        DT: tl.constexpr, STATS: tl.constexpr = True):
     """o_proj / down_proj for the ``norm_stats`` fusion: the tile's finished rows, rounded as the
     projection's output is, plus the residual, rounded as ``add_rmsnorm`` rounds its sum, stored as
     the new residual stream; and the tile's share of each row's sum of squares (the RMSNorm
-    statistic) to ``ss[row, tile]``, which the next GEMV adds up in tile order (deterministic)."""
+    statistic) to ``ss[row, tile]``, which the next GEMV adds up in tile order (deterministic).
+    Without ``STATS`` only the sum (``folded_norm``'s residual add, in place: ``out`` may be the
+    residual, each element read and written by this program alone)."""
     mask = mm[:, None] & nm[None, :]
     r = tl.load(r_ptr + m.to(tl.int64)[:, None] * stride_rm + n[None, :], mask=mask, other=0.0)
     summed = (total.to(DT).to(tl.float32) + r.to(tl.float32)).to(DT)
     tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], summed, mask=mask)
-    sf = tl.where(mask, summed.to(tl.float32), 0.0)
-    tl.store(ss_ptr + m * ss_tiles + pid_n, tl.sum(sf * sf, axis=1), mask=mm)
+    if STATS:
+        sf = tl.where(mask, summed.to(tl.float32), 0.0)
+        tl.store(ss_ptr + m * ss_tiles + pid_n, tl.sum(sf * sf, axis=1), mask=mm)
 
 
 # bf12 -> bf16 for eight weights in twelve instructions (``unpack="asm"``), four pairs an instance.
@@ -245,6 +248,7 @@ def _gemv_kernel(
     PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr = False,
     HEAD_D: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1,
     SILU_OUT: tl.constexpr = False, ADD_SS: tl.constexpr = False, BLOCK_SS: tl.constexpr = 1,
+    SS_OUT: tl.constexpr = True,
     AHEAD: tl.constexpr = 1, W_SCALED: tl.constexpr = False, W_BF12: tl.constexpr = 0,
 ):
     pdl_launch_dependents(PDL == 1)
@@ -384,7 +388,8 @@ def _gemv_kernel(
         tl.store(val_ptr + m * tiles + pid_n, best, mask=mm)
         tl.store(idx_ptr + m * tiles + pid_n, arg, mask=mm)
     elif SPLIT_K == 1 and ADD_SS:
-        _add_stats_epilogue(acc, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stride_om, stride_rm, ss_tiles, DT)
+        _add_stats_epilogue(acc, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stride_om, stride_rm, ss_tiles, DT,
+                            SS_OUT)
     elif SPLIT_K == 1 and not ROPE and not SILU_OUT:
         tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
@@ -414,7 +419,7 @@ def _gemv_kernel(
                         total += tl.load(ws_tile + s2 * M * N, mask=omask, other=0.0, cache_modifier=".cg")
                     if ADD_SS:
                         _add_stats_epilogue(total, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stride_om,
-                                            stride_rm, ss_tiles, DT)
+                                            stride_rm, ss_tiles, DT, SS_OUT)
                     else:
                         tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                                  total.to(out_ptr.dtype.element_ty), mask=omask)
@@ -500,7 +505,7 @@ def small_m_gemm(
     m1: str = "dot", reduce: str = "kernel", pdl: bool = False, rope: tuple | None = None,
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
     norm_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None, add_stats: torch.Tensor | None = None,
-    ahead: int = 1, weights: str = "bf16", unpack: str = "asm",
+    ahead: int = 1, weights: str = "bf16", unpack: str = "asm", add_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``weights="fp8"`` W is read as its e4m3 copy
     (``fp8_weights.fp8_of``: ``(x @ data.T) * scale``, half the bytes), with ``"bf12"`` as its
@@ -511,9 +516,12 @@ def small_m_gemm(
     ``rmsnorm(x [+ residual])`` and the result is ``(y, x + residual)`` when residual is given.
     The ``norm_stats`` fusion: ``add_stats=residual`` returns ``(y + residual, ss)``
     with ``ss[M, tiles]`` each tile's share of the rows' sums of squares; ``norm_stats=(ss,
-    norm_weight, eps)`` normalises x (such a sum) with them as it loads it."""
+    norm_weight, eps)`` normalises x (such a sum) with them as it loads it. ``add_into=stream``
+    (``folded_norm``'s o / down): ``stream += y``, the sum rounded as ``add_stats``' is, in place, and
+    ``stream`` returned."""
     name = ("silu_mul_down_proj" if silu_mul_input else "norm_linear" if norm is not None or norm_stats is not None
-            else "linear_add_stats" if add_stats is not None else "linear")
+            else "linear_add_stats" if add_stats is not None else "linear_residual_" if add_into is not None
+            else "linear")
     check_pdl(name, pdl)
     M = x.shape[0]
     K = weight.shape[1] if weight.dim() == 2 else -1
@@ -554,17 +562,25 @@ def small_m_gemm(
         summed, h = torch.empty_like(out), torch.empty_like(out)
         if M == 0 or N == 0:
             return h, summed
-    if add_stats is not None:  # the residual this GEMV's output is added to (``norm_stats`` producer)
-        if silu_out or rope or silu_mul_input or add_norm is not None:
-            raise KernelInputError(f"{name}: add_stats is for a plain projection (o_proj, down_proj)")
-        residual = add_stats
+    if add_stats is not None or add_into is not None:  # the residual this GEMV's output is added to
+        if silu_out or rope or silu_mul_input or add_norm is not None or (add_stats is not None and add_into is not None):
+            raise KernelInputError(f"{name}: add_stats / add_into are for a plain projection (o_proj, down_proj), "
+                                   "one of them")
+        residual = add_stats if add_stats is not None else add_into
         check_device(name, residual)
         if residual.shape != (M, N) or residual.dtype != x.dtype or residual.stride(-1) != 1:
             raise KernelInputError(f"{name}: residual must be [{M}, {N}] of {x.dtype}, contiguous in N, got "
                                    f"{tuple(residual.shape)} {residual.dtype}")
-        ss = torch.empty((M, cdiv(N, block_n)), dtype=torch.float32, device=x.device)
-        if M == 0 or N == 0:
-            return residual.clone(), ss.zero_()
+        if add_into is not None:
+            if add_into.data_ptr() == x.data_ptr() and M > 0:
+                raise KernelInputError(f"{name}: the stream added into must not be the input x")
+            out = add_into  # each element read, summed and written by one program: in place is safe
+            if M == 0 or N == 0:
+                return add_into
+        else:
+            ss = torch.empty((M, cdiv(N, block_n)), dtype=torch.float32, device=x.device)
+            if M == 0 or N == 0:
+                return residual.clone(), ss.zero_()
     if M == 0 or N == 0:
         if summed is not None and M > 0:
             summed.copy_(x + residual)  # no N tile writes it
@@ -581,7 +597,8 @@ def small_m_gemm(
     paired = bool(rope) or silu_out  # epilogues that pair rows: through the workspace, at the last arrival
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 or paired else out
     # the paired epilogues run at a tile's last arrival; the add-norm one at the grid's
-    ticket = (split_k > 1 and (reduce == "ticket" or add_norm is not None or add_stats is not None)) or paired
+    adds = add_stats is not None or add_into is not None
+    ticket = (split_k > 1 and (reduce == "ticket" or add_norm is not None or adds)) or paired
     counters = tile_counters(x.device, tiles + 1) if ticket or add_norm is not None else out
     if BLOCK_M > 1:  # the M == 1 path keeps its tiles in registers (no shared-memory pipeline)
         x_cols = 2 * block_k if silu_mul_input else block_k
@@ -601,7 +618,7 @@ def small_m_gemm(
         TICKET=ticket, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_mode(pdl),
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
         BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
-        ADD_SS=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
+        ADD_SS=adds, SS_OUT=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
         W_SCALED=weights == "fp8", W_BF12=w_mode,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
@@ -609,6 +626,8 @@ def small_m_gemm(
         return h, summed
     if add_stats is not None:
         return out, ss
+    if add_into is not None:
+        return add_into
     if split_k > 1 and not ticket:
         BLOCK = min(1024, pow2(N))
         _splitk_sum_kernel[(M, cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK,
@@ -839,6 +858,13 @@ def linear_add_stats(
     the next GEMV can normalise the row without a norm kernel and without rereading it
     (``norm_stats_linear``); ``params`` from ``KERNEL_PARAMS``."""
     return small_m_gemm(x, weight, add_stats=residual, **params)
+
+
+def linear_residual_(x: torch.Tensor, weight: torch.Tensor, stream: torch.Tensor, **params) -> torch.Tensor:
+    """``stream += linear(x, weight)``, in place, in the GEMV's epilogue (each tile's finishing program
+    adds its tile, rounded as ``add_rmsnorm`` rounds the sum): o_proj / down_proj under ``folded_norm``
+    when they are the Triton GEMV, as ``stream.addmm_`` is for cuBLAS; ``params`` from ``KERNEL_PARAMS``."""
+    return small_m_gemm(x, weight, add_into=stream, **params)
 
 
 def norm_stats_linear(

@@ -154,8 +154,9 @@ def test_folded_norm_plan_passes_verification_without_a_norm_kernel(device, dtyp
         raise AssertionError("add_rmsnorm ran under folded_norm")
 
     ops.add_rmsnorm = no_norm
-    residual = ops.linear_residual_
-    ops.linear_residual_ = lambda *a: adds.append(1) or residual(*a)
+    o_res, down_res = ops.o_proj_residual_, ops.down_proj_residual_
+    ops.o_proj_residual_ = lambda *a: adds.append(1) or o_res(*a)
+    ops.down_proj_residual_ = lambda *a: adds.append(1) or down_res(*a)
     eng.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     if device == "cpu":  # on the GPU the decode steps replay graphs captured before the wrap
         assert len(adds) == 4 * 2 * eng.num_layers
@@ -163,22 +164,24 @@ def test_folded_norm_plan_passes_verification_without_a_norm_kernel(device, dtyp
     assert eng.weights.folded is None, "a plan without the fusion must give its weights back"
 
 
-def test_the_engine_refuses_folded_norm_beside_a_fusion_of_the_same_ops_or_a_gemv_residual():
-    """A plan that enables two fusions of the same ops, or folded_norm with o_proj on the Triton
-    GEMV (its residual add is cuBLAS's beta = 1), is refused before anything is swapped: the old
-    plan keeps serving."""
+def test_the_engine_refuses_folded_norm_beside_a_fusion_of_the_same_ops_or_a_kernel_without_the_residual_add():
+    """A plan that enables two fusions of the same ops is refused before anything is swapped: the old
+    plan keeps serving. folded_norm adds the residual in o / down, which cuBLAS (beta = 1) and the
+    Triton GEMV (its epilogue) do and an agent-written kernel does not: such a plan is blocked."""
     from anneal.engine.ops.registry import OpError
+    from anneal.engine.plan import fusion_blockers
 
     eng = Engine(EngineArgs(model="random:tiny", device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=64))
     before = eng.plan.hash
     clash = folded_plan("cpu").model_copy(update={"fusions": {"folded_norm": True, "norm_stats": True}})
     with pytest.raises(OpError, match="folded_norm with norm_stats"):
         eng.apply_plan(clash)
-    gemv_o = folded_plan("cpu").with_ops(o_proj=OpChoice(impl="triton_gemv_splitk"))
-    with pytest.raises(OpError, match="o_proj must be the reference GEMM"):
-        eng.apply_plan(gemv_o)
+    agent_o = folded_plan("cpu").with_ops(o_proj=OpChoice(impl="agent_o_proj"))
+    assert "o_proj must be the reference GEMM or the Triton GEMV" in fusion_blockers(agent_o)["folded_norm"]
+    for impl in ("reference", "triton_gemv_splitk", "triton_gemv_bf12", "triton_gemv_fp8"):
+        assert not fusion_blockers(folded_plan("cpu").with_ops(o_proj=OpChoice(impl=impl), down_proj=OpChoice(impl=impl)))
     with pytest.raises(OpError):
-        eng.check_plan(gemv_o)
+        eng.apply_plan(agent_o)
     assert eng.plan.hash == before and eng.weights.folded is None
     assert eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 
@@ -207,6 +210,93 @@ def test_folded_weights_are_given_back_before_the_next_plans_capture_and_restore
     assert held == [False, True]  # freed for the new plan's capture, back for the old plan's
     assert eng.plan == folded and eng.weights.folded is not None
     assert eng.generate([[5, 6, 7]], params) == want
+
+
+def folded_gemv_plan(device: str, copies: str | None = None) -> Plan:
+    """``folded_plan`` with every layer projection on the Triton GEMV (o / down add the residual in its
+    epilogue), or with ``copies="bf12"`` on the GEMV over their bf12 copies (qkv / gate_up: copies of
+    the folded weights)."""
+    pdl = device == "cuda"
+    impl = "triton_gemv_splitk" if copies is None else f"triton_gemv_{copies}"
+    tiles = {"reduce": "ticket", "pdl": pdl, "block_k": 64 if device == "cpu" else 256, "block_n": 32}
+    split = [{"split_k": 2}, {"split_k": 1}]  # o: the last split adds, down: each tile's one program
+    ops = {"qkv_proj": OpChoice(impl=impl, params=tiles), "gate_up_proj": OpChoice(impl=impl, params=tiles),
+           "o_proj": OpChoice(impl=impl, params={**tiles, **split[0]}),
+           "down_proj": OpChoice(impl=impl, params={**tiles, **split[1]})}
+    return folded_plan(device).with_ops(**ops)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("copies", [None, "bf12"], ids=["bf16", "bf12"])
+def test_folded_norm_on_gemvs_generates_as_folded_norm_on_cublas(device, copies, monkeypatch):
+    """folded_norm with its projections on the Triton GEMV: o / down add the residual into the stream
+    in their epilogue (no addmm in decode steps), qkv / gate_up read bf12 copies made of the folded
+    weights (not of the layer's own, which keep none), and the plan generates what folded_norm on
+    cuBLAS generates on the same weights (bf12: rounded through bf12 first, so both runs use the same
+    numbers)."""
+    from anneal.engine import bf12_weights as b12
+    from anneal.engine import weight_copies
+    from anneal.engine.kernels import gemv
+
+    dtype = "bfloat16" if copies else "float32"
+    eng = Engine(EngineArgs(model="random:tiny", device=device, dtype=dtype, num_kv_blocks=128, max_model_len=256))
+    if copies:  # the copies stand for exactly these weights; the folded ones are rounded from them
+        for L in eng.weights.layers:
+            for name in ("o", "down"):
+                w = getattr(L, name)
+                w.copy_(b12.unpacked(b12.pack(w)).to(w.dtype))
+    params = SamplingParams(max_tokens=8 if device == "cpu" else 32, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, eng.config.vocab_size, (n,), generator=g).tolist() for n in (5, 19)]
+    eng.apply_plan(folded_plan(device))
+    if copies:  # the folded weights as their bf12 copies will hold them
+        for F in eng.weights.folded:
+            for name in ("qkv", "gate_up"):
+                w = getattr(F, name)
+                w.copy_(b12.unpacked(b12.pack(w)).to(w.dtype))
+    want = eng.generate(prompts, params)
+    folded_before = [(F.qkv, F.gate_up) for F in eng.weights.folded]
+    added = []
+    real = gemv.linear_residual_
+    monkeypatch.setattr(gemv, "linear_residual_", lambda x, w, s, **p: added.append(x.shape[0]) or real(x, w, s, **p))
+    eng.apply_plan(folded_gemv_plan(device, copies))
+    assert [(F.qkv, F.gate_up) for F in eng.weights.folded] == folded_before  # folded once, kept
+    if copies:
+        assert all(weight_copies.has_copy(t, copies) for F in eng.weights.folded for t in (F.qkv, F.gate_up))
+        assert not any(weight_copies.has_copy(t, copies) for L in eng.weights.layers for t in (L.qkv, L.gate_up))
+        assert all(weight_copies.has_copy(t, copies) for L in eng.weights.layers for t in (L.o, L.down))
+    got = eng.generate(prompts, params)
+    agree = sum(a == b for r, o in zip(want, got) for a, b in zip(r, o)) / sum(len(r) for r in want)
+    assert agree > (0.9 if copies else 0.98), (agree, want, got)
+    if device == "cpu":  # every decode step's o and down (2 a layer) through the GEMV's residual epilogue
+        decode_rows = [m for m in added if m <= 2]
+        assert len(decode_rows) == 2 * eng.num_layers * (params.max_tokens - 1), added
+    eng.apply_plan(Plan(cuda_graph_batch_sizes=[]))
+    assert eng.weights.folded is None
+    assert not any(weight_copies.has_copy(t, copies or "bf12") for L in eng.weights.layers for t in (L.o, L.down))
+
+
+def test_qkv_and_gate_up_copies_move_to_the_folded_weights_before_they_are_folded(monkeypatch):
+    """From a plan with bf12 copies of the layers' qkv / gate_up to folded_norm on bf12 copies: the
+    layers' copies are given back before the folded weights are made (an 8B's 6.8 GB of them beside
+    its 9 GB of folded weights did not fit an H200's room beside the KV cache), and back again."""
+    import anneal.engine.llm as llm_mod
+    from anneal.engine import weight_copies
+
+    eng = Engine(EngineArgs(model="random:tiny", device="cpu", dtype="bfloat16", num_kv_blocks=32, max_model_len=64))
+    flat = folded_gemv_plan("cpu", "bf12").model_copy(update={"fusions": {}})
+    eng.apply_plan(flat)
+    layers = eng.weights.layers
+    assert all(weight_copies.has_copy(t, "bf12") for L in layers for t in (L.qkv, L.gate_up, L.o))
+    held, fold = [], llm_mod.fold_norms
+    monkeypatch.setattr(llm_mod, "fold_norms", lambda w: held.append(
+        [weight_copies.has_copy(t, "bf12") for L in layers for t in (L.qkv, L.gate_up, L.o)]) or fold(w))
+    eng.apply_plan(folded_gemv_plan("cpu", "bf12"))
+    assert held[0] == [False, False, True] * len(layers)  # o's copy stays: it is the same tensor's
+    assert all(weight_copies.has_copy(t, "bf12") for F in eng.weights.folded for t in (F.qkv, F.gate_up))
+    eng.apply_plan(flat)
+    assert eng.weights.folded is None
+    assert all(weight_copies.has_copy(t, "bf12") for L in layers for t in (L.qkv, L.gate_up, L.o))
 
 
 def rope_attention_plan(device: str, folded: bool) -> Plan:

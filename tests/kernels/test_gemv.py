@@ -335,6 +335,46 @@ def test_norm_stats_pair(device, dtype):
                 assert_close(kc, kc_ref, TOL_ACC, what=f"qkv_rope k cache {what}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_residual_adds_into_the_stream_in_place(device, dtype):
+    """o_proj / down_proj under ``folded_norm`` on the Triton GEMV: ``stream += linear(x, w)`` in the
+    epilogue of each tile's finishing program (every split count, the kernel reduce turned into the
+    ticket, the M == 1 FMA path), the sum rounded as ``add_rmsnorm`` rounds it, written into the
+    stream itself; the same bits on a rerun from the same stream."""
+    from anneal.engine.kernels._common import KernelInputError
+    from anneal.engine.kernels.gemv import linear_residual_
+
+    lin = get_op("o_proj").reference
+    if device == "cpu":
+        shapes = [(1, 48, 40), (3, 64, 96), (17, 40, 64)]
+        configs = [{"block_n": 16, "block_k": 16, "m1": "fma", "split_k": 2}, {"block_n": 32, "block_k": 32, "split_k": 1},
+                   {"block_n": 16, "block_k": 32, "split_k": 2, "reduce": "kernel", "block_m": 16}]
+    else:
+        shapes = [(1, 4096, 4096), (12, 4096, 4096), (16, 4096, 14336), (5, 1000, 3000)]
+        configs = [{}, {"split_k": 2, "block_n": 32, "block_k": 256, "reduce": "ticket"},
+                   {"split_k": 1, "block_n": 64, "pdl": "late"}, {"m1": "fma", "split_k": 4, "pdl": True}]
+    for ci, cfg in enumerate(configs):
+        for i, (M, N, K) in enumerate(shapes):
+            g = gen(9500 + 10 * ci + i, device)
+            x, w, r, _ = _projection_and_norm(M, N, K, dtype, device, g)
+            want = (lin(x, w).float() + r.float()).to(dtype)
+            stream = r.clone()
+            ptr = stream.data_ptr()
+            got = linear_residual_(x, w, stream, **cfg)
+            what = f"{cfg} {M}x{N}x{K} {dtype}"
+            assert got is stream and stream.data_ptr() == ptr, what
+            assert_close(stream, want, TOL_ACC, what=what)
+            again = r.clone()
+            linear_residual_(x, w, again, **cfg)
+            assert torch.equal(again, stream), what
+    with pytest.raises(KernelInputError, match="residual must be"):
+        linear_residual_(x, w, torch.zeros(M, N + 1, dtype=dtype, device=device))
+    sq = randn(4, 4, dtype=dtype, device=device, g=gen(1, device))
+    with pytest.raises(KernelInputError, match="must not be the input"):
+        linear_residual_(sq, randn(4, 4, dtype=dtype, device=device, g=gen(2, device)), sq)
+
+
 def test_norm_stats_rejects_bad_statistics():
     from anneal.engine.kernels._common import KernelInputError
     from anneal.engine.kernels.gemv import linear_add_stats, norm_stats_linear

@@ -182,6 +182,8 @@ def test_fused_gemvs_read_the_copy(device, fmt, dtype):
                                    gemv.add_rmsnorm_linear(x, r, nw, 1e-6, wd, **kw)[0]),
             "linear_add_rmsnorm": (gemv.linear_add_rmsnorm(x, wn, r, nw, 1e-6, weights=fmt, **kw)[0],
                                    gemv.linear_add_rmsnorm(x, wnd, r, nw, 1e-6, **kw)[0]),
+            "linear_residual_": (gemv.linear_residual_(x, wn, r.clone(), weights=fmt, **kw),
+                                 gemv.linear_residual_(x, wnd, r.clone(), **kw)),  # folded_norm's o / down
         }
         for name, (got, want) in cases.items():
             assert_close(got, want, TOL_ACC, what=f"{fmt} {name} {M}x{N}x{K} {dtype}")
