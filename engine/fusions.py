@@ -35,6 +35,8 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
         elif name == "linear_norm":  # o_proj, down_proj
             for proj in projs:
                 out[f"{proj}_add_rmsnorm"] = _linear_norm(gemv, fns, proj, *gemv_params[proj])
+        elif name == "gate_up_silu" and "folded_norm" in names:  # gate_up_proj, its 1/rms from o_proj's statistics
+            out["folded_gate_up_silu"] = _folded_gate_up_silu(gemv, fns, out, *gemv_params[projs[0]])
         elif name == "gate_up_silu":  # gate_up_proj
             out["gate_up_silu"] = _gate_up_silu(gemv, fns, *gemv_params[projs[0]])
         elif name == "qkv_rope":  # qkv_proj
@@ -43,7 +45,7 @@ def build_fusions(names: list[str], fns: dict[str, Callable], choices: dict[str,
             for proj in projs:
                 out[f"norm_{proj}"] = _norm_linear(gemv, fns, proj, *gemv_params[proj])
         elif name == "folded_norm":  # o_proj, down_proj add the residual (cuBLAS, or the GEMV's epilogue)
-            out.update(_folded_norm(gemv, fns, choices, gemv_params))
+            out.update(_folded_norm(gemv, fns, choices, gemv_params, stats_for_silu="gate_up_silu" in names))
         elif name == "rope_attention":
             out["rope_attention"] = _rope_attention(choices)
         elif name == "norm_stats":  # o_proj and down_proj leave the statistics, qkv_proj and gate_up_proj use them
@@ -69,7 +71,7 @@ def _lm_head_argmax(gemv, impl: str, params: dict) -> Callable:
 
 
 def _folded_norm(gemv, fns: dict[str, Callable], choices: dict[str, tuple[str, dict]],
-                 gemv_params: dict[str, tuple[dict, int]]) -> dict[str, Callable]:
+                 gemv_params: dict[str, tuple[dict, int]], stats_for_silu: bool = False) -> dict[str, Callable]:
     """``folded_norm``: a layer's RMSNorms spread over the kernels around them (the model's
     ``_forward_folded``). The residual stream ``s`` is never normalised in memory: qkv and gate_up
     project ``s`` itself through weights with the norm weight folded in (``weights.fold_norms``; their
@@ -78,7 +80,9 @@ def _folded_norm(gemv, fns: dict[str, Callable], choices: dict[str, tuple[str, d
     beta = 1) when they are the reference, in the epilogue of the Triton GEMV they are (on their
     weight copy, if any) up to its ``max_m`` rows. No add kernel, no norm kernel, no copy. The Triton
     RoPE and SiLU kernels take the plan's params for those ops when it chose them; the op table
-    refuses o / down on another variant before this is built (``plan.folded_norm_blockers``)."""
+    refuses o / down on another variant before this is built (``plan.folded_norm_blockers``). With
+    ``stats_for_silu`` (the plan fuses ``gate_up_silu`` too) o_proj's GEMV also leaves the new
+    stream's row statistics for the gate_up GEMV's folded SiLU (``o_proj_residual_stats_``)."""
     from anneal.engine.kernels import activation, rope
 
     rope_params = dict(choices["qk_rope_store"][1]) if choices["qk_rope_store"][0] == "triton" else {}
@@ -92,22 +96,45 @@ def _folded_norm(gemv, fns: dict[str, Callable], choices: dict[str, tuple[str, d
     def folded_silu_and_mul(gu_raw, stream, eps):
         return activation.silu_and_mul(gu_raw, rms_of=stream, rms_eps=eps, **silu_params)
 
-    return {"folded_rope_store": folded_rope_store, "folded_silu_and_mul": folded_silu_and_mul,
-            **{f"{proj}_residual_": _linear_residual(gemv, choices[proj][0], *gemv_params[proj])
-               for proj in ("o_proj", "down_proj")}}
+    out = {"folded_rope_store": folded_rope_store, "folded_silu_and_mul": folded_silu_and_mul,
+           **{f"{proj}_residual_": _linear_residual(gemv, choices[proj][0], *gemv_params[proj])
+              for proj in ("o_proj", "down_proj")}}
+    if stats_for_silu:
+        out["o_proj_residual_stats_"] = _linear_residual(gemv, choices["o_proj"][0], *gemv_params["o_proj"],
+                                                         stats=True)
+    return out
 
 
-def _linear_residual(gemv, impl: str, params: dict, max_m: int) -> Callable:
+def _linear_residual(gemv, impl: str, params: dict, max_m: int, stats: bool = False) -> Callable:
     """``stream += x @ w.T`` in place for a projection chosen as ``impl``: the Triton GEMV's residual
-    epilogue up to ``max_m`` rows, else (prompt rows, or the reference projection) cuBLAS's beta = 1."""
+    epilogue up to ``max_m`` rows, else (prompt rows, or the reference projection) cuBLAS's beta = 1.
+    With ``stats`` it returns the new stream's per-tile sums of squares from the GEMV, or None where
+    cuBLAS added (the consumer then computes the 1/rms itself)."""
     on_gemv = impl == "triton_gemv_splitk" or impl in WEIGHT_COPY_IMPLS
 
     def linear_residual_(x, w, stream):
         if on_gemv and x.shape[0] <= max_m:
-            return gemv.linear_residual_(x, w, stream, **params)
-        return stream.addmm_(x, w.t())
+            out = gemv.linear_residual_(x, w, stream, stats=stats, **params)
+            return out[1] if stats else out
+        stream.addmm_(x, w.t())
+        return None if stats else stream
 
     return linear_residual_
+
+
+def _folded_gate_up_silu(gemv, fns: dict[str, Callable], fused: dict[str, Callable], params: dict,
+                         max_m: int) -> Callable:
+    """``gate_up_silu`` under ``folded_norm``: ``silu_and_mul(rms_scaled(gate_up_proj(s, w_folded), s))``
+    with the 1/rms from o_proj's statistics in the GEMV's SiLU epilogue; without statistics (o_proj on
+    cuBLAS) or above ``max_m`` rows, the plan's gate_up_proj and the folded SiLU kernel."""
+    gate_up = fns["gate_up_proj"]
+
+    def folded_gate_up_silu(s, ss, w, eps):
+        if ss is None or s.shape[0] > max_m:  # folded_norm's SiLU kernel (looked up per call: built in any order)
+            return fused["folded_silu_and_mul"](gate_up(s, w), s, eps)
+        return gemv.gate_up_silu(s, w, folded_stats=(ss, eps), **params)
+
+    return folded_gate_up_silu
 
 
 def _rope_attention(choices: dict[str, tuple[str, dict]]) -> Callable:

@@ -17,7 +17,8 @@ class OpTable:
     FUSED = ("lm_head_argmax", "silu_mul_down", "norm_qkv_proj", "norm_gate_up_proj", "qkv_rope_store",
              "o_proj_add_rmsnorm", "down_proj_add_rmsnorm", "gate_up_silu", "o_proj_add_stats",
              "down_proj_add_stats", "norm_stats_qkv", "norm_stats_gate_up", "folded_rope_store",
-             "folded_silu_and_mul", "o_proj_residual_", "down_proj_residual_", "rope_attention")
+             "folded_silu_and_mul", "o_proj_residual_", "down_proj_residual_", "o_proj_residual_stats_",
+             "folded_gate_up_silu", "rope_attention")
     # Fused entry points, None unless the plan enables them.
     lm_head_argmax: Callable | None = None
     silu_mul_down: Callable | None = None
@@ -39,6 +40,10 @@ class OpTable:
     folded_silu_and_mul: Callable | None = None  # (gate_up of the stream through folded weights, stream, eps) -> act
     o_proj_residual_: Callable | None = None  # (x, w, stream) -> stream += x @ w.T, in place
     down_proj_residual_: Callable | None = None
+    # folded_norm + gate_up_silu: (x, w, stream) -> the new stream's per-tile sums of squares, or None
+    # (cuBLAS added); (stream, those, folded w, eps) -> the activation, its 1/rms in the GEMV's epilogue
+    o_proj_residual_stats_: Callable | None = None
+    folded_gate_up_silu: Callable | None = None
     # rope_attention: (qkv, *qk_rope_store args, block_tables, context_lens, scale, rms_of=, rms_eps=) -> a
     # decode step's attention output; rms_of is the stream under folded_norm (its 1/rms scales q, k, v)
     rope_attention: Callable | None = None

@@ -39,7 +39,8 @@ FUSIONS = {
     "silu_mul_down": "silu_and_mul + down_proj (the activation applied as the GEMV loads)",
     "norm_linear": "(add_)rmsnorm + qkv_proj and + gate_up_proj (the norm in the GEMV's prologue)",
     "linear_norm": "o_proj / down_proj + the add_rmsnorm after it (the GEMV's last tile normalises the row)",
-    "gate_up_silu": "gate_up_proj + silu_and_mul (the activation in the GEMV's epilogue)",
+    "gate_up_silu": "gate_up_proj + silu_and_mul (the activation in the GEMV's epilogue; under folded_norm the "
+                    "1/rms too, from the statistics o_proj's GEMV leaves as it adds the residual)",
     "qkv_rope": "qkv_proj + qk_rope_store (RoPE and the KV-cache store in the GEMV's epilogue; Llama)",
     "norm_stats": "o_proj / down_proj + the add_rmsnorm after them: each tile adds the residual and leaves its "
                   "share of the row's sum of squares, and the next GEMV (qkv, gate_up) normalises as it loads "
@@ -61,7 +62,7 @@ STEP_FUSIONS = ("lm_head_argmax",)
 
 # Fusions that rewrite the same ops as another one: a plan may enable one of each pair.
 FUSION_CONFLICTS = {
-    "folded_norm": ("norm_linear", "linear_norm", "norm_stats", "qkv_rope", "gate_up_silu", "silu_mul_down"),
+    "folded_norm": ("norm_linear", "linear_norm", "norm_stats", "qkv_rope", "silu_mul_down"),
     # qkv_rope does the RoPE + store in the qkv GEMV's epilogue. norm_stats does too when beside qkv_rope;
     # beside rope_attention its qkv GEMV normalises and the attention rotates (session 46: on the bf12
     # GEMVs, whose 32-wide tiles cannot hold a head, the pair was refused though nothing clashed)
@@ -231,6 +232,9 @@ def inert_fusions(plan: "Plan", config: dict[str, Any]) -> dict[str, str]:
         elif not rope_fusable(block_n, D, H, Hkv):
             out["qkv_rope"] = (f"the qkv GEMV's block_n {block_n} cannot tile whole heads of {D} ({H} q, {Hkv} kv "
                                f"heads): qkv_proj and qk_rope_store run unfused")
+    if plan.fusions.get("gate_up_silu") and plan.fusions.get("folded_norm") and plan.choice("o_proj").impl == "reference":
+        out["gate_up_silu"] = ("under folded_norm the fused SiLU takes its 1/rms from the statistics o_proj's Triton GEMV "
+                               "leaves; o_proj is cuBLAS: gate_up_proj and the folded silu_and_mul run unfused")
     return out
 
 

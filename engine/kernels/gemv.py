@@ -126,16 +126,22 @@ def _rope_epilogue(ws_ptr, q_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, 
 
 @triton.jit
 def _silu_epilogue(ws_ptr, act_ptr, m, mm, pid_n, M, N, stride_am, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT_K: tl.constexpr, DT: tl.constexpr):
+                   SPLIT_K: tl.constexpr, DT: tl.constexpr, rstd, ROW_SCALE: tl.constexpr = False):
     """gate_up_proj + silu_and_mul: the tile's summed gate rows and their up rows, each rounded to
     the activation dtype as the projection's output is, then ``silu(gate) * up`` rounded as the
-    reference rounds it, stored to ``act[M, N/2]``."""
+    reference rounds it, stored to ``act[M, N/2]``. With ``ROW_SCALE`` (``folded_norm``: W holds the
+    norm's weight) gate and up are first scaled by their row's ``rstd`` and rounded, as the folded
+    SiLU kernel scales them (``activation.silu_and_mul(rms_of=)``)."""
     I = N // 2
     j = tl.arange(0, BLOCK_N // 2)
     na = pid_n * (BLOCK_N // 2) + j
     mask = mm[:, None] & (na < I)[None, :]
     g, u = _split_sums_paired(ws_ptr, m, na, na + I, mask, M, N, BLOCK_M, BLOCK_N // 2, SPLIT_K)
-    act = silu_mul(g.to(DT), u.to(DT), DT)
+    g, u = g.to(DT), u.to(DT)
+    if ROW_SCALE:
+        g = (g.to(tl.float32) * rstd[:, None]).to(DT)
+        u = (u.to(tl.float32) * rstd[:, None]).to(DT)
+    act = silu_mul(g, u, DT)
     tl.store(act_ptr + m.to(tl.int64)[:, None] * stride_am + na[None, :], act, mask=mask)
 
 
@@ -308,11 +314,12 @@ def _gemv_kernel(
     # (by the programs of the first N tile, each for its K range). Every program first computes
     # the full-row statistics, rounding where the reference rounds. NORM 3: x -> rmsnorm(x) with
     # the statistics the previous GEMV left per tile in ``ss[row, tile]`` (the ``norm_stats``
-    # fusion): no program rereads the row.
+    # fusion): no program rereads the row. NORM 4: x as it is (W holds the norm's weight: folded_norm),
+    # the 1/rms from those statistics scales the product's rows in the SiLU epilogue.
     r_rows = r_ptr + m.to(tl.int64)[:, None] * stride_rm
     s_rows = sum_ptr + m.to(tl.int64)[:, None] * stride_sm
     rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM == 3:
+    if NORM == 3 or NORM == 4:
         t = tl.arange(0, BLOCK_SS)
         parts = tl.load(ss_ptr + m[:, None] * ss_tiles + t[None, :], mask=mm[:, None] & (t < ss_tiles)[None, :],
                         other=0.0)
@@ -366,7 +373,7 @@ def _gemv_kernel(
                 xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(DT)
                 if pid_n == 0:
                     tl.store(s_rows + k[None, :], xt, mask=xm)
-            if NORM > 0:
+            if NORM > 0 and NORM != 4:
                 nw = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
                 xt = ((xt.to(tl.float32) * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
         if BLOCK_M == 1:
@@ -412,7 +419,8 @@ def _gemv_kernel(
                     _rope_epilogue(ws_ptr, out_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, m, mm, pid_n,
                                    M, N, stride_om, stride_cs, QD, KD, BLOCK_M, BLOCK_N, SPLIT_K, HEAD_D, DT)
                 elif SILU_OUT:
-                    _silu_epilogue(ws_ptr, out_ptr, m, mm, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, SPLIT_K, DT)
+                    _silu_epilogue(ws_ptr, out_ptr, m, mm, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, SPLIT_K, DT,
+                                   rstd, NORM == 4)
                 else:
                     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     for s2 in tl.static_range(SPLIT_K):
@@ -506,6 +514,7 @@ def small_m_gemm(
     add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, silu_out: bool = False,
     norm_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None, add_stats: torch.Tensor | None = None,
     ahead: int = 1, weights: str = "bf16", unpack: str = "asm", add_into: torch.Tensor | None = None,
+    into_stats: bool = False, folded_stats: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` for small M, any M correct; with ``weights="fp8"`` W is read as its e4m3 copy
     (``fp8_weights.fp8_of``: ``(x @ data.T) * scale``, half the bytes), with ``"bf12"`` as its
@@ -518,7 +527,10 @@ def small_m_gemm(
     with ``ss[M, tiles]`` each tile's share of the rows' sums of squares; ``norm_stats=(ss,
     norm_weight, eps)`` normalises x (such a sum) with them as it loads it. ``add_into=stream``
     (``folded_norm``'s o / down): ``stream += y``, the sum rounded as ``add_stats``' is, in place, and
-    ``stream`` returned."""
+    ``stream`` returned; with ``into_stats`` also ``ss`` as ``add_stats`` leaves it: ``(stream, ss)``.
+    ``folded_stats=(ss, eps)`` with ``silu_out`` (``folded_norm`` + ``gate_up_silu``): x is the
+    un-normalised stream and W holds the norm's weight; each row's gate and up are scaled by
+    ``rsqrt(sum(ss[row]) / K + eps)`` before the activation."""
     name = ("silu_mul_down_proj" if silu_mul_input else "norm_linear" if norm is not None or norm_stats is not None
             else "linear_add_stats" if add_stats is not None else "linear_residual_" if add_into is not None
             else "linear")
@@ -537,6 +549,13 @@ def small_m_gemm(
     if norm is not None:
         _check_norm(name, x, K, residual, norm_w)
     ss = None
+    if folded_stats is not None:  # (ss[M, tiles] of the stream x, eps): folded_norm's 1/rms in the SiLU epilogue
+        if not silu_out or norm is not None or norm_stats is not None:
+            raise KernelInputError(f"{name}: folded_stats scales gate_up_silu's rows (silu_out), without a norm")
+        ss, eps = folded_stats
+        check_device(name, ss)
+        if ss.dim() != 2 or ss.shape[0] != M or ss.dtype != torch.float32 or not ss.is_contiguous():
+            raise KernelInputError(f"{name}: statistics must be float32 [{M}, tiles], got {tuple(ss.shape)} {ss.dtype}")
     if norm_stats is not None:  # (ss[M, tiles] from a GEMV with add_stats, norm weight, eps)
         if norm is not None or add_stats is not None:
             raise KernelInputError(f"{name}: norm_stats takes the place of norm (and not with add_stats)")
@@ -575,8 +594,10 @@ def small_m_gemm(
             if add_into.data_ptr() == x.data_ptr() and M > 0:
                 raise KernelInputError(f"{name}: the stream added into must not be the input x")
             out = add_into  # each element read, summed and written by one program: in place is safe
+            if into_stats:
+                ss = torch.empty((M, cdiv(N, block_n)), dtype=torch.float32, device=x.device)
             if M == 0 or N == 0:
-                return add_into
+                return (add_into, ss.zero_()) if into_stats else add_into
         else:
             ss = torch.empty((M, cdiv(N, block_n)), dtype=torch.float32, device=x.device)
             if M == 0 or N == 0:
@@ -614,11 +635,12 @@ def small_m_gemm(
         *(rope[5:8] if rope else (0, 0, 0)), hn.stride(0), ss if ss is not None else x,
         ss.shape[1] if ss is not None else 0, wscale if wscale is not None else x, wexp if wexp is not None else x,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_MUL=silu_mul_input,
-        NORM=3 if norm_stats is not None else 0 if norm is None else 1 if residual is None else 2, ARGMAX=False,
+        NORM=3 if norm_stats is not None else 4 if folded_stats is not None else 0 if norm is None else
+        1 if residual is None else 2, ARGMAX=False,
         TICKET=ticket, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(), PDL=pdl_mode(pdl),
         ROPE=bool(rope), HEAD_D=rope[8] if rope else 1, ADD_NORM=add_norm is not None,
         BLOCK_NORM=pow2(N) if add_norm is not None else 1, SILU_OUT=silu_out,
-        ADD_SS=adds, SS_OUT=add_stats is not None, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
+        ADD_SS=adds, SS_OUT=add_stats is not None or into_stats, BLOCK_SS=pow2(ss.shape[1]) if ss is not None else 1, AHEAD=ahead,
         W_SCALED=weights == "fp8", W_BF12=w_mode,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl),
     )
@@ -627,7 +649,7 @@ def small_m_gemm(
     if add_stats is not None:
         return out, ss
     if add_into is not None:
-        return add_into
+        return (add_into, ss) if into_stats else add_into
     if split_k > 1 and not ticket:
         BLOCK = min(1024, pow2(N))
         _splitk_sum_kernel[(M, cdiv(N, BLOCK))](ws, out, M, N, out.stride(0), SPLIT_K=split_k, BLOCK=BLOCK,
@@ -860,11 +882,14 @@ def linear_add_stats(
     return small_m_gemm(x, weight, add_stats=residual, **params)
 
 
-def linear_residual_(x: torch.Tensor, weight: torch.Tensor, stream: torch.Tensor, **params) -> torch.Tensor:
+def linear_residual_(x: torch.Tensor, weight: torch.Tensor, stream: torch.Tensor, stats: bool = False,
+                     **params) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``stream += linear(x, weight)``, in place, in the GEMV's epilogue (each tile's finishing program
     adds its tile, rounded as ``add_rmsnorm`` rounds the sum): o_proj / down_proj under ``folded_norm``
-    when they are the Triton GEMV, as ``stream.addmm_`` is for cuBLAS; ``params`` from ``KERNEL_PARAMS``."""
-    return small_m_gemm(x, weight, add_into=stream, **params)
+    when they are the Triton GEMV, as ``stream.addmm_`` is for cuBLAS. With ``stats`` also each
+    tile's share of the new stream's rows' sums of squares, ``(stream, ss)``, for the gate_up GEMV's
+    folded SiLU (``gate_up_silu(folded_stats=)``); ``params`` from ``KERNEL_PARAMS``."""
+    return small_m_gemm(x, weight, add_into=stream, into_stats=stats, **params)
 
 
 def norm_stats_linear(

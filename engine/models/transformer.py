@@ -156,8 +156,12 @@ class Transformer:
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             rope_args = (positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping, H, Hkv, L.q_norm, L.k_norm, eps)
             a = self._rope_attention(ops.qkv_proj(s, F.qkv), rope_args, ctx, rms_of=s)
-            ops.o_proj_residual_(a.reshape(T, H * D), L.o, s)
-            ops.down_proj_residual_(ops.folded_silu_and_mul(ops.gate_up_proj(s, F.gate_up), s, eps), L.down, s)
+            if ops.folded_gate_up_silu is not None:  # the SiLU and its 1/rms in gate_up's epilogue
+                act = ops.folded_gate_up_silu(s, ops.o_proj_residual_stats_(a.reshape(T, H * D), L.o, s), F.gate_up, eps)
+            else:
+                ops.o_proj_residual_(a.reshape(T, H * D), L.o, s)
+                act = ops.folded_silu_and_mul(ops.gate_up_proj(s, F.gate_up), s, eps)
+            ops.down_proj_residual_(act, L.down, s)
         return ops.rmsnorm(s, self.w.final_norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

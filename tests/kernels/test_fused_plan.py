@@ -212,10 +212,11 @@ def test_folded_weights_are_given_back_before_the_next_plans_capture_and_restore
     assert eng.generate([[5, 6, 7]], params) == want
 
 
-def folded_gemv_plan(device: str, copies: str | None = None) -> Plan:
+def folded_gemv_plan(device: str, copies: str | None = None, silu: bool = False) -> Plan:
     """``folded_plan`` with every layer projection on the Triton GEMV (o / down add the residual in its
     epilogue), or with ``copies="bf12"`` on the GEMV over their bf12 copies (qkv / gate_up: copies of
-    the folded weights)."""
+    the folded weights); with ``silu`` also ``gate_up_silu`` (the SiLU and its 1/rms in gate_up's
+    epilogue, from o_proj's statistics)."""
     pdl = device == "cuda"
     impl = "triton_gemv_splitk" if copies is None else f"triton_gemv_{copies}"
     tiles = {"reduce": "ticket", "pdl": pdl, "block_k": 64 if device == "cpu" else 256, "block_n": 32}
@@ -223,20 +224,23 @@ def folded_gemv_plan(device: str, copies: str | None = None) -> Plan:
     ops = {"qkv_proj": OpChoice(impl=impl, params=tiles), "gate_up_proj": OpChoice(impl=impl, params=tiles),
            "o_proj": OpChoice(impl=impl, params={**tiles, **split[0]}),
            "down_proj": OpChoice(impl=impl, params={**tiles, **split[1]})}
-    return folded_plan(device).with_ops(**ops)
+    plan = folded_plan(device).with_ops(**ops)
+    return plan.model_copy(update={"fusions": {**plan.fusions, "gate_up_silu": True}}) if silu else plan
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("copies", [None, "bf12"], ids=["bf16", "bf12"])
-def test_folded_norm_on_gemvs_generates_as_folded_norm_on_cublas(device, copies, monkeypatch):
+@pytest.mark.parametrize("silu", [False, True], ids=["", "silu"])
+def test_folded_norm_on_gemvs_generates_as_folded_norm_on_cublas(device, copies, silu, monkeypatch):
     """folded_norm with its projections on the Triton GEMV: o / down add the residual into the stream
     in their epilogue (no addmm in decode steps), qkv / gate_up read bf12 copies made of the folded
     weights (not of the layer's own, which keep none), and the plan generates what folded_norm on
     cuBLAS generates on the same weights (bf12: rounded through bf12 first, so both runs use the same
-    numbers)."""
+    numbers). With ``gate_up_silu`` beside it the decode steps launch no SiLU kernel: the gate_up
+    GEMV scales by the 1/rms o_proj's GEMV left and applies the activation."""
     from anneal.engine import bf12_weights as b12
     from anneal.engine import weight_copies
-    from anneal.engine.kernels import gemv
+    from anneal.engine.kernels import activation, gemv
 
     dtype = "bfloat16" if copies else "float32"
     eng = Engine(EngineArgs(model="random:tiny", device=device, dtype=dtype, num_kv_blocks=128, max_model_len=256))
@@ -256,10 +260,12 @@ def test_folded_norm_on_gemvs_generates_as_folded_norm_on_cublas(device, copies,
                 w.copy_(b12.unpacked(b12.pack(w)).to(w.dtype))
     want = eng.generate(prompts, params)
     folded_before = [(F.qkv, F.gate_up) for F in eng.weights.folded]
-    added = []
-    real = gemv.linear_residual_
+    added, silu_rows, fused_rows = [], [], []
+    real, real_silu, real_fused = gemv.linear_residual_, activation.silu_and_mul, gemv.gate_up_silu
     monkeypatch.setattr(gemv, "linear_residual_", lambda x, w, s, **p: added.append(x.shape[0]) or real(x, w, s, **p))
-    eng.apply_plan(folded_gemv_plan(device, copies))
+    monkeypatch.setattr(activation, "silu_and_mul", lambda x, **k: silu_rows.append(x.shape[0]) or real_silu(x, **k))
+    monkeypatch.setattr(gemv, "gate_up_silu", lambda x, w, **k: fused_rows.append(x.shape[0]) or real_fused(x, w, **k))
+    eng.apply_plan(folded_gemv_plan(device, copies, silu))
     assert [(F.qkv, F.gate_up) for F in eng.weights.folded] == folded_before  # folded once, kept
     if copies:
         assert all(weight_copies.has_copy(t, copies) for F in eng.weights.folded for t in (F.qkv, F.gate_up))
@@ -270,7 +276,10 @@ def test_folded_norm_on_gemvs_generates_as_folded_norm_on_cublas(device, copies,
     assert agree > (0.9 if copies else 0.98), (agree, want, got)
     if device == "cpu":  # every decode step's o and down (2 a layer) through the GEMV's residual epilogue
         decode_rows = [m for m in added if m <= 2]
-        assert len(decode_rows) == 2 * eng.num_layers * (params.max_tokens - 1), added
+        decode_steps = eng.num_layers * (params.max_tokens - 1)
+        assert len(decode_rows) == 2 * decode_steps, added
+        assert [m for m in silu_rows if m <= 2] == ([] if silu else [2] * decode_steps), silu_rows
+        assert [m for m in fused_rows if m <= 2] == ([2] * decode_steps if silu else []), fused_rows
     eng.apply_plan(Plan(cuda_graph_batch_sizes=[]))
     assert eng.weights.folded is None
     assert not any(weight_copies.has_copy(t, copies or "bf12") for L in eng.weights.layers for t in (L.o, L.down))

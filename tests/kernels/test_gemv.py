@@ -375,6 +375,42 @@ def test_linear_residual_adds_into_the_stream_in_place(device, dtype):
         linear_residual_(sq, randn(4, 4, dtype=dtype, device=device, g=gen(2, device)), sq)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_folded_gate_up_silu_scales_rows_by_the_residual_gemv_statistics(device, dtype):
+    """folded_norm + gate_up_silu on the Triton GEMV: o_proj adds into the stream and leaves each
+    tile's share of its rows' sums of squares; gate_up over W with the norm's weight folded in scales
+    each row's gate and up by that row's 1/rms in its SiLU epilogue == the folded SiLU's reference
+    (``rms_scaled``, then silu_and_mul); the same bits on a rerun."""
+    from anneal.engine.kernels._common import KernelInputError
+    from anneal.engine.kernels.gemv import gate_up_silu, linear_residual_
+
+    lin = get_op("o_proj").reference
+    if device == "cpu":
+        shapes = [(1, 48, 40, 32), (3, 64, 96, 48)]  # M, N (hidden), K (o_proj's input), I
+        producer = [{"block_n": 16, "block_k": 16, "m1": "fma", "split_k": 2}, {"block_n": 32, "block_k": 32, "split_k": 1}]
+        consumer = [{"block_n": 16, "block_k": 16, "split_k": 2}, {"block_n": 32, "block_k": 16, "m1": "fma"}]
+    else:
+        shapes = [(1, 4096, 4096, 14336), (12, 4096, 4096, 14336), (16, 2048, 8192, 6000)]
+        producer = [{"split_k": 2, "block_n": 32, "block_k": 256, "reduce": "ticket"}, {"split_k": 1, "pdl": True}]
+        consumer = [{"block_n": 64, "block_k": 256, "num_warps": 8}, {"split_k": 2, "block_n": 32, "pdl": True}]
+    for pi, (pp, cp) in enumerate(zip(producer, consumer)):
+        for i, (M, N, K, I) in enumerate(shapes):
+            g = gen(9700 + 10 * pi + i, device)
+            x, wo, r, _ = _projection_and_norm(M, N, K, dtype, device, g)
+            wf = randn(2 * I, N, dtype=dtype, device=device, g=g, scale=N ** -0.5)  # W * norm_w, folded
+            what = f"{pp} / {cp} {M}x{N}x{K}x{I} {dtype}"
+            stream, ss = linear_residual_(x, wo, r.clone(), stats=True, **pp)
+            assert_close(ss.sum(1), stream.float().pow(2).sum(1), what=f"sums of squares {what}")
+            act = gate_up_silu(stream, wf, folded_stats=(ss, 1e-5), **cp)
+            want = ref.silu_and_mul(ref.rms_scaled(lin(stream, wf), stream, 1e-5))
+            assert_close(act, want, TOL_ACC, what=f"folded gate_up_silu {what}")
+            assert torch.equal(gate_up_silu(stream, wf, folded_stats=(ss, 1e-5), **cp), act), what
+    with pytest.raises(KernelInputError, match="folded_stats scales gate_up_silu"):
+        from anneal.engine.kernels.gemv import small_m_gemm
+        small_m_gemm(stream, wf, folded_stats=(ss, 1e-5))
+
+
 def test_norm_stats_rejects_bad_statistics():
     from anneal.engine.kernels._common import KernelInputError
     from anneal.engine.kernels.gemv import linear_add_stats, norm_stats_linear
