@@ -98,11 +98,23 @@ def specs():
     # bf12 weights (1: Triton's integer unpack, 2: the PTX one), plain and in the fusions that read them
     for unpack in (1, 2):
         for bm, bn, bk, split, rope, silu_out in ((16, 32, 256, 2, False, False), (16, 64, 128, 1, True, False),
-                                                  (64, 32, 256, 4, False, True)):
+                                                  (64, 32, 256, 4, False, True), (16, 64, 256, 1, False, True)):
             yield gemv._gemv_kernel, BF12_GEMV_PTRS, dict(
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SILU_MUL=False, NORM=0, ARGMAX=False, TICKET=True,
                 PREC="tf32", UPCAST=False, ROPE=rope, HEAD_D=64 if rope else 1, ADD_NORM=False, BLOCK_NORM=1,
                 SILU_OUT=silu_out, W_BF12=unpack), 4
+        # folded_norm (session 49): o / down adding into the stream (with and without statistics), and
+        # gate_up's SiLU scaled by the 1/rms from them, split and not
+        for split, ss_out in ((2, False), (1, True)):
+            yield gemv._gemv_kernel, BF12_GEMV_PTRS, dict(
+                BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split, SILU_MUL=False, NORM=0, ARGMAX=False,
+                TICKET=True, PREC="tf32", UPCAST=False, ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1,
+                SILU_OUT=False, ADD_SS=True, SS_OUT=ss_out, BLOCK_SS=128, W_BF12=unpack), 4
+        for split in (1, 2):
+            yield gemv._gemv_kernel, BF12_GEMV_PTRS, dict(
+                BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, SILU_MUL=False, NORM=4, ARGMAX=False,
+                TICKET=True, PREC="tf32", UPCAST=False, ROPE=False, HEAD_D=1, ADD_NORM=False, BLOCK_NORM=1,
+                SILU_OUT=True, BLOCK_SS=128, W_BF12=unpack), 8
         # lm_head + argmax over lm_head's bf12 copy (session 45)
         yield gemv._gemv_kernel, BF12_GEMV_PTRS, dict(
             BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, SILU_MUL=False, NORM=0, ARGMAX=True, TICKET=False,
