@@ -89,6 +89,11 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Plan or CompiledPlan files the plan search measures first and then evolves like its own "
                         "finds: a warm start from earlier compiles or hand-set plans")
     p.add_argument("--fast-layers", type=int, default=None, help="layers of the fast-tier engine (default 1)")
+    p.add_argument("--slow-tier-memory", type=float, default=None, metavar="SHARE",
+                   help="the locally started slow tier's share of GPU memory for weights + KV cache (default the "
+                        "engine's 0.85): lower leaves room beside its KV cache for the second copies of weights a "
+                        "candidate may need (folded_norm over bf12 copies: ~20 GB on an 8B), which a candidate "
+                        "without room is refused for")
     p.add_argument("--device", default=None, help="device of locally started engines (default: cuda if available, else cpu)")
     p.add_argument("--agents", default=None, help=f"comma-separated subset of {','.join(AGENT_NAMES)}")
     p.add_argument("--seed", type=int, default=0)
@@ -181,13 +186,13 @@ def run_compile(args: argparse.Namespace) -> int:
             seed=args.seed, device=device, baseline_plan=args.baseline_plan, rounds=args.rounds,
             compile_ahead=args.compile_ahead, fp8_weights=args.fp8_weights or bool(opts.get("fp8Weights")),
             seed_plans=[f.strip() for f in (args.seed_plans or "").split(",") if f.strip()],
-            measure_tp=_measure_tp_flag(args.measure_tp),
+            measure_tp=_measure_tp_flag(args.measure_tp), slow_tier_memory=args.slow_tier_memory,
         )
     except ValueError as e:  # a flag out of range: name the flag, not the settings field
         if not isinstance(e, ValidationError):
             print(f"anneal compile: {e}", file=sys.stderr)
             return 2
-        flags = {"budget_s": "--budget", "fast_layers": "--fast-layers"}
+        flags = {"budget_s": "--budget", "fast_layers": "--fast-layers", "slow_tier_memory": "--slow-tier-memory"}
         for err in e.errors():
             field = str(err["loc"][0]) if err["loc"] else ""
             print(f"anneal compile: {flags.get(field, '--' + field.replace('_', '-'))}: {err['msg']} "
@@ -281,7 +286,7 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
                        "slow": EngineClient(settings.engines[1], name="slow-tier engine")}
         else:
             local = LocalEngines(settings.model, out, fast_layers=settings.fast_layers, device=settings.device,
-                                 plan=settings.baseline_plan)
+                                 plan=settings.baseline_plan, slow_memory_share=settings.slow_tier_memory)
             _say(progress, f"starting the fast-tier ({settings.fast_layers} layers) and slow-tier engines ...")
             clients = local.start()
     ledger = Ledger(out / "ledger.sqlite")

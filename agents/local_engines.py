@@ -84,6 +84,10 @@ class LocalEngines:
     engines: dict[str, LocalEngine] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     plan: str | None = None  # a plan file both tiers start with (their first capture uses it)
+    # the slow tier's --gpu-memory-utilization on a GPU (None: the engine's default): lower leaves room
+    # beside its KV cache for the second copies of weights a candidate may need (folded_norm on bf12
+    # copies: ~20 GB on an 8B, more than the default's spare on an 80-GB card)
+    slow_memory_share: float | None = None
     ports: set[int] = field(default_factory=set)  # handed to the engines started here: never twice
 
     def start(self, timeout_s: float = 600.0) -> dict[str, EngineClient]:
@@ -100,7 +104,8 @@ class LocalEngines:
         try:
             tiers = ((("fast", self.fast_layers),) if self.fast_layers else ()) + (("slow", None),)
             for tier, layers in tiers:
-                self._launch(tier, layers, FAST_TIER_GPU_SHARE if gpu and layers else None)
+                share = FAST_TIER_GPU_SHARE if layers else self.slow_memory_share
+                self._launch(tier, layers, share if gpu else None)
                 if gpu:
                     clients[tier] = self._wait(tier, timeout_s)
             for tier in self.engines:

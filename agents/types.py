@@ -269,6 +269,9 @@ class CompileSettings(BaseModel):
     measure_tp: list[int] | None = Field(None, description="tensor-parallel degrees the compiled plan is served "
                                          "at after the search, beside the cost model's prediction; None: 1 and the "
                                          "recommended degree when that is not 1 (agents/tp_measure.py)")
+    slow_tier_memory: float | None = Field(None, gt=0.05, le=0.98, description="the locally started slow tier's "
+                                           "share of GPU memory (its --gpu-memory-utilization; None: the engine's "
+                                           "default 0.85): lower leaves room for candidates' second copies of weights")
     seed_plans: list[str] = Field(default_factory=list, description="Plan/CompiledPlan files the plan search "
                                   "measures first and then evolves, like its own finds (earlier compiles, "
                                   "hand-set plans): a warm start")

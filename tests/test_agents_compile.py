@@ -678,3 +678,38 @@ def test_fp8_weights_come_from_the_flag_or_the_operator_s_options(tmp_path, monk
     monkeypatch.setenv("ANNEAL_COMPILE_OPTIONS", json.dumps({"fp8Weights": True}))
     assert _compile(args) == 1
     assert seen == [False, True, True]
+
+
+def test_the_slow_tier_memory_share_reaches_only_the_slow_tier_on_a_gpu(tmp_path, monkeypatch):
+    """`--slow-tier-memory` gives the locally started slow tier its --gpu-memory-utilization (room
+    beside its KV cache for candidates' second copies of weights); the fast tier keeps its own share,
+    the CPU takes none, and an out-of-range share names the flag."""
+    import anneal.agents.compile as compile_mod
+    from anneal.agents import local_engines
+
+    launched = []
+    def launch(self, tier, layers, share):
+        launched.append((tier, share))
+        self.engines[tier] = None
+
+    monkeypatch.setattr(local_engines.LocalEngines, "_launch", launch)
+    monkeypatch.setattr(local_engines.LocalEngines, "_wait", lambda self, tier, timeout_s: tier)
+    for device, share, want in (("cuda", 0.7, [("fast", local_engines.FAST_TIER_GPU_SHARE), ("slow", 0.7)]),
+                                ("cuda", None, [("fast", local_engines.FAST_TIER_GPU_SHARE), ("slow", None)]),
+                                ("cpu", 0.7, [("fast", None), ("slow", None)])):
+        launched.clear()
+        local = local_engines.LocalEngines("random:tiny", tmp_path, fast_layers=2, device=device, slow_memory_share=share)
+        assert local.start() == {"fast": "fast", "slow": "slow"} and launched == want, (device, share, launched)
+
+    seen = []
+
+    def fake_compile_plan(settings, **kw):
+        seen.append(settings.slow_tier_memory)
+        raise compile_mod.CompileError("stop here")
+
+    monkeypatch.setattr(compile_mod, "compile_plan", fake_compile_plan)
+    args = ["--model", "random:tiny", "--traffic", "chat", "--budget", "6", "--out", str(tmp_path / "o"), "--quiet"]
+    assert _compile(args) == 1 and _compile(args + ["--slow-tier-memory", "0.7"]) == 1
+    assert seen == [None, 0.7]
+    assert _compile(args + ["--slow-tier-memory", "1.5"]) == 2
+
