@@ -663,31 +663,38 @@ def test_the_tier_engines_never_get_the_same_port(monkeypatch, tmp_path):
 def test_fp8_weights_come_from_the_flag_or_the_operator_s_options(tmp_path, monkeypatch):
     """`--fp8-weights` (or the CompilationJob's spec.fp8Weights through ANNEAL_COMPILE_OPTIONS) puts the
     lossy fp8 projections into the search's space; without either they stay out."""
+    compile_with, seen = _settings_reaching_the_compile(monkeypatch, tmp_path, "fp8_weights")
+    monkeypatch.delenv("ANNEAL_COMPILE_OPTIONS", raising=False)
+    assert compile_with() == 1 and compile_with("--fp8-weights") == 1
+    monkeypatch.setenv("ANNEAL_COMPILE_OPTIONS", json.dumps({"fp8Weights": True}))
+    assert compile_with() == 1
+    assert seen == [False, True, True]
+
+
+def _settings_reaching_the_compile(monkeypatch, tmp_path, field: str):
+    """``(compile_with, seen)``: ``compile_with(*flags)`` runs `anneal compile` on a tiny model up to
+    ``compile_plan``, which records ``settings.<field>`` in ``seen`` and stops there."""
     import anneal.agents.compile as compile_mod
 
     seen = []
 
     def fake_compile_plan(settings, **kw):
-        seen.append(settings.fp8_weights)
+        seen.append(getattr(settings, field))
         raise compile_mod.CompileError("stop here")
 
     monkeypatch.setattr(compile_mod, "compile_plan", fake_compile_plan)
     args = ["--model", "random:tiny", "--traffic", "chat", "--budget", "6", "--out", str(tmp_path / "o"), "--quiet"]
-    monkeypatch.delenv("ANNEAL_COMPILE_OPTIONS", raising=False)
-    assert _compile(args) == 1 and _compile(args + ["--fp8-weights"]) == 1
-    monkeypatch.setenv("ANNEAL_COMPILE_OPTIONS", json.dumps({"fp8Weights": True}))
-    assert _compile(args) == 1
-    assert seen == [False, True, True]
+    return (lambda *flags: _compile(args + list(flags))), seen
 
 
 def test_the_slow_tier_memory_share_reaches_only_the_slow_tier_on_a_gpu(tmp_path, monkeypatch):
     """`--slow-tier-memory` gives the locally started slow tier its --gpu-memory-utilization (room
     beside its KV cache for candidates' second copies of weights); the fast tier keeps its own share,
     the CPU takes none, and an out-of-range share names the flag."""
-    import anneal.agents.compile as compile_mod
     from anneal.agents import local_engines
 
     launched = []
+
     def launch(self, tier, layers, share):
         launched.append((tier, share))
         self.engines[tier] = None
@@ -701,15 +708,8 @@ def test_the_slow_tier_memory_share_reaches_only_the_slow_tier_on_a_gpu(tmp_path
         local = local_engines.LocalEngines("random:tiny", tmp_path, fast_layers=2, device=device, slow_memory_share=share)
         assert local.start() == {"fast": "fast", "slow": "slow"} and launched == want, (device, share, launched)
 
-    seen = []
-
-    def fake_compile_plan(settings, **kw):
-        seen.append(settings.slow_tier_memory)
-        raise compile_mod.CompileError("stop here")
-
-    monkeypatch.setattr(compile_mod, "compile_plan", fake_compile_plan)
-    args = ["--model", "random:tiny", "--traffic", "chat", "--budget", "6", "--out", str(tmp_path / "o"), "--quiet"]
-    assert _compile(args) == 1 and _compile(args + ["--slow-tier-memory", "0.7"]) == 1
+    compile_with, seen = _settings_reaching_the_compile(monkeypatch, tmp_path, "slow_tier_memory")
+    assert compile_with() == 1 and compile_with("--slow-tier-memory", "0.7") == 1
     assert seen == [None, 0.7]
-    assert _compile(args + ["--slow-tier-memory", "1.5"]) == 2
+    assert compile_with("--slow-tier-memory", "1.5") == 2
 
