@@ -71,13 +71,6 @@ class Weights:
             return [getattr(F, field) for F in self.folded]
         return [getattr(L, field) for L in self.layers]
 
-    def copy_holders(self, field: str) -> list[torch.Tensor]:
-        """Every tensor that may hold a second copy of ``field``: its targets, and the layers' own
-        tensors of it while the targets are folded ones (a copy made before the plan folded)."""
-        targets = self.copy_targets(field)
-        own = [self.lm_head] if field == "lm_head" else [getattr(L, field) for L in self.layers]
-        return targets + [t for t in own if all(t is not u for u in targets)]
-
     def tensors(self) -> list[torch.Tensor]:
         out = [self.embed, self.final_norm, self.lm_head]
         for L in self.layers:
@@ -119,10 +112,8 @@ def set_weight_copies(w: Weights, wanted: dict[str, str], make: bool = True) -> 
     if unknown or bad:
         raise ValueError(f"weight copies: unknown projections {sorted(unknown)} / formats {sorted(bad)} "
                          f"(projections: {list(every)}; formats: {formats})")
-    freed = 0
-    for fmt in formats:  # what no wanted copy of this format hangs on gives its copy back
-        keep = {id(t) for f in every if wanted.get(f) == fmt for t in w.copy_targets(f)}
-        freed += weight_copies.drop((t for f in every for t in w.copy_holders(f) if id(t) not in keep), fmt)
+    freed = sum(weight_copies.drop((t for f in every if wanted.get(f) != fmt for t in w.copy_targets(f)), fmt)
+                for fmt in formats)
     if not make:
         return freed
     missing = [(t, fmt) for f, fmt in wanted.items() for t in w.copy_targets(f)
