@@ -133,16 +133,23 @@ def _silu_epilogue(ws_ptr, act_ptr, m, mm, pid_n, M, N, stride_am, BLOCK_M: tl.c
     norm's weight) gate and up are first scaled by their row's ``rstd`` and rounded, as the folded
     SiLU kernel scales them (``activation.silu_and_mul(rms_of=)``)."""
     I = N // 2
-    j = tl.arange(0, BLOCK_N // 2)
-    na = pid_n * (BLOCK_N // 2) + j
+    na = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     mask = mm[:, None] & (na < I)[None, :]
     g, u = _split_sums_paired(ws_ptr, m, na, na + I, mask, M, N, BLOCK_M, BLOCK_N // 2, SPLIT_K)
+    _store_silu(g, u, act_ptr, m, na, mask, stride_am, DT, rstd, ROW_SCALE)
+
+
+@triton.jit
+def _store_silu(g, u, act_ptr, m, na, mask, stride_am, DT: tl.constexpr, rstd, ROW_SCALE: tl.constexpr):
+    """``act[m, na] = silu(gate) * up`` from the fp32 sums of a tile's gate and up rows, each rounded
+    to the activation dtype as the projection's output is (and with ``ROW_SCALE`` scaled by its row's
+    ``rstd`` and rounded again, as the folded SiLU kernel does); the activation rounded as the
+    reference rounds it."""
     g, u = g.to(DT), u.to(DT)
     if ROW_SCALE:
         g = (g.to(tl.float32) * rstd[:, None]).to(DT)
         u = (u.to(tl.float32) * rstd[:, None]).to(DT)
-    act = silu_mul(g, u, DT)
-    tl.store(act_ptr + m.to(tl.int64)[:, None] * stride_am + na[None, :], act, mask=mask)
+    tl.store(act_ptr + m.to(tl.int64)[:, None] * stride_am + na[None, :], silu_mul(g, u, DT), mask=mask)
 
 
 @triton.jit
@@ -402,16 +409,9 @@ def _gemv_kernel(
         # tile's rows above), so the activation is applied here, not through the workspace and a
         # ticket (session 49: that round trip made gate_up_silu's GEMV 3.5 µs slower on the 8B at
         # bs 12 than the SiLU kernel it removes). The same fp32 sums as that path: the same bits.
-        I = N // 2
-        j = tl.arange(0, BLOCK_N // 2)
-        na = pid_n * (BLOCK_N // 2) + j
+        na = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
-        g, u = g.to(DT), u.to(DT)
-        if NORM == 4:
-            g = (g.to(tl.float32) * rstd[:, None]).to(DT)
-            u = (u.to(tl.float32) * rstd[:, None]).to(DT)
-        tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + na[None, :], silu_mul(g, u, DT),
-                 mask=mm[:, None] & (na < I)[None, :])
+        _store_silu(g, u, out_ptr, m, na, mm[:, None] & (na < N // 2)[None, :], stride_om, DT, rstd, NORM == 4)
     elif SPLIT_K == 1 and not ROPE and not SILU_OUT:
         tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
