@@ -404,14 +404,6 @@ def _gemv_kernel(
     elif SPLIT_K == 1 and ADD_SS:
         _add_stats_epilogue(acc, out_ptr, r_ptr, ss_ptr, m, mm, n, nm, pid_n, stride_om, stride_rm, ss_tiles, DT,
                             SS_OUT)
-    elif SPLIT_K == 1 and SILU_OUT:
-        # One split: the tile's gate and up halves are both in ``acc`` (columns [gate | up], see the
-        # tile's rows above), so the activation is applied here, not through the workspace and a
-        # ticket (session 49: that round trip made gate_up_silu's GEMV 3.5 µs slower on the 8B at
-        # bs 12 than the SiLU kernel it removes). The same fp32 sums as that path: the same bits.
-        na = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
-        _store_silu(g, u, out_ptr, m, na, mm[:, None] & (na < N // 2)[None, :], stride_om, DT, rstd, NORM == 4)
     elif SPLIT_K == 1 and not ROPE and not SILU_OUT:
         tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
@@ -630,9 +622,10 @@ def small_m_gemm(
         split_k = auto_split_k(tiles, K, block_k, x.device)
     k_per_split = cdiv(cdiv(K, split_k), block_k) * block_k
     split_k = cdiv(K, k_per_split)  # no empty splits
-    # epilogues that pair rows: through the workspace, at the last arrival (SiLU's only when split:
-    # one split holds both halves of its tile)
-    paired = bool(rope) or (silu_out and split_k > 1)
+    # epilogues that pair rows: through the workspace, at the last arrival, at one split too (session
+    # 50, H100, 8B bs 12: splitting the accumulator in registers instead made gate_up_silu's GEMV
+    # 81.5 us against 68.7 through the workspace and 63 for the plain gate_up)
+    paired = bool(rope) or silu_out
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 or paired else out
     # the paired epilogues run at a tile's last arrival; the add-norm one at the grid's
     adds = add_stats is not None or add_into is not None
