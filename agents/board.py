@@ -190,6 +190,13 @@ class Board:
                 else:
                     self.retrial_against[name] = against
 
+    def drop_fusion(self, name: str) -> None:
+        """``name`` gained nothing beside the composite's other fusions (``fusion_stack_check``): the
+        composite no longer carries it, whichever trial kept it."""
+        with self._lock:
+            for kept in (self.fusions, self.retried_fusions, self.retrial_bases, self.retrial_against):
+                kept.pop(name, None)
+
     def tuned_ops(self, base: Plan) -> Plan:
         """``base`` with every tuned op (and the agent-written kernels they name), nothing else."""
         with self._lock:

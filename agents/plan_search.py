@@ -17,6 +17,7 @@ kernels a layer, which random plans bury under their other moves (session 19's c
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable
 
@@ -36,6 +37,7 @@ STEP_MOVES = ("op", "fusion", "graphs")
 FUSION_TRIAL_SEED = 7100  # decode-step seeds of the fusion trials (7100, 7101, ...), none a search's own
 FUSION_RETRIAL_SEED = 7600  # the same beside the tuned ops (``fusion_retrials``)
 FUSION_COMMON_TILES_SEED = 7800  # ... and on the common tiles beside them
+FUSION_STACK_SEED = 7900  # the composite's fusions timed together (``fusion_stack_check``)
 # A retiled fusion that loses beside the tuned ops by less than this is tried again on the common
 # tiles (session 47: norm_stats x1.010 on gate_up's own, x0.980 on the common ones in session 46).
 FUSION_COMMON_TILES_BAND = 0.03
@@ -216,6 +218,58 @@ def fusion_retrials(lab: Lab, setting: SearchSetting, board: Board, agent: str =
                       keep=lambda f, ratio: board.keep_retried_fusion(on_common[f], f, ratio, against=tuned),
                       where=" on the common tiles, beside the tuned ops")
     return names
+
+
+def fusion_stack_check(lab: Lab, setting: SearchSetting, board: Board, agent: str = "plan-search",
+                       deadline: float | None = None) -> list[str]:
+    """The composite's fusions timed together: while it runs two or more, each one's step is read
+    against the composite without it (C W1 C W2 C ..., a fresh seed each), and the one that gains
+    least, if it gains nothing there (its whole-model ratio at or above 1), leaves the board; then
+    the new composite is read the same way. Returns the fusions dropped, in order.
+
+    Why: each fusion was kept on a trial that ran it alone, and the composite takes their gains to
+    compound (``Board._fusion_set``), but one fusion can change another's kernel: under
+    ``folded_norm`` the gate_up_silu GEMV scales by o_proj's row statistics (GEMV ``NORM`` mode 4).
+    Session 50's chat compile kept both (x0.983 and x0.981 alone beside the tuned ops), never timed
+    them together, and promoted the pair: its GEMV ran 81.5 us against 63 at bs 12 and the plan
+    replayed x1.213 where folded_norm alone read x1.330. One fusion goes a round, the worst: a pair
+    that hurts only together would otherwise lose both."""
+    dropped: list[str] = []
+    spec = setting.decode_spec.model_copy(update={"per_op": False})
+    seeds = itertools.count(FUSION_STACK_SEED)
+
+    def step_ms(plan: Plan, note: str, grace_s: float = 0.0) -> float | None:
+        exp = lab.measure(Candidate(plan=plan, agent=agent, note=note),
+                          spec.model_copy(update={"seed": next(seeds)}), prune=False, deadline=deadline,
+                          grace_s=grace_s)
+        return exp.measurement.median_ms if exp.measurement is not None else None
+
+    while True:
+        comp = board.composite(setting.base).model_copy(update={"name": None})
+        names = sorted(f for f, on in comp.fusions.items() if on and not setting.base.fusions.get(f))
+        if len(names) < 2:
+            return dropped
+        together = "+".join(names)
+        ratios: dict[str, float] = {}
+        prev = step_ms(comp, f"fusion stack {together}: all")
+        for f in names:
+            without = normalized(comp.model_copy(update={"fusions": {k: v for k, v in comp.fusions.items() if k != f}}))
+            alone = step_ms(without, f"fusion stack {together}: without {f}")
+            after = step_ms(comp, f"fusion stack {together}: all", grace_s=CLOSING_BASE_GRACE_S if alone else 0.0)
+            if None not in (prev, alone, after):
+                ratios[f] = full_model_ratio(lab.cost_model, f, without, spec, alone, (prev + after) / 2)
+            prev = after
+        if not ratios:
+            board.note(f"fusions {together} together: no step time; all kept")
+            return dropped
+        worst = max(ratios, key=ratios.get)
+        board.note(f"fusions {together} together: each one's whole-model ratio beside the others "
+                   + ", ".join(f"{f} x{r:.3f}" for f, r in sorted(ratios.items()))
+                   + (f"; {worst} dropped" if ratios[worst] >= 1.0 else "; all kept"))
+        if ratios[worst] < 1.0:
+            return dropped
+        board.drop_fusion(worst)
+        dropped.append(worst)
 
 
 class PlanSearch:

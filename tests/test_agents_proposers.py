@@ -981,3 +981,49 @@ def test_scheduler_tuner_tries_speculation_only_where_the_replay_promises_it(tmp
         else:
             assert not speculating and board.scheduler.speculative_tokens == 0
             assert any("speculative decoding not tried" in n and "1.000 tokens" in n for n in board.notes)
+
+
+@pytest.mark.parametrize("together_ms, dropped", [(1.02, ["gate_up_silu"]), (0.95, [])])
+def test_fusion_stack_check_drops_a_fusion_that_gains_nothing_beside_the_others(tmp_path, together_ms, dropped):
+    """Session 50: folded_norm and gate_up_silu each won a trial alone (x0.97, x0.98 here), and the
+    composite carried both, never timed together, though under folded_norm the gate_up_silu GEMV is
+    another kernel. The check reads each fusion against the composite without it: where the pair is
+    slower than either alone, the one that gains least leaves the board (one a round: dropping both
+    would lose folded_norm's own gain), and the composite keeps the other; where the gains compound,
+    nothing is dropped."""
+    from types import SimpleNamespace
+
+    from anneal.agents.plan_search import FUSION_STACK_SEED, fusion_stack_check
+
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", noise=0.0))
+    try:
+        with EngineClient(url, "tok") as client:
+            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
+    finally:
+        srv.shutdown()
+    alone = {frozenset(): 1.0, frozenset({"folded_norm"}): 0.97, frozenset({"gate_up_silu"}): 0.98,
+             frozenset({"folded_norm", "gate_up_silu"}): together_ms}
+    read: list[tuple[str, frozenset, int]] = []
+
+    class StubLab:
+        cost_model = None
+
+        def measure(self, cand, spec, prune=True, grace_s=0.0, **kw):
+            on = frozenset(f for f, v in cand.plan.fusions.items() if v)
+            read.append((cand.note, on, spec.seed))
+            return SimpleNamespace(measurement=SimpleNamespace(median_ms=alone[on]), verdict=SimpleNamespace(reason=""))
+
+    board = Board()
+    board.keep_fusion("folded_norm", 0.97)
+    board.keep_fusion("gate_up_silu", 0.98)
+    assert set(board.composite(setting.base).fusions) == {"folded_norm", "gate_up_silu"}
+    assert fusion_stack_check(StubLab(), setting, board) == dropped
+    # C W C W C: the composite brackets each fusion's absence, a fresh seed each step
+    both = frozenset({"folded_norm", "gate_up_silu"})
+    assert [on for _, on, _ in read[:5]] == [both, frozenset({"gate_up_silu"}), both, frozenset({"folded_norm"}), both]
+    assert [s for _, _, s in read] == list(range(FUSION_STACK_SEED, FUSION_STACK_SEED + len(read)))
+    assert len(read) == 5  # after a drop one fusion is left: nothing more to time together
+    kept = {"folded_norm"} if dropped else {"folded_norm", "gate_up_silu"}
+    assert set(board.fusions) == kept and set(board.composite(setting.base).fusions) == kept
+    note = next(n for n in board.notes if n.startswith("fusions folded_norm+gate_up_silu together"))
+    assert note.endswith("; gate_up_silu dropped" if dropped else "; all kept"), note
