@@ -37,7 +37,7 @@ from anneal.agents.ledger import Ledger
 from anneal.agents.llm_writer import maybe_writer
 from anneal.agents.local_engines import LocalEngines, exit_on_sigterm
 from anneal.agents.op_trials import op_trials
-from anneal.agents.plan_search import PlanSearch, fusion_retrials, fusion_stack_check
+from anneal.agents.plan_search import PlanSearch, fusion_additions, fusion_retrials, fusion_stack_check
 from anneal.agents.promotion import Promotion, promote
 from anneal.agents.report import now_iso, write_artifact, write_report
 from anneal.agents.scheduler_tuner import SchedulerTuner, score
@@ -58,6 +58,7 @@ SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes
 QUICK_ROUNDS = 3
 OP_TRIALS_SHARE = 0.1  # of the budget, after the search: the op trials' readings (op_trials)
 FUSION_RETRIALS_SHARE = 0.1  # after them: the retiled fusions beside the tuned ops (fusion_retrials)
+FUSION_ADDITIONS_SHARE = 0.05  # then the fusions the composite lacks, each on it (fusion_additions)
 FUSION_STACK_SHARE = 0.05  # then the composite's fusions timed together (fusion_stack_check)
 PROMOTION_SHARE = 0.85  # no further slow-tier candidate once one is measured; the winner's rounds run on
 EXTRA_PROMOTED = 12  # more fast-tier plans replayed on the slow tier while the promotion deadline allows
@@ -380,9 +381,18 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         except BudgetExhausted:
             board.note("fusion trials beside the tuned ops: their share of the budget was spent; what was read "
                        "by then decided")
+    after_retrials = SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE
+    try:  # the fusions the composite lacks, each on it: gains that show only beside the kept ones
+        added = fusion_additions(lab, setting, board, deadline=t0 + settings.budget_s * (
+            after_retrials + FUSION_ADDITIONS_SHARE))
+        if added:
+            _say(progress, f"fusions tried on the composite: kept {', '.join(added)}")
+    except BudgetExhausted:
+        board.note("fusion trials on the composite: their share of the budget was spent; what was read by then "
+                   "decided")
     try:  # the composite's fusions, each against the composite without it: gains that do not compound
         dropped = fusion_stack_check(lab, setting, board, deadline=t0 + settings.budget_s * (
-            SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE + FUSION_STACK_SHARE))
+            after_retrials + FUSION_ADDITIONS_SHARE + FUSION_STACK_SHARE))
         if dropped:
             _say(progress, f"fusions timed together: dropped {', '.join(dropped)}")
     except BudgetExhausted:

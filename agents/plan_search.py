@@ -37,7 +37,11 @@ STEP_MOVES = ("op", "fusion", "graphs")
 FUSION_TRIAL_SEED = 7100  # decode-step seeds of the fusion trials (7100, 7101, ...), none a search's own
 FUSION_RETRIAL_SEED = 7600  # the same beside the tuned ops (``fusion_retrials``)
 FUSION_COMMON_TILES_SEED = 7800  # ... and on the common tiles beside them
+FUSION_ADDITION_SEED = 8100  # the fusions the composite lacks, each on it (``fusion_additions``)
 FUSION_STACK_SEED = 7900  # the composite's fusions timed together (``fusion_stack_check``)
+# A fusion whose trial on the base lost by more than this is not tried again on the composite
+# (session 50's call-3 compile: linear_norm x1.159, norm_linear x1.145 there; rope_attention x0.996).
+FUSION_ADDITION_BAND = 0.03
 # A retiled fusion that loses beside the tuned ops by less than this is tried again on the common
 # tiles (session 47: norm_stats x1.010 on gate_up's own, x0.980 on the common ones in session 46).
 FUSION_COMMON_TILES_BAND = 0.03
@@ -218,6 +222,43 @@ def fusion_retrials(lab: Lab, setting: SearchSetting, board: Board, agent: str =
                       keep=lambda f, ratio: board.keep_retried_fusion(on_common[f], f, ratio, against=tuned),
                       where=" on the common tiles, beside the tuned ops")
     return names
+
+
+def fusion_additions(lab: Lab, setting: SearchSetting, board: Board, agent: str = "plan-search",
+                     min_gain: float = FUSION_MIN_GAIN, deadline: float | None = None) -> list[str]:
+    """Each fusion the composite lacks (and its ops allow), tried on the composite as
+    ``fusion_trials`` tries one on the base (C F C, fresh seeds), the best on the base first; one
+    that wins is kept, as a retrial on the composite's tiles where those retile it, and the next is
+    tried on the composite that carries it. Those that lost on the base by more than
+    ``FUSION_ADDITION_BAND`` are not tried. Returns the fusions it kept.
+
+    Why: a fusion can pay more beside another than alone. rope_attention read x0.996 on the base in
+    session 50's chat compile and was dropped; beside folded_norm it also applies the 1/rms the
+    separate RoPE kernel would, and the hand-set plan that carries both ran its bs-12 step in 5121 µs
+    against 5211 for the compile's plan without it."""
+    kept: list[str] = []
+    tried: set[str] = set()
+    while True:
+        comp = board.composite(setting.base).model_copy(update={"name": None})
+        names = [f for f in setting.space.fusions if not comp.fusions.get(f) and f not in tried
+                 and board.fusion_ratios.get(f, 1.0) < 1 + FUSION_ADDITION_BAND]
+        names.sort(key=lambda f: board.fusion_ratios.get(f, math.inf))
+        if not names:
+            return kept
+        f = names[0]
+        tried.add(f)
+        retiled = f in retiled_fusions(comp, setting.base)
+
+        def keep(name: str, ratio: float, comp: Plan = comp, retiled: bool = retiled) -> None:
+            if retiled:  # its fused GEMV runs the composite's tiles: it counts while they stay
+                board.keep_retried_fusion(comp, name, ratio)
+            else:
+                board.keep_fusion(name, ratio)
+            kept.append(name)
+
+        fusion_trials(lab, setting, board, agent, min_gain, base=comp, names=[f],
+                      seed=FUSION_ADDITION_SEED + 10 * len(tried), deadline=deadline, keep=keep,
+                      where=" on the composite")
 
 
 def fusion_stack_check(lab: Lab, setting: SearchSetting, board: Board, agent: str = "plan-search",
