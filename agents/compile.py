@@ -19,7 +19,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import ValidationError
 
@@ -259,6 +259,19 @@ def _agents(names: list[str], llm_model: str | None = None):
     return out
 
 
+def _fusion_phase(progress, board: Board, phase: Callable[[], list[str]], said: str, spent: str) -> None:
+    """One of the fusion phases between the search and promotion: ``phase()`` returns the fusions it
+    tried, kept or dropped (said after ``said``); its share of the budget running out ends it with
+    ``spent`` in the report's notes, what was read by then decided."""
+    try:
+        names = phase()
+    except BudgetExhausted:
+        board.note(spent)
+        return
+    if names:
+        _say(progress, said + ", ".join(names))
+
+
 def compile_plan(
     settings: CompileSettings, *, agents: list[str] | None = None, max_len: int | None = None,
     cross_traffic: str | None = None, gpus: int | None = None, progress: bool = True,
@@ -373,31 +386,20 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         _say(progress, "op trials: each tuned op alone on the base's decode step ...")
         # up to a third of the time between the search's end and promotion's: the slow tier needs the rest
         op_trials(lab, setting, board, deadline=t0 + settings.budget_s * (SEARCH_SHARE + OP_TRIALS_SHARE))
-        try:  # the fusions whose GEMVs the tuned projections retile, tried again beside them
-            tried = fusion_retrials(lab, setting, board, deadline=t0 + settings.budget_s * (
-                SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE))
-            if tried:
-                _say(progress, f"fusion trials beside the tuned ops: {', '.join(tried)}")
-        except BudgetExhausted:
-            board.note("fusion trials beside the tuned ops: their share of the budget was spent; what was read "
-                       "by then decided")
+        # the fusions whose GEMVs the tuned projections retile, tried again beside them
+        _fusion_phase(progress, board, lambda: fusion_retrials(lab, setting, board, deadline=t0 + settings.budget_s * (
+            SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE)), "fusion trials beside the tuned ops: ",
+            "fusion trials beside the tuned ops: their share of the budget was spent; what was read by then decided")
     after_retrials = SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE
-    try:  # the fusions the composite lacks, each on it: gains that show only beside the kept ones
-        added = fusion_additions(lab, setting, board, deadline=t0 + settings.budget_s * (
-            after_retrials + FUSION_ADDITIONS_SHARE))
-        if added:
-            _say(progress, f"fusions tried on the composite: kept {', '.join(added)}")
-    except BudgetExhausted:
-        board.note("fusion trials on the composite: their share of the budget was spent; what was read by then "
-                   "decided")
-    try:  # the composite's fusions, each against the composite without it: gains that do not compound
-        dropped = fusion_stack_check(lab, setting, board, deadline=t0 + settings.budget_s * (
-            after_retrials + FUSION_ADDITIONS_SHARE + FUSION_STACK_SHARE))
-        if dropped:
-            _say(progress, f"fusions timed together: dropped {', '.join(dropped)}")
-    except BudgetExhausted:
-        board.note("fusions timed together: their share of the budget was spent; the composite's fusions were "
-                   "kept as their own trials decided")
+    # the fusions the composite lacks, each on it: gains that show only beside the kept ones
+    _fusion_phase(progress, board, lambda: fusion_additions(lab, setting, board, deadline=t0 + settings.budget_s * (
+        after_retrials + FUSION_ADDITIONS_SHARE)), "fusions tried on the composite: kept ",
+        "fusion trials on the composite: their share of the budget was spent; what was read by then decided")
+    # the composite's fusions, each against the composite without it: gains that do not compound
+    _fusion_phase(progress, board, lambda: fusion_stack_check(lab, setting, board, deadline=t0 + settings.budget_s * (
+        after_retrials + FUSION_ADDITIONS_SHARE + FUSION_STACK_SHARE)), "fusions timed together: dropped ",
+        "fusions timed together: their share of the budget was spent; the composite's fusions were kept as their "
+        "own trials decided")
 
     # Promotion on the slow tier.
     report_progress(settings.report_to, phase="Verifying", experiments=len(ledger), message="promoting on the slow tier")

@@ -983,6 +983,32 @@ def test_scheduler_tuner_tries_speculation_only_where_the_replay_promises_it(tmp
             assert any("speculative decoding not tried" in n and "1.000 tokens" in n for n in board.notes)
 
 
+def _fake_chat_setting():
+    """The chat search setting of a fake GPU engine (its base plan and candidate space)."""
+    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", noise=0.0))
+    try:
+        with EngineClient(url, "tok") as client:
+            return make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)[0]
+    finally:
+        srv.shutdown()
+
+
+def _fusion_step_lab(ms_of, read: list):
+    """A lab whose decode step takes ``ms_of(the plan's enabled fusions)``; each reading is appended
+    to ``read`` as (note, fusions, seed)."""
+    from types import SimpleNamespace
+
+    class StubLab:
+        cost_model = None
+
+        def measure(self, cand, spec, prune=True, grace_s=0.0, **kw):
+            on = frozenset(f for f, v in cand.plan.fusions.items() if v)
+            read.append((cand.note, on, spec.seed))
+            return SimpleNamespace(measurement=SimpleNamespace(median_ms=ms_of(on)), verdict=SimpleNamespace(reason=""))
+
+    return StubLab
+
+
 @pytest.mark.parametrize("together_ms, dropped", [(1.02, ["gate_up_silu"]), (0.95, [])])
 def test_fusion_stack_check_drops_a_fusion_that_gains_nothing_beside_the_others(tmp_path, together_ms, dropped):
     """Session 50: folded_norm and gate_up_silu each won a trial alone (x0.97, x0.98 here), and the
@@ -991,28 +1017,13 @@ def test_fusion_stack_check_drops_a_fusion_that_gains_nothing_beside_the_others(
     slower than either alone, the one that gains least leaves the board (one a round: dropping both
     would lose folded_norm's own gain), and the composite keeps the other; where the gains compound,
     nothing is dropped."""
-    from types import SimpleNamespace
-
     from anneal.agents.plan_search import FUSION_STACK_SEED, fusion_stack_check
 
-    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", noise=0.0))
-    try:
-        with EngineClient(url, "tok") as client:
-            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
-    finally:
-        srv.shutdown()
+    setting = _fake_chat_setting()
     alone = {frozenset(): 1.0, frozenset({"folded_norm"}): 0.97, frozenset({"gate_up_silu"}): 0.98,
              frozenset({"folded_norm", "gate_up_silu"}): together_ms}
     read: list[tuple[str, frozenset, int]] = []
-
-    class StubLab:
-        cost_model = None
-
-        def measure(self, cand, spec, prune=True, grace_s=0.0, **kw):
-            on = frozenset(f for f, v in cand.plan.fusions.items() if v)
-            read.append((cand.note, on, spec.seed))
-            return SimpleNamespace(measurement=SimpleNamespace(median_ms=alone[on]), verdict=SimpleNamespace(reason=""))
-
+    StubLab = _fusion_step_lab(alone.__getitem__, read)
     board = Board()
     board.keep_fusion("folded_norm", 0.97)
     board.keep_fusion("gate_up_silu", 0.98)
@@ -1035,16 +1046,9 @@ def test_fusion_additions_try_the_fusions_the_composite_lacks_on_it_and_keep_one
     compile's plan without it. Each fusion the composite lacks is read on the composite (C F C), best
     on the base first: rope_attention (x0.979 there) is kept and the composite carries it;
     lm_head_argmax (x1.010 on top) is not; linear_norm, x1.159 on the base, is not tried at all."""
-    from types import SimpleNamespace
-
     from anneal.agents.plan_search import FUSION_ADDITION_SEED, fusion_additions
 
-    srv, url = serve_in_thread(FakeEngine(token="tok", device="cuda", noise=0.0))
-    try:
-        with EngineClient(url, "tok") as client:
-            setting, _ = make_setting(client.state(), load_traffic("chat"), seed=0, max_len=256, num_requests=4)
-    finally:
-        srv.shutdown()
+    setting = _fake_chat_setting()
     fusions = ("folded_norm", "rope_attention", "lm_head_argmax", "linear_norm")
     setting = dataclasses.replace(setting, base=setting.base.with_ops(attention_decode=OpChoice(impl="triton_splitk")),
                                   space=dataclasses.replace(setting.space, fusions=fusions))
@@ -1056,15 +1060,7 @@ def test_fusion_additions_try_the_fusions_the_composite_lacks_on_it_and_keep_one
         return m * (1.0105 if "lm_head_argmax" in on else 1.0) * (1.159 if "linear_norm" in on else 1.0)
 
     read: list[tuple[str, frozenset, int]] = []
-
-    class StubLab:
-        cost_model = None
-
-        def measure(self, cand, spec, prune=True, grace_s=0.0, **kw):
-            on = frozenset(f for f, v in cand.plan.fusions.items() if v)
-            read.append((cand.note, on, spec.seed))
-            return SimpleNamespace(measurement=SimpleNamespace(median_ms=ms(on)), verdict=SimpleNamespace(reason=""))
-
+    StubLab = _fusion_step_lab(ms, read)
     board = Board()
     board.keep_fusion("folded_norm", 0.97)
     for f, r in (("folded_norm", 0.97), ("rope_attention", 0.996), ("lm_head_argmax", 1.0), ("linear_norm", 1.159)):
