@@ -227,7 +227,7 @@ def fusion_retrials(lab: Lab, setting: SearchSetting, board: Board, agent: str =
 def fusion_additions(lab: Lab, setting: SearchSetting, board: Board, agent: str = "plan-search",
                      min_gain: float = FUSION_MIN_GAIN, deadline: float | None = None) -> list[str]:
     """Each fusion the composite lacks (and its ops allow), tried on the composite as
-    ``fusion_trials`` tries one on the base (C F C, fresh seeds), the best on the base first; one
+    ``fusion_trials`` tries one on the base (C F C, a fresh seed each fusion), the best on the base first; one
     that wins is kept, as a retrial on the composite's tiles where those retile it, and the next is
     tried on the composite that carries it. Those that lost on the base by more than
     ``FUSION_ADDITION_BAND`` are not tried. Returns the fusions it kept.
