@@ -57,6 +57,7 @@ stage() {  # stage NAME LIMIT_S CMD...
   echo "=== $name (limit ${limit}s) $(date +%T)"
   local t0=$SECONDS
   local tag="anneal-stage-$$-$name"
+  touch "$OUT/.stage-start"
   ANNEAL_STAGE="$tag" timeout --signal=TERM --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   # What the stage left running: engines start in sessions of their own, so a compile killed at its
@@ -67,6 +68,12 @@ stage() {  # stage NAME LIMIT_S CMD...
   done
   echo "=== $name rc=$rc in $((SECONDS - t0))s"
   tail -n 25 "$OUT/$name.log"
+  # What the stage wrote, also in one archive at the top of $OUT as it ends: a call cut by its limit
+  # returns only 8 files, top-level ones first (session 50 lost a compile's report and plan.json so),
+  # and the next stages may still read the files themselves (plans reads compile-chat*/plan.json).
+  if [ "${PACK:-1}" = 1 ]; then
+    (cd "$OUT" && find . -type f \( -newer .stage-start -o -name "$name.log" \) ! -name '*.tgz' -print0 | tar czf "stage-$name.tgz" --null -T -)
+  fi
 }
 
 for s in "$@"; do
@@ -311,6 +318,7 @@ done
 
 # A device call brings back only a few files from $OUT (more are dropped as "(count)"): pack them.
 if [ "${PACK:-1}" = 1 ] && [ -n "$(ls -A "$OUT")" ]; then
+  rm -f "$OUT"/stage-*.tgz "$OUT/.stage-start"  # the stages' archives: their files are all still here
   tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"
   echo "packed into $OUT/results.tgz"
 fi
