@@ -136,15 +136,6 @@ def _silu_epilogue(ws_ptr, act_ptr, m, mm, pid_n, M, N, stride_am, BLOCK_M: tl.c
     na = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     mask = mm[:, None] & (na < I)[None, :]
     g, u = _split_sums_paired(ws_ptr, m, na, na + I, mask, M, N, BLOCK_M, BLOCK_N // 2, SPLIT_K)
-    _store_silu(g, u, act_ptr, m, na, mask, stride_am, DT, rstd, ROW_SCALE)
-
-
-@triton.jit
-def _store_silu(g, u, act_ptr, m, na, mask, stride_am, DT: tl.constexpr, rstd, ROW_SCALE: tl.constexpr):
-    """``act[m, na] = silu(gate) * up`` from the fp32 sums of a tile's gate and up rows, each rounded
-    to the activation dtype as the projection's output is (and with ``ROW_SCALE`` scaled by its row's
-    ``rstd`` and rounded again, as the folded SiLU kernel does); the activation rounded as the
-    reference rounds it."""
     g, u = g.to(DT), u.to(DT)
     if ROW_SCALE:
         g = (g.to(tl.float32) * rstd[:, None]).to(DT)
@@ -513,6 +504,13 @@ def _weight_copy(name: str, weight: torch.Tensor, weights: str, unpack: str):
     raise KernelInputError(f"{name}: weights must be 'bf16', 'fp8' or 'bf12', got {weights!r}")
 
 
+def _check_stats(name: str, ss: torch.Tensor, M: int) -> None:
+    """``ss``: a GEMV's per-tile sums of squares of M rows (``add_stats``), as norm_stats and
+    folded_stats read them."""
+    if ss.dim() != 2 or ss.shape[0] != M or ss.dtype != torch.float32 or not ss.is_contiguous():
+        raise KernelInputError(f"{name}: statistics must be float32 [{M}, tiles], got {tuple(ss.shape)} {ss.dtype}")
+
+
 def small_m_gemm(
     x: torch.Tensor, weight: torch.Tensor, *, silu_mul_input: bool = False,
     norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, block_m: int = 64,
@@ -561,8 +559,7 @@ def small_m_gemm(
             raise KernelInputError(f"{name}: folded_stats scales gate_up_silu's rows (silu_out), without a norm")
         ss, eps = folded_stats
         check_device(name, ss)
-        if ss.dim() != 2 or ss.shape[0] != M or ss.dtype != torch.float32 or not ss.is_contiguous():
-            raise KernelInputError(f"{name}: statistics must be float32 [{M}, tiles], got {tuple(ss.shape)} {ss.dtype}")
+        _check_stats(name, ss, M)
     if norm_stats is not None:  # (ss[M, tiles] from a GEMV with add_stats, norm weight, eps)
         if norm is not None or add_stats is not None:
             raise KernelInputError(f"{name}: norm_stats takes the place of norm (and not with add_stats)")
@@ -570,8 +567,7 @@ def small_m_gemm(
         norm_w = norm_w.contiguous()
         check_device(name, ss, norm_w)
         _check_norm_weight(name, norm_w, K, x.dtype)
-        if ss.dim() != 2 or ss.shape[0] != M or ss.dtype != torch.float32 or not ss.is_contiguous():
-            raise KernelInputError(f"{name}: statistics must be float32 [{M}, tiles], got {tuple(ss.shape)} {ss.dtype}")
+        _check_stats(name, ss, M)
     # rope = (positions, cos_sin, k_cache, v_cache, slot_mapping, stride_cs, q_width, q+k width,
     # head_dim) from `qkv_rope_store`: only q is written out, k and v go to the cache.
     if silu_out and (N % 2 or block_n < 2):
