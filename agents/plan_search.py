@@ -46,6 +46,11 @@ FUSION_ADDITION_BAND = 0.03
 # tiles (session 47: norm_stats x1.010 on gate_up's own, x0.980 on the common ones in session 46).
 FUSION_COMMON_TILES_BAND = 0.03
 FUSION_MIN_GAIN = 0.005  # a fusion's trial keeps it when the whole model's step is this much faster
+# ... or when each of its fast-tier steps is this much under both base steps beside it and the whole
+# model gains at all: a once-a-step fusion's clear gain shrinks in the projection to every layer
+# (session 51: lm_head_argmax x0.974 on the composite's 2-layer step, x0.997 projected, not kept; the
+# hand-set plan that carries it read +0.3% over the compile's beside it).
+FUSION_CLEAR_GAIN = 0.01
 
 
 def full_model_ratio(cm: CostModel | None, fusion: str, base: Plan, spec: BenchSpec, base_ms: float,
@@ -83,6 +88,8 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
     ``FUSION_REREAD_BAND`` of that bar is read again after the others, and the mean of its two
     readings decides. Its plan is offered as a candidate either way. A fusion that would run
     nothing on this model under the base's params (``plan.inert_fusions``) is not tried.
+    A fusion whose every fused step is ``FUSION_CLEAR_GAIN`` under both base steps beside it is kept on
+    any whole-model gain: the fast tier read it clear of noise, the projection only scales it.
     ``base`` (the setting's by default), ``names`` (every fusion of the space), ``seed`` (the
     first step's), ``keep`` (``board.keep_fusion``) and ``where`` (said in the notes) are what
     ``fusion_retrials`` changes, and ``ops_for(f)``: the ops ``f`` is tried on (the base's by
@@ -155,10 +162,12 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
             board.record_fusion_ratio(f, full)
         fused, before, after, _ = rs[0]
         again = "" if len(rs) == 1 else f" (readings {', '.join(f'x{r[3]:.3f}' for r in rs)}: the mean)"
-        won = full < bar
+        clear = all(r[0] <= (1 - FUSION_CLEAR_GAIN) * min(r[1], r[2]) for r in rs)
+        won = full < bar or (full < 1 and clear)
         board.note(f"fusion {f}{where}: decode step {fused:.3f} ms, x{fused / ((before + after) / 2):.3f} the base's "
                    f"beside it ({before:.3f}, {after:.3f} ms), x{full:.3f} on the whole model{again}"
-                   + ("; kept" if won else "; not kept"))
+                   + (("; kept" if full < bar else f"; kept: every fused step {FUSION_CLEAR_GAIN:.0%} or more under "
+                       "the base's beside it") if won else "; not kept"))
         board.offer_plan(sum(r[0] for r in rs) / len(rs), plan, agent)
         if won:
             keep(f, full)

@@ -781,6 +781,50 @@ def test_a_fusion_near_the_keep_bar_is_read_again_and_the_mean_of_its_readings_d
     assert any(n.startswith("fusion norm_stats:") and "x0.999" in n and n.endswith("not kept") for n in short.notes)
 
 
+def test_a_fusion_read_clear_of_its_base_steps_is_kept_on_a_small_whole_model_gain(env):
+    """Session 51: lm_head_argmax ran the composite's 2-layer step 2.6% under both base steps beside it
+    (0.605 against 0.621, 0.622 ms) and projected to x0.997 on the whole model, under the 0.5% bar, so it
+    was dropped. A fusion whose every fused step is FUSION_CLEAR_GAIN under both base steps is kept on
+    any whole-model gain; one as small in the projection but within the bases' spread is not, nor one
+    clear on the fast tier that the projection says loses."""
+    from types import SimpleNamespace
+
+    from anneal.agents.plan_search import FUSION_CLEAR_GAIN, fusion_trials
+
+    lab, setting, board = env
+    # fast-tier step of each fusion, and the base steps: steady except around norm_stats
+    fused = {"lm_head_argmax": 0.974, "norm_stats": 0.985, "silu_mul_down": 0.996, "gate_up_silu": 0.97}
+    shrink = {"lm_head_argmax": 8.0, "norm_stats": 8.0, "silu_mul_down": 8.0, "gate_up_silu": -1.0}
+    calls: list[str] = []
+
+    class Projection:  # the once-a-step share of a 32-layer step, as the cost model would scale it
+        def whole_model_ratio(self, base, spec, base_ms, fused_ms, per_layer=True):
+            f = calls[-1]
+            return 1 - (1 - fused_ms / base_ms) / shrink[f]
+
+    class StubLab:
+        cost_model = Projection()
+
+        def measure(self, cand, spec, prune=True, **kw):
+            f = cand.note.removeprefix("fusion trial: ") if cand.note.startswith("fusion trial: ") else None
+            if f is None:  # the base steps bracketing norm_stats spread 2%: its gain is within them
+                ms = 0.98 if calls and calls[-1] == "norm_stats" else 1.0
+            else:
+                ms = fused[f]
+                calls.append(f)
+            return SimpleNamespace(measurement=SimpleNamespace(median_ms=ms), verdict=SimpleNamespace(reason=""))
+
+    space = dataclasses.replace(setting.space, fusions=tuple(fused))
+    fusion_trials(StubLab(), dataclasses.replace(setting, space=space), board, "plan-search", 0.005)
+    assert FUSION_CLEAR_GAIN == pytest.approx(0.01)
+    assert set(board.fusions) == {"lm_head_argmax"}
+    assert board.fusions["lm_head_argmax"] == pytest.approx(1 - 0.026 / 8)
+    note = next(n for n in board.notes if n.startswith("fusion lm_head_argmax:"))
+    assert "x0.997 on the whole model" in note and "kept: every fused step 1% or more under" in note
+    for f in ("norm_stats", "silu_mul_down", "gate_up_silu"):
+        assert next(n for n in board.notes if n.startswith(f"fusion {f}:")).endswith("not kept")
+
+
 def test_a_fused_step_the_deadline_fell_inside_is_still_bracketed_and_decided(env):
     """Session 48: the H200's chat compile timed rope_attention, the last fusion of its trials, and
     the search's deadline passed while it ran, so the base step after it was refused and the reading
