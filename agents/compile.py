@@ -38,12 +38,11 @@ from anneal.agents.llm_writer import maybe_writer
 from anneal.agents.local_engines import LocalEngines, exit_on_sigterm
 from anneal.agents.op_trials import op_trials
 from anneal.agents.plan_search import PlanSearch, fusion_additions, fusion_retrials, fusion_stack_check
-from anneal.agents.promotion import Promotion, promote
+from anneal.agents.promotion import Promotion, promote, slow_tier_candidates
 from anneal.agents.report import now_iso, write_artifact, write_report
 from anneal.agents.scheduler_tuner import SchedulerTuner, score
 from anneal.agents.setting import CPU_MAX_LEN, make_setting, workload_requests
 from anneal.agents.tp_measure import at_degree, degrees_to_measure, measure_degrees
-from anneal.agents.space import normalized
 from anneal.agents.swarm import run_swarm, summary
 from anneal.agents.types import BenchSpec, Candidate, CompileSettings
 
@@ -403,24 +402,6 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
 
     # Promotion on the slow tier.
     report_progress(settings.report_to, phase="Verifying", experiments=len(ledger), message="promoting on the slow tier")
-    # The composite first: it carries every agent's finding that won its own trial (tuned ops,
-    # graphs, token graphs, fusions, scheduler), and past the deadline only the first candidates are
-    # measured (session 19, call 6: three single-fusion plans took the slow tier's time, the
-    # composite of all three was never measured).
-    cands: list[Candidate] = []
-    extra: list[Candidate] = []  # measured after them, only while the promotion deadline allows
-    seen = {baseline.hash}
-
-    def offer(into: list[Candidate], plan: Plan, agent: str, note: str) -> None:
-        if plan.hash not in seen:
-            seen.add(plan.hash)
-            into.append(Candidate(plan=plan, agent=agent, note=note))
-
-    comp = board.composite(baseline).model_copy(update={"name": None})
-    offer(cands, comp, "composite", "tuned ops + graphs + scheduler")
-    # where tuned ops rule out kept fusions, the other way round too: the slow tier decides
-    offer(cands, board.composite(baseline, fusions_first=True).model_copy(update={"name": None}), "composite",
-          "fusions + graphs + scheduler, tuned ops that rule them out left at the base")
     # ranked as the whole model would run them: the fast tier's step is half lm_head on the 8B
     whole = None if cost is None else (lambda ms, plan: cost.whole_model_ms(plan, setting.decode_spec, ms))
     tops = board.top_plans(settings.top_k + EXTRA_PROMOTED, distinct_fusions=True, rank=whole)
@@ -429,21 +410,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
         projected = ms if whole is None else whole(ms, plan)
         return f"fast-tier {ms:.3f} ms" + ("" if projected == ms else f", {projected:.3f} ms projected to every layer")
 
-    def served(into: list[Candidate], ms: float, plan: Plan, agent: str, more_note: str = "") -> None:
-        """A fast-tier plan with the serving knobs the board chose (they leave its decode step as timed)."""
-        as_served = board.serving(plan, baseline)
-        knobs = "" if as_served.hash == plan.hash else " + the chosen scheduler and token graphs"
-        offer(into, as_served, agent, f"{fast_note(ms, plan)}{knobs}{more_note}")
-
-    for ms, plan, agent in tops[:settings.top_k]:
-        served(cands, ms, plan, agent)
-    for knobs in board.scheduler_runners_up:
-        offer(cands, normalized(comp.model_copy(update={"scheduler": knobs})), "composite",
-              "tuned ops + runner-up scheduler")
-    # then the next fast-tier plans (a 30-minute budget left 360 s of promotion unused in session
-    # 26, with 7 candidates measured)
-    for ms, plan, agent in tops[settings.top_k:]:
-        served(extra, ms, plan, agent, " (while the budget allows)")
+    cands, extra = slow_tier_candidates(board, baseline, tops, settings.top_k, fast_note)
     wspec = setting.workload_spec().model_copy(update={"seed": settings.seed})
     more = f", then up to {len(extra)} more while the budget allows" if extra else ""
     _say(progress, f"promoting {len(cands)} candidates{more} on the slow tier (baseline measured in the same run) ...")

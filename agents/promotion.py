@@ -21,11 +21,13 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from anneal.engine.plan import Gain, OpChoice, Plan, gemv_tiles, weight_copies
+from anneal.agents.board import Board
 from anneal.agents.lab import Lab
 from anneal.agents.scheduler_tuner import score
+from anneal.agents.space import normalized
 from anneal.agents.types import BenchSpec, Candidate, Experiment, LatencyObjective, Measurement, VerifyReport
 
 
@@ -68,6 +70,50 @@ def _median(xs: list[float | None]) -> float | None:
 
 def _spread(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 and statistics.median(xs) else 0.0
+
+
+def slow_tier_candidates(board: Board, baseline: Plan, tops: list[tuple[float, Plan, str]], top_k: int,
+                         fast_note: Callable[[float, Plan], str]) -> tuple[list[Candidate], list[Candidate]]:
+    """What promotion replays, in order (``promote``'s ``candidates`` and ``extra``), each plan once.
+
+    The composite first: it carries every finding that won its own trial, and past the deadline
+    only the first candidates are measured (session 19, call 6: three single-fusion plans took the
+    slow tier's time and the composite of all three was never measured). Then the composite on the
+    scheduler tuner's runners-up: the fast tier's few layers cannot rank prompt-heavy knobs, the
+    slow tier's replay is meant to (session 51: two compiles' winners differed by their chunk size
+    and read 1-2% apart side by side; the runners-up, queued behind the fast tier's own plans, were
+    never replayed). Then the composite the other way round (kept fusions before tuned ops that rule
+    them out), the ``top_k`` best fast-tier plans (``tops``: ms, plan, agent, best first) with the
+    chosen serving knobs, and the rest of ``tops`` as ``extra``, replayed while the budget allows."""
+    cands: list[Candidate] = []
+    extra: list[Candidate] = []
+    seen = {baseline.hash}
+
+    def offer(into: list[Candidate], plan: Plan, agent: str, note: str) -> None:
+        if plan.hash not in seen:
+            seen.add(plan.hash)
+            into.append(Candidate(plan=plan, agent=agent, note=note))
+
+    def served(into: list[Candidate], ms: float, plan: Plan, agent: str, more_note: str = "") -> None:
+        """A fast-tier plan with the serving knobs the board chose (they leave its decode step as timed)."""
+        as_served = board.serving(plan, baseline)
+        knobs = "" if as_served.hash == plan.hash else " + the chosen scheduler and token graphs"
+        offer(into, as_served, agent, f"{fast_note(ms, plan)}{knobs}{more_note}")
+
+    comp = board.composite(baseline).model_copy(update={"name": None})
+    offer(cands, comp, "composite", "tuned ops + graphs + scheduler")
+    for knobs in board.scheduler_runners_up:
+        offer(cands, normalized(comp.model_copy(update={"scheduler": knobs})), "composite",
+              "tuned ops + runner-up scheduler")
+    offer(cands, board.composite(baseline, fusions_first=True).model_copy(update={"name": None}), "composite",
+          "fusions + graphs + scheduler, tuned ops that rule them out left at the base")
+    for ms, plan, agent in tops[:top_k]:
+        served(cands, ms, plan, agent)
+    # then the next fast-tier plans (a 30-minute budget left 360 s of promotion unused in session
+    # 26, with 7 candidates measured)
+    for ms, plan, agent in tops[top_k:]:
+        served(extra, ms, plan, agent, " (while the budget allows)")
+    return cands, extra
 
 
 def promote(

@@ -358,6 +358,35 @@ def test_extra_candidates_are_replayed_while_the_deadline_allows_and_passed_over
     assert not any(h in (more.hash, best.hash) for h, _ in promo.rejected)
 
 
+def test_the_scheduler_runners_up_are_replayed_right_after_the_composite():
+    """Session 51: both 240-s compiles replayed only their composite on the slow tier; the scheduler
+    tuner's runners-up, there for the slow tier to judge, came after the fast tier's own plans and
+    were never replayed. Now: composite, the composite on each runner-up, the fusions-first
+    composite, the top_k fast-tier plans as served, then the rest as extras; no plan twice."""
+    from anneal.agents.board import Board
+    from anneal.agents.promotion import slow_tier_candidates
+    from anneal.engine.plan import OpChoice, SchedulerKnobs
+
+    base = Plan()
+    chosen, runner_a, runner_b = (SchedulerKnobs(max_num_seqs=32, max_num_batched_tokens=t) for t in (4096, 1024, 8192))
+    splitk = OpChoice(impl="triton_splitk", params={"split_k": 4})
+    board = Board(best_ops={"attention_decode": (splitk, 0.9)})
+    board.set(scheduler=chosen, scheduler_runners_up=[runner_a, runner_b])
+    tops = [(0.9, base.with_ops(attention_decode=splitk), "kernel-tuner"),  # the composite's own ops: once
+            (0.95, base.with_ops(attention_prefill=OpChoice(impl="triton", params={"block_m": 128})), "plan-search"),
+            (0.97, base.with_ops(rmsnorm=OpChoice(impl="triton", params={"block": 128})), "plan-search")]
+    cands, extra = slow_tier_candidates(board, base, tops, 2, lambda ms, plan: f"fast-tier {ms:.2f} ms")
+    comp = board.composite(base).model_copy(update={"name": None})
+    assert cands[0].plan == comp and comp.scheduler == chosen
+    assert [c.plan.scheduler for c in cands[1:3]] == [runner_a, runner_b]
+    assert all(c.plan.ops == comp.ops for c in cands[1:3])
+    assert [c.note for c in cands[3:]] == ["fast-tier 0.95 ms + the chosen scheduler and token graphs"]
+    assert cands[3].plan.scheduler == chosen
+    assert [c.note for c in extra] == ["fast-tier 0.97 ms + the chosen scheduler and token graphs (while the budget allows)"]
+    assert len({c.plan.hash for c in cands + extra}) == len(cands + extra)
+    assert base.hash not in {c.plan.hash for c in cands + extra}
+
+
 def test_the_reported_gain_pairs_each_request_sample():
     """A sample's requests move both plans alike (session 7: the baseline read 359-674 tok/s across
     four samples), so the gain is the median of per-sample ratios, as bench/plans.py computes it,
