@@ -171,7 +171,8 @@ def promote(
         if cand.hash == baseline.hash:
             continue
         if ranked and time.monotonic() > deadline:
-            rejected.append((cand.hash, "not measured on the slow tier: out of budget"))
+            rejected.append((cand.hash, "not measured on the slow tier: out of budget"
+                                        + (f" ({cand.note})" if cand.note else "")))
             continue
         entry = measured(cand)
         if entry is not None:

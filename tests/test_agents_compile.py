@@ -356,6 +356,10 @@ def test_extra_candidates_are_replayed_while_the_deadline_allows_and_passed_over
     measured = {h for _, h in order}
     assert promo.winner == first and more.hash not in measured and best.hash not in measured
     assert not any(h in (more.hash, best.hash) for h, _ in promo.rejected)
+    # a candidate (not an extra) left unmeasured is named in the report by what it is
+    promo = promote(lab, [Candidate(plan=first, agent="t"), Candidate(plan=more, agent="t", note="runner-up")], base,
+                    spec, rounds=1, deadline=time.monotonic() - 1)
+    assert promo.rejected == [(more.hash, "not measured on the slow tier: out of budget (runner-up)")]
 
 
 def test_the_scheduler_runners_up_are_replayed_right_after_the_composite():
