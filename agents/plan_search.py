@@ -17,6 +17,7 @@ kernels a layer, which random plans bury under their other moves (session 19's c
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Callable
@@ -76,6 +77,16 @@ FUSION_REREAD_BAND = 0.01
 CLOSING_BASE_GRACE_S = 60.0
 
 
+def _decode_step_ms(lab: Lab, agent: str, spec: BenchSpec, plan: Plan, seed: int, note: str, *,
+                    deadline: float | None, grace_s: float = 0.0) -> tuple[float | None, str]:
+    """``plan``'s decode step (``spec`` at ``seed``) on the fast tier, never pruned: its median ms (None
+    when it could not be timed) and the verdict's reason. The fusion trials' and the stack check's
+    readings."""
+    exp = lab.measure(Candidate(plan=plan, agent=agent, note=note), spec.model_copy(update={"seed": seed}),
+                      prune=False, deadline=deadline, grace_s=grace_s)
+    return (exp.measurement.median_ms if exp.measurement is not None else None), exp.verdict.reason
+
+
 def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, min_gain: float, *,
                   base: Plan | None = None, names: list[str] | None = None, seed: int = FUSION_TRIAL_SEED,
                   deadline: float | None = None, keep: Callable[[str, float], None] | None = None,
@@ -116,11 +127,7 @@ def fusion_trials(lab: Lab, setting: SearchSetting, board: Board, agent: str, mi
     seeds = iter(range(seed + 1, seed + 1 + 2 * len(trials)))
     base_note = f"fusion trials{where}: the base"
 
-    def step_ms(plan: Plan, seed: int, note: str, grace_s: float = 0.0) -> tuple[float | None, str]:
-        exp = lab.measure(Candidate(plan=plan, agent=agent, note=note),
-                          spec.model_copy(update={"seed": seed}), prune=False, deadline=deadline, grace_s=grace_s)
-        return (exp.measurement.median_ms if exp.measurement is not None else None), exp.verdict.reason
-
+    step_ms = functools.partial(_decode_step_ms, lab, agent, spec, deadline=deadline)
     prev = step_ms(base, seed, base_note)
     readings: dict[str, list[tuple[float, float, float, float]]] = {}  # (fused, before, after, full)
 
@@ -289,10 +296,7 @@ def fusion_stack_check(lab: Lab, setting: SearchSetting, board: Board, agent: st
     seeds = itertools.count(FUSION_STACK_SEED)
 
     def step_ms(plan: Plan, note: str, grace_s: float = 0.0) -> float | None:
-        exp = lab.measure(Candidate(plan=plan, agent=agent, note=note),
-                          spec.model_copy(update={"seed": next(seeds)}), prune=False, deadline=deadline,
-                          grace_s=grace_s)
-        return exp.measurement.median_ms if exp.measurement is not None else None
+        return _decode_step_ms(lab, agent, spec, plan, next(seeds), note, deadline=deadline, grace_s=grace_s)[0]
 
     while True:
         comp = board.composite(setting.base).model_copy(update={"name": None})
