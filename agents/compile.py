@@ -381,15 +381,15 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
                            f"was measured: rerun with the same --out to resume")
 
     # The kernel tuner's findings, each alone on the decode step, before the composites carry them.
+    after_retrials = SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE
     if board.best_ops:
         _say(progress, "op trials: each tuned op alone on the base's decode step ...")
         # up to a third of the time between the search's end and promotion's: the slow tier needs the rest
         op_trials(lab, setting, board, deadline=t0 + settings.budget_s * (SEARCH_SHARE + OP_TRIALS_SHARE))
         # the fusions whose GEMVs the tuned projections retile, tried again beside them
-        _fusion_phase(progress, board, lambda: fusion_retrials(lab, setting, board, deadline=t0 + settings.budget_s * (
-            SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE)), "fusion trials beside the tuned ops: ",
+        _fusion_phase(progress, board, lambda: fusion_retrials(
+            lab, setting, board, deadline=t0 + settings.budget_s * after_retrials), "fusion trials beside the tuned ops: ",
             "fusion trials beside the tuned ops: their share of the budget was spent; what was read by then decided")
-    after_retrials = SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE
     # the fusions the composite lacks, each on it: gains that show only beside the kept ones
     _fusion_phase(progress, board, lambda: fusion_additions(lab, setting, board, deadline=t0 + settings.budget_s * (
         after_retrials + FUSION_ADDITIONS_SHARE)), "fusions tried on the composite: kept ",
