@@ -82,9 +82,10 @@ def slow_tier_candidates(board: Board, baseline: Plan, tops: list[tuple[float, P
     scheduler tuner's runners-up: the fast tier's few layers cannot rank prompt-heavy knobs, the
     slow tier's replay is meant to (session 51: two compiles' winners differed in their scheduler
     and one fusion and read 1-2% apart side by side; the runners-up, queued behind the fast tier's
-    own plans, were never replayed). Then the composite the other way round (kept fusions before tuned ops that rule
-    them out), the ``top_k`` best fast-tier plans (``tops``: ms, plan, agent, best first) with the
-    chosen serving knobs, and the rest of ``tops`` as ``extra``, replayed while the budget allows."""
+    own plans, were never replayed). Then the composite the other way round (kept fusions before
+    tuned ops that rule them out), the ``top_k`` best fast-tier plans (``tops``: ms, plan, agent,
+    best first) with the chosen serving knobs, and the rest of ``tops`` as ``extra``, replayed
+    while the budget allows."""
     cands: list[Candidate] = []
     extra: list[Candidate] = []
     seen = {baseline.hash}
