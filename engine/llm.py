@@ -433,6 +433,7 @@ class Engine:
         t1 = time.perf_counter()
         try:
             self.runner.use_plan(plan, ops=ops)
+            self.runner.drop_graphs()  # the old graphs' pool goes before the new copies need room
             self._set_weight_copies(plan)
             timings = self.runner.capture(*graph_shapes(plan))
         except Exception:

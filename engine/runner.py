@@ -567,14 +567,24 @@ class ModelRunner:
         return [functools.partial(run, layout) for layout in layouts]
 
     @mirrored()
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (and any put aside by ``eager``) and give their memory pool
+        back: on an 8B it holds GBs of the steps' intermediates, which a plan's weight copies, made
+        between the old plan's graphs and the new one's capture, may need (engine/llm.py ``apply_plan``)."""
+        self.graphs.clear()
+        self.token_graphs.clear()
+        self._stashed = ({}, {})
+        self._graph_pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @mirrored()
     def capture(self, batch_sizes: list[int], max_seqs: int = 0, token_sizes: list[int] = ()) -> dict[str, float | int]:
         """Warm the kernels up and capture one decode graph per batch bucket and, for a plan of
         ``max_seqs`` sequences a step, one prompt/mixed-step graph per token bucket; when the engine
         warms prompt steps, first run the eager steps of ``prompt_warmup``, so that none of its
         prompt steps compiles a kernel while serving. Returns timings (s)."""
-        self.graphs.clear()
-        self.token_graphs.clear()
-        self._graph_pool = None
+        self.drop_graphs()
         if self.device.type != "cuda":
             return {"warmup_s": 0.0, "capture_s": 0.0}
         token_sizes = sorted(token_sizes) if max_seqs else []

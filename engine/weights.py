@@ -138,11 +138,29 @@ def _check_room(dev: torch.device, need: int, name: str, **say: str) -> None:
         return
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{name} must be made before a CUDA-graph capture")
-    free, _ = torch.cuda.mem_get_info(dev)
-    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    short = fold_shortfall(need, free, **say)
+    torch.cuda.empty_cache()  # whole cached segments back to the driver: what is left cached is split
+    short = fold_shortfall(need, allocatable_bytes(dev), **say)
     if short:
         raise FoldError(short)
+
+
+def allocatable_bytes(dev: torch.device) -> int:
+    """Bytes an ordinary allocation on ``dev`` can still get: the driver's free memory and the free
+    blocks PyTorch's allocator caches in its default pool. Free blocks cached in a CUDA-graph private
+    pool do not count: only a capture into that pool reuses them. Counting them (reserved less
+    allocated) let bf12 copies start packing with ~10 GiB of graph-pool blocks taken for room, and an
+    H100 ran out of memory half-way at ``--gpu-memory-utilization 0.75`` (sessions 49-50; torch's
+    message calls those blocks "allocated in private pools")."""
+    free, _ = torch.cuda.mem_get_info(dev)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return free + default_pool_cached(torch.cuda.memory_snapshot(), index)
+
+
+def default_pool_cached(segments: list[dict], device: int) -> int:
+    """Free bytes in ``segments`` (``torch.cuda.memory_snapshot()``) of ``device`` that belong to
+    the allocator's default pool (id ``(0, 0)``); a graph pool's segments have their own id."""
+    return sum(s["total_size"] - s["active_size"] for s in segments
+               if s.get("device", device) == device and tuple(s["segment_pool_id"]) == (0, 0))
 
 
 def fold_shortfall(need: int, free: int, what: str = "folded_norm needs", copies: str = "its folded weights",

@@ -248,3 +248,21 @@ def test_folding_is_refused_with_the_numbers_when_the_device_has_no_room():
     msg = fold_shortfall(9 * gib, 10 * gib)
     assert msg is not None and "needs 9.0 GiB" in msg and "10.0 GiB are free" in msg
     assert issubclass(FoldError, ValueError)  # the admin API answers 400, previous plan still serving
+
+
+def test_room_for_weight_copies_counts_no_block_cached_in_a_graph_pool():
+    """Free blocks cached in a CUDA-graph private pool only serve captures into that pool: a
+    snapshot (``torch.cuda.memory_snapshot()``'s fields) with 10 GiB of them and 1 GiB free in the
+    default pool has 1 GiB to lend a weight copy, and none of another device's."""
+    from anneal.engine.weights import default_pool_cached
+
+    gib = 2**30
+    segments = [
+        {"device": 0, "segment_pool_id": (0, 0), "total_size": 3 * gib, "active_size": 2 * gib},
+        {"device": 0, "segment_pool_id": (1, 0), "total_size": 10 * gib, "active_size": 0},  # a graph pool
+        {"device": 0, "segment_pool_id": [0, 0], "total_size": gib // 2, "active_size": gib // 2},
+        {"device": 1, "segment_pool_id": (0, 0), "total_size": 4 * gib, "active_size": 0},
+    ]
+    assert default_pool_cached(segments, 0) == gib
+    assert default_pool_cached(segments, 1) == 4 * gib
+    assert default_pool_cached([], 0) == 0
