@@ -97,11 +97,14 @@ def test_fused_tile_variants_put_each_fused_projection_on_the_gemv_with_one_chan
 def test_bench_plans_replays_side_by_side_in_process_and_over_the_admin_api(tmp_path, engine):
     """Both places a replay can run (the served one is where `anneal compile` measures) give a
     result for every plan, paired against the first, and with --verify the verification suite's
-    report for every plan but the reference."""
+    report for every plan but the reference. A plan the engine cannot apply (here: two tensor-parallel
+    ranks on a one-rank engine) is left out with its reason, and the others are measured."""
     overlap = tmp_path / "overlap.json"
     overlap.write_text(json.dumps({"name": "overlap", "scheduler": {"overlap": True}}))
+    tp2 = tmp_path / "tp2.json"
+    tp2.write_text(json.dumps({"name": "tp2", "parallelism": {"tensor_parallel": 2}}))
     script = Path(__file__).parent.parent / "bench" / "plans.py"
-    subprocess.run([sys.executable, str(script), "--model", "random:tiny", "--plans", f"reference,{overlap}",
+    subprocess.run([sys.executable, str(script), "--model", "random:tiny", "--plans", f"reference,{overlap},{tp2}",
                     "--traffic", "chat", "--rounds", "1", "--engine", engine, "--name", "t", "--out", str(tmp_path),
                     "--verify"],
                    check=True, capture_output=True, timeout=300)
@@ -110,7 +113,9 @@ def test_bench_plans_replays_side_by_side_in_process_and_over_the_admin_api(tmp_
     chat = result["results"]["chat"]
     assert set(chat) == {"reference", "overlap"}
     assert chat["overlap"]["x_vs_reference"] > 0 and chat["overlap"]["rounds"][0]["time_split"]["decode_steps"] > 0
-    assert set(result["verification"]) == {"overlap"}
+    assert set(result["verification"]) == {"overlap", "tp2"}
+    assert result["verification"]["tp2"]["passed"] is False and "tensor" in result["verification"]["tp2"]["error"]
+    assert set(result["failed"]) == {"tp2"} and "tensor" in result["failed"]["tp2"]
     report = result["verification"]["overlap"]
     assert report["passed"] and chat["overlap"]["verified"] is True
     assert {c["name"] for c in report["checks"]} >= {"quality", "kv_contamination", "determinism"}
