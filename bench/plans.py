@@ -59,7 +59,14 @@ class InProcessEngine:
         self.hw = measure(self.eng.device)  # the roofline each replay's decode steps are placed against
 
     def apply(self, plan) -> float:
-        return self.eng.apply_plan(plan).total_s
+        total_s = self.eng.apply_plan(plan).total_s
+        if self.eng.device.type == "cuda":  # what a next plan's weight copies could get, and what the graphs hold
+            from anneal.engine.weights import allocatable_bytes, graph_pools_cached
+
+            gib = 2**30
+            print(f"applied {plan.name or plan.hash}: {allocatable_bytes(self.eng.device) / gib:.1f} GiB allocatable, "
+                  f"{graph_pools_cached(self.eng.device) / gib:.2f} GiB cached in graph pools", file=sys.stderr)
+        return total_s
 
     def benchmark(self, req):
         from anneal.engine.benchmark import run_benchmark

@@ -152,15 +152,29 @@ def allocatable_bytes(dev: torch.device) -> int:
     H100 ran out of memory half-way at ``--gpu-memory-utilization 0.75`` (sessions 49-50; torch's
     message calls those blocks "allocated in private pools")."""
     free, _ = torch.cuda.mem_get_info(dev)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return free + default_pool_cached(torch.cuda.memory_snapshot(), index)
+    return free + cached_free(torch.cuda.memory_snapshot(), _index(dev))[0]
 
 
-def default_pool_cached(segments: list[dict], device: int) -> int:
-    """Free bytes in ``segments`` (``torch.cuda.memory_snapshot()``) of ``device`` that belong to
-    the allocator's default pool (id ``(0, 0)``); a graph pool's segments have their own id."""
-    return sum(s["total_size"] - s["active_size"] for s in segments
-               if s.get("device", device) == device and tuple(s["segment_pool_id"]) == (0, 0))
+def graph_pools_cached(dev: torch.device) -> int:
+    """Free bytes cached in ``dev``'s CUDA-graph pools: room only the graphs' own captures reuse."""
+    return cached_free(torch.cuda.memory_snapshot(), _index(dev))[1]
+
+
+def _index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def cached_free(segments: list[dict], device: int) -> tuple[int, int]:
+    """Free bytes in ``segments`` (``torch.cuda.memory_snapshot()``) of ``device``: those of the
+    allocator's default pool (id ``(0, 0)``), and those of private pools (a graph's has its own id)."""
+    default = graphs = 0
+    for s in segments:
+        if s.get("device", device) == device:
+            if tuple(s["segment_pool_id"]) == (0, 0):
+                default += s["total_size"] - s["active_size"]
+            else:
+                graphs += s["total_size"] - s["active_size"]
+    return default, graphs
 
 
 def fold_shortfall(need: int, free: int, what: str = "folded_norm needs", copies: str = "its folded weights",

@@ -412,7 +412,7 @@ def test_room_for_weight_copies_leaves_out_a_graph_pools_cached_blocks(cuda):
     allocation can reuse them: the room check must not lend them to a weight copy (sessions 49-50:
     bf12 packing ran an H100 out of memory with 10 GiB of them counted as free); once the graphs
     are dropped they are free again."""
-    from anneal.engine.weights import allocatable_bytes
+    from anneal.engine.weights import allocatable_bytes, graph_pools_cached
 
     dev, mib = torch.device("cuda"), 2**20
     torch.cuda.synchronize()
@@ -427,6 +427,7 @@ def test_room_for_weight_copies_leaves_out_a_graph_pools_cached_blocks(cuda):
         del big
     held = before - allocatable_bytes(dev)
     assert held >= 500 * mib, held / mib
+    assert graph_pools_cached(dev) >= 500 * mib
     g.replay()
     assert y.item() == 2.0
     del g, y

@@ -254,7 +254,7 @@ def test_room_for_weight_copies_counts_no_block_cached_in_a_graph_pool():
     """Free blocks cached in a CUDA-graph private pool only serve captures into that pool: a
     snapshot (``torch.cuda.memory_snapshot()``'s fields) with 10 GiB of them and 1 GiB free in the
     default pool has 1 GiB to lend a weight copy, and none of another device's."""
-    from anneal.engine.weights import default_pool_cached
+    from anneal.engine.weights import cached_free
 
     gib = 2**30
     segments = [
@@ -263,6 +263,6 @@ def test_room_for_weight_copies_counts_no_block_cached_in_a_graph_pool():
         {"device": 0, "segment_pool_id": [0, 0], "total_size": gib // 2, "active_size": gib // 2},
         {"device": 1, "segment_pool_id": (0, 0), "total_size": 4 * gib, "active_size": 0},
     ]
-    assert default_pool_cached(segments, 0) == gib
-    assert default_pool_cached(segments, 1) == 4 * gib
-    assert default_pool_cached([], 0) == 0
+    assert cached_free(segments, 0) == (gib, 10 * gib)
+    assert cached_free(segments, 1) == (4 * gib, 0)
+    assert cached_free([], 0) == (0, 0)
