@@ -91,10 +91,10 @@ def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "finds: a warm start from earlier compiles or hand-set plans")
     p.add_argument("--fast-layers", type=int, default=None, help="layers of the fast-tier engine (default 1)")
     p.add_argument("--slow-tier-memory", type=float, default=None, metavar="SHARE",
-                   help="the locally started slow tier's share of GPU memory for weights + KV cache (default the "
-                        "engine's 0.85): lower leaves room beside its KV cache for the second copies of weights a "
-                        "candidate may need (folded_norm over bf12 copies: ~20 GB on an 8B), which a candidate "
-                        "without room is refused for")
+                   help="the locally started slow tier's share of GPU memory for weights + KV cache (default: "
+                        "the share that leaves room beside its KV cache for the largest second copies of weights a "
+                        "candidate may need, folded_norm over bf12 copies, ~20 GB on an 8B: 0.72 on an 80-GB card; "
+                        "the engine's 0.85 where that leaves room already); a candidate without room is refused")
     p.add_argument("--device", default=None, help="device of locally started engines (default: cuda if available, else cpu)")
     p.add_argument("--agents", default=None, help=f"comma-separated subset of {','.join(AGENT_NAMES)}")
     p.add_argument("--seed", type=int, default=0)

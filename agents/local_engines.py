@@ -23,6 +23,32 @@ from anneal.agents.engine_client import EngineClient, EngineError
 
 _LAUNCH = "import sys; from anneal.cli import main; sys.exit(main())"
 FAST_TIER_GPU_SHARE = 0.2  # of the GPU's memory for the fast tier; the slow tier sizes from what is left
+# Room beyond the slow tier's own weight copies: the 2 GiB the engine keeps beside them, the fast
+# tier's copies (two layers and lm_head) and what the CUDA context and graph pools take.
+COPY_MARGIN = 3 * 2**30
+MIN_SLOW_SHARE = 0.5  # below it the KV cache would be too small to judge a traffic replay: keep the default
+
+
+def second_copy_bytes(cfg) -> int:
+    """The most bytes of second weight copies one plan can hold on a model of ``cfg`` (a ModelConfig),
+    in bf16: folded_norm's folded qkv / gate_up (``weights.fold_norms``), and bf12 copies of every
+    layer projection (of the folded ones then) and of lm_head (engine/bf12_weights.py, 1.5 bytes a
+    weight; the fp8 copies, opt-in, are smaller). On the 8B: 9.1 + 11.3 GB."""
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    qkv, gate_up = (cfg.q_size + 2 * cfg.kv_size) * H, 2 * I * H
+    folded = L * (qkv + gate_up) * 2
+    bf12 = (L * (qkv + gate_up + cfg.q_size * H + H * I) + cfg.vocab_size * H) * 3 // 2
+    return folded + bf12
+
+
+def slow_tier_share(copies: int, total: int, default: float) -> float | None:
+    """The slow tier's ``--gpu-memory-utilization`` that leaves ``copies`` bytes of weight copies room
+    beside its KV cache on a GPU of ``total`` bytes (the engine keeps ``total * (1 - share)`` + 2 GiB
+    free when it sizes the cache), or None where ``default`` already does or the share would fall
+    under MIN_SLOW_SHARE. Why: at the default 0.85 an H100 keeps ~14 GB free, and the folded bf12 plan
+    of an 8B needs ~20 GB: every such candidate was refused (sessions 49-51 passed 0.6 by hand)."""
+    share = int((1 - (copies + COPY_MARGIN) / total) * 100) / 100
+    return share if MIN_SLOW_SHARE <= share < default else None
 
 
 @contextlib.contextmanager
@@ -84,9 +110,10 @@ class LocalEngines:
     engines: dict[str, LocalEngine] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     plan: str | None = None  # a plan file both tiers start with (their first capture uses it)
-    # the slow tier's --gpu-memory-utilization on a GPU (None: the engine's default): lower leaves room
-    # beside its KV cache for the second copies of weights a candidate may need (folded_norm on bf12
-    # copies: ~20 GB on an 8B, more than the default's spare on an 80-GB card)
+    # the slow tier's --gpu-memory-utilization on a GPU (None: ``slow_tier_share``'s, or the engine's
+    # default where that leaves room): lower leaves room beside its KV cache for the second copies of
+    # weights a candidate may need (folded_norm on bf12 copies: ~20 GB on an 8B, more than the
+    # default's spare on an 80-GB card)
     slow_memory_share: float | None = None
     ports: set[int] = field(default_factory=set)  # handed to the engines started here: never twice
 
@@ -100,6 +127,8 @@ class LocalEngines:
         """
         self.out.mkdir(parents=True, exist_ok=True)
         gpu = self.device.startswith("cuda")
+        if gpu and self.slow_memory_share is None:
+            self.slow_memory_share = self._room_for_copies()
         clients: dict[str, EngineClient] = {}
         try:
             tiers = ((("fast", self.fast_layers),) if self.fast_layers else ()) + (("slow", None),)
@@ -117,6 +146,21 @@ class LocalEngines:
             self.stop()
             raise
         return clients
+
+    def _room_for_copies(self) -> float | None:
+        """``slow_tier_share`` for this model on this GPU (None: the engine's default)."""
+        import torch
+
+        from anneal.engine.llm import EngineArgs
+        from anneal.engine.weights import resolve_config
+
+        try:
+            cfg = resolve_config(self.model)
+        except ValueError:  # the engine's own start says what is wrong with the model
+            return None
+        _, total = torch.cuda.mem_get_info(torch.device(self.device))
+        default = EngineArgs.model_fields["gpu_memory_utilization"].default
+        return slow_tier_share(second_copy_bytes(cfg), total, default)
 
     def _launch(self, tier: str, layers: int | None, memory_share: float | None) -> None:
         env = {**os.environ, "ANNEAL_ADMIN_TOKEN": self.token}
@@ -136,7 +180,8 @@ class LocalEngines:
         fh.close()
         self.engines[tier] = LocalEngine(tier, proc, f"http://127.0.0.1:{admin}", log)
         (self.out / "engines.json").write_text(json.dumps(
-            {t: {"pid": e.proc.pid, "admin_url": e.admin_url, "log": str(e.log)} for t, e in self.engines.items()},
+            {t: {"pid": e.proc.pid, "admin_url": e.admin_url, "log": str(e.log), "args": e.proc.args[3:]}
+             for t, e in self.engines.items()},
             indent=2))
 
     def _new_port(self) -> int:

@@ -168,6 +168,7 @@ def test_anneal_compile_on_tiny_cpu_as_the_readme_runs_it(tmp_path):
     # Both engines it started are gone.
     started = json.loads((out / "engines.json").read_text())
     assert set(started) == {"fast", "slow"}
+    assert started["fast"]["args"][:1] == ["serve"] and "--layers" in started["fast"]["args"]  # how each was started
     for info in started.values():
         with pytest.raises(ProcessLookupError):
             os.kill(info["pid"], 0)
