@@ -569,8 +569,9 @@ class ModelRunner:
     @mirrored()
     def drop_graphs(self) -> None:
         """Forget every captured graph (and any put aside by ``eager``) and give their memory pool
-        back: on an 8B it holds GBs of the steps' intermediates, which a plan's weight copies, made
-        between the old plan's graphs and the new one's capture, may need (engine/llm.py ``apply_plan``)."""
+        back: what its blocks hold free only a capture into it can reuse (10 GiB in session 50's
+        out-of-memory error), and a plan's weight copies, made between the old plan's graphs and the
+        new one's capture, may need that room (engine/llm.py ``apply_plan``)."""
         self.graphs.clear()
         self.token_graphs.clear()
         self._stashed = ({}, {})
