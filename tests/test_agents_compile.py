@@ -722,8 +722,9 @@ def _settings_reaching_the_compile(monkeypatch, tmp_path, field: str):
 
 def test_the_slow_tier_memory_share_reaches_only_the_slow_tier_on_a_gpu(tmp_path, monkeypatch):
     """`--slow-tier-memory` gives the locally started slow tier its --gpu-memory-utilization (room
-    beside its KV cache for candidates' second copies of weights); the fast tier keeps its own share,
-    the CPU takes none, and an out-of-range share names the flag."""
+    beside its KV cache for candidates' second copies of weights); without it a GPU's slow tier takes
+    the share that leaves room for the largest copies (``_room_for_copies``, stood in for here: no GPU),
+    the fast tier keeps its own share, the CPU takes none, and an out-of-range share names the flag."""
     from anneal.agents import local_engines
 
     launched = []
@@ -734,9 +735,11 @@ def test_the_slow_tier_memory_share_reaches_only_the_slow_tier_on_a_gpu(tmp_path
 
     monkeypatch.setattr(local_engines.LocalEngines, "_launch", launch)
     monkeypatch.setattr(local_engines.LocalEngines, "_wait", lambda self, tier, timeout_s: tier)
+    monkeypatch.setattr(local_engines.LocalEngines, "_room_for_copies", lambda self: 0.72)
     for device, share, want in (("cuda", 0.7, [("fast", local_engines.FAST_TIER_GPU_SHARE), ("slow", 0.7)]),
-                                ("cuda", None, [("fast", local_engines.FAST_TIER_GPU_SHARE), ("slow", None)]),
-                                ("cpu", 0.7, [("fast", None), ("slow", None)])):
+                                ("cuda", None, [("fast", local_engines.FAST_TIER_GPU_SHARE), ("slow", 0.72)]),
+                                ("cpu", 0.7, [("fast", None), ("slow", None)]),
+                                ("cpu", None, [("fast", None), ("slow", None)])):
         launched.clear()
         local = local_engines.LocalEngines("random:tiny", tmp_path, fast_layers=2, device=device, slow_memory_share=share)
         assert local.start() == {"fast": "fast", "slow": "slow"} and launched == want, (device, share, launched)
@@ -745,7 +748,6 @@ def test_the_slow_tier_memory_share_reaches_only_the_slow_tier_on_a_gpu(tmp_path
     assert compile_with() == 1 and compile_with("--slow-tier-memory", "0.7") == 1
     assert seen == [None, 0.7]
     assert compile_with("--slow-tier-memory", "1.5") == 2
-
 
 
 def test_the_slow_tier_leaves_room_for_the_largest_weight_copies():
