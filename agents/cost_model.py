@@ -201,6 +201,17 @@ def projection_weight_elems(shape: ModelShape, op: str, tp: int) -> float:
 COPY_BYTES = {"fp8": 1.0, "bf12": 1.5}  # bytes a weight of each second-copy format (engine/weight_copies.py)
 
 
+def second_copy_bytes(shape: ModelShape) -> int:
+    """The most bytes of second weight copies one plan can hold on ``shape``: folded_norm's folded
+    qkv / gate_up in the model's dtype (``weights.fold_norms``) and bf12 copies of every layer
+    projection (of the folded ones then) and of lm_head (the fp8 copies, opt-in, are smaller). On the
+    8B: 9.1 + 11.3 GB. What a locally started slow tier leaves room for (``local_engines``)."""
+    elems = {op: projection_weight_elems(shape, op, 1) for op in PROJECTIONS}
+    layer = sum(n for op, n in elems.items() if op != "lm_head")
+    folded = shape.num_layers * (elems["qkv_proj"] + elems["gate_up_proj"]) * shape.dtype_bytes
+    return int(folded + (shape.num_layers * layer + elems["lm_head"]) * COPY_BYTES["bf12"])
+
+
 def copy_costs(costs: dict[str, OpCost], shape: ModelShape, copies: dict[str, str], tp: int) -> dict[str, OpCost]:
     """``costs`` with the W of each projection in ``copies`` (op -> format, ``plan.weight_copies``)
     read from that copy: one byte an element as e4m3, 1.5 as bf12."""

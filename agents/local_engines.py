@@ -29,18 +29,6 @@ COPY_MARGIN = 3 * 2**30
 MIN_SLOW_SHARE = 0.5  # below it the KV cache would be too small to judge a traffic replay: keep the default
 
 
-def second_copy_bytes(cfg) -> int:
-    """The most bytes of second weight copies one plan can hold on a model of ``cfg`` (a ModelConfig),
-    in bf16: folded_norm's folded qkv / gate_up (``weights.fold_norms``), and bf12 copies of every
-    layer projection (of the folded ones then) and of lm_head (engine/bf12_weights.py, 1.5 bytes a
-    weight; the fp8 copies, opt-in, are smaller). On the 8B: 9.1 + 11.3 GB."""
-    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    qkv, gate_up = (cfg.q_size + 2 * cfg.kv_size) * H, 2 * I * H
-    folded = L * (qkv + gate_up) * 2
-    bf12 = (L * (qkv + gate_up + cfg.q_size * H + H * I) + cfg.vocab_size * H) * 3 // 2
-    return folded + bf12
-
-
 def slow_tier_share(copies: int, total: int, default: float) -> float | None:
     """The slow tier's ``--gpu-memory-utilization`` that leaves ``copies`` bytes of weight copies room
     beside its KV cache on a GPU of ``total`` bytes (the engine keeps ``total * (1 - share)`` + 2 GiB
@@ -151,16 +139,17 @@ class LocalEngines:
         """``slow_tier_share`` for this model on this GPU (None: the engine's default)."""
         import torch
 
+        from anneal.agents.cost_model import second_copy_bytes, shape_from_config
         from anneal.engine.llm import EngineArgs
         from anneal.engine.weights import resolve_config
 
         try:
-            cfg = resolve_config(self.model)
+            shape = shape_from_config(resolve_config(self.model).model_dump())
         except ValueError:  # the engine's own start says what is wrong with the model
             return None
         _, total = torch.cuda.mem_get_info(torch.device(self.device))
         default = EngineArgs.model_fields["gpu_memory_utilization"].default
-        return slow_tier_share(second_copy_bytes(cfg), total, default)
+        return slow_tier_share(second_copy_bytes(shape), total, default)
 
     def _launch(self, tier: str, layers: int | None, memory_share: float | None) -> None:
         env = {**os.environ, "ANNEAL_ADMIN_TOKEN": self.token}

@@ -61,11 +61,11 @@ class InProcessEngine:
     def apply(self, plan) -> float:
         total_s = self.eng.apply_plan(plan).total_s
         if self.eng.device.type == "cuda":  # what a next plan's weight copies could get, and what the graphs hold
-            from anneal.engine.weights import allocatable_bytes, graph_pools_cached
+            from anneal.engine.weights import free_memory
 
-            gib = 2**30
-            print(f"applied {plan.name or plan.hash}: {allocatable_bytes(self.eng.device) / gib:.1f} GiB allocatable, "
-                  f"{graph_pools_cached(self.eng.device) / gib:.2f} GiB cached in graph pools", file=sys.stderr)
+            gib, (room, pools) = 2**30, free_memory(self.eng.device)
+            print(f"applied {plan.name or plan.hash}: {room / gib:.1f} GiB allocatable, "
+                  f"{pools / gib:.2f} GiB cached in graph pools", file=sys.stderr)
         return total_s
 
     def benchmark(self, req):

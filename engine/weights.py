@@ -138,30 +138,23 @@ def _check_room(dev: torch.device, need: int, name: str, **say: str) -> None:
         return
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{name} must be made before a CUDA-graph capture")
-    torch.cuda.empty_cache()  # whole cached segments back to the driver: what is left cached is split
-    short = fold_shortfall(need, allocatable_bytes(dev), **say)
+    short = fold_shortfall(need, free_memory(dev)[0], **say)
     if short:
         raise FoldError(short)
 
 
-def allocatable_bytes(dev: torch.device) -> int:
-    """Bytes an ordinary allocation on ``dev`` can still get: the driver's free memory and the free
-    blocks PyTorch's allocator caches in its default pool. Free blocks cached in a CUDA-graph private
-    pool do not count: only a capture into that pool reuses them. Counting them (reserved less
-    allocated) let bf12 copies start packing with ~10 GiB of graph-pool blocks taken for room, and an
-    H100 ran out of memory half-way at ``--gpu-memory-utilization 0.75`` (sessions 49-50; torch's
-    message calls those blocks "allocated in private pools")."""
+def free_memory(dev: torch.device) -> tuple[int, int]:
+    """Bytes an ordinary allocation on ``dev`` can still get (the driver's free memory and the free
+    blocks PyTorch's allocator caches in its default pool, which it hands back to the driver when an
+    allocation needs them), and the free bytes cached in CUDA-graph private pools, which only a
+    capture into that pool reuses. Counting the latter as room (reserved less allocated) let bf12
+    copies start packing with ~10 GiB of graph-pool blocks taken for room, and an H100 ran out of
+    memory half-way at ``--gpu-memory-utilization 0.75`` (sessions 49-50; torch's message calls those
+    blocks "allocated in private pools")."""
     free, _ = torch.cuda.mem_get_info(dev)
-    return free + cached_free(torch.cuda.memory_snapshot(), _index(dev))[0]
-
-
-def graph_pools_cached(dev: torch.device) -> int:
-    """Free bytes cached in ``dev``'s CUDA-graph pools: room only the graphs' own captures reuse."""
-    return cached_free(torch.cuda.memory_snapshot(), _index(dev))[1]
-
-
-def _index(dev: torch.device) -> int:
-    return dev.index if dev.index is not None else torch.cuda.current_device()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    default, graphs = cached_free(torch.cuda.memory_snapshot(), index)
+    return free + default, graphs
 
 
 def cached_free(segments: list[dict], device: int) -> tuple[int, int]:

@@ -755,13 +755,14 @@ def test_the_slow_tier_leaves_room_for_the_largest_weight_copies():
     second copies a candidate can hold (the 8B's folded bf12 plan: ~20.4 GB): 0.72 on an H100's
     85.0 GB (sessions 49-51 passed 0.6 by hand; at the engine's 0.85 such candidates were refused),
     the default where it leaves room already, and the default on a card too small to spare it."""
-    from anneal.agents.local_engines import second_copy_bytes, slow_tier_share
+    from anneal.agents.cost_model import second_copy_bytes, shape_from_config
+    from anneal.agents.local_engines import slow_tier_share
     from anneal.engine.presets import preset_config
 
-    copies = second_copy_bytes(preset_config("llama-3.1-8b"))
+    copies = second_copy_bytes(shape_from_config(preset_config("llama-3.1-8b").model_dump()))
     assert 20.3e9 < copies < 20.5e9  # folded qkv / gate_up 9.13 GB + bf12 of every projection and lm_head 11.26
     assert slow_tier_share(copies, 85_017_493_504, 0.85) == 0.72  # the H100 of sessions 49-52
     assert slow_tier_share(copies, 200 * 10**9, 0.85) is None  # 0.88: the default already leaves room
     assert slow_tier_share(copies, 32 * 10**9, 0.85) is None  # 0.16: too little left for a KV cache
-    tiny = second_copy_bytes(preset_config("tiny"))
+    tiny = second_copy_bytes(shape_from_config(preset_config("tiny").model_dump()))
     assert slow_tier_share(tiny, 85_017_493_504, 0.85) is None
