@@ -222,6 +222,41 @@ _CROSS_ROWS = (("tokens/s", "tokens_per_s", True), ("ITL p90 ms", "itl_p90_ms", 
 STEP_SET_ROWS = 8  # the cost-model table's step rows for fusion sets: the most observed
 
 
+def engine_time_table(exps: list[Experiment]) -> list[str]:
+    """Where each tier engine's time went: applying plans (build; warm-up, where Triton compiles a
+    plan's kernels; capture) and timing them, from the benchmark answers the ledger keeps. Why: the
+    experiments/hour is the search's speed, and it halved on a fresh machine (session 53): this says
+    whether kernel compiles took it. Experiments from engines that do not report it are left out."""
+    L: list[str] = []
+    for tier in ("fast", "slow"):
+        timed = applied = 0
+        total = {"build_s": 0.0, "warmup_s": 0.0, "capture_s": 0.0, "total_s": 0.0, "benchmark_s": 0.0}
+        for e in exps:
+            extra = ((e.measurement.model_extra or {}).get("extra") or {}) if e.measurement else {}
+            if e.tier != tier or e.kind != "benchmark" or not isinstance(extra.get("benchmark_s"), (int, float)):
+                continue
+            timed += 1
+            total["benchmark_s"] += extra["benchmark_s"]
+            apply = extra.get("apply") or {}
+            applied += bool(apply)
+            for k in ("build_s", "warmup_s", "capture_s", "total_s"):
+                total[k] += float(apply.get(k) or 0.0)
+        if timed:
+            busy = total["total_s"] + total["benchmark_s"]
+            share = f"{total['total_s'] / busy:.0%}" if busy > 0 else "-"
+            L.append(f"| {tier} | {timed} | {applied} | " + " | ".join(
+                f"{total[k]:.1f}" for k in ("total_s", "build_s", "warmup_s", "capture_s", "benchmark_s"))
+                + f" | {share} |")
+    if not L:
+        return []
+    return ["", "## Where the engines' time went", "",
+            "Seconds summed over the measured experiments. Apply: build (the plan's ops and kernel sources), warm-up "
+            "(first runs: where Triton compiles the plan's kernels, unless a warm cache or compile-ahead has them) and "
+            "CUDA-graph capture; timing: the benchmark itself, its warm-up steps included.", "",
+            "| tier | experiments | plans applied | apply s | build s | warm-up s | capture s | timing s | apply share |",
+            "|---|---|---|---|---|---|---|---|---|", *L]
+
+
 def _calibration_label(key: str) -> str:
     """``step/decode|a,b`` (the cost model's whole-step fit per fusion set), ``projections/<impl>``
     (the projections' shared line, ``cost_model.PROJECTION_FAMILY``) and ``<collective>/link`` as words."""
@@ -392,6 +427,7 @@ def write_report(
             pred = f"{e.prediction.ms:.3f}" if e.prediction else "-"
             L.append(f"| `{e.plan_hash[:10]}` | {e.agent} | {e.note[:60]} | {pred} | "
                      f"{e.measurement.median_ms:.3f} | {e.measurement.spread:.2f} |")
+    L += engine_time_table(exps)
     L += ["", "## Cost model", ""]
     L.append(f"Median prediction error: {err:.1%} over {n_err} measurements" if err is not None
              else "No predictions to compare.")

@@ -138,3 +138,25 @@ def test_headroom_table_says_what_speculative_decoding_could_add():
     assert "accept 690 of 3000 drafted tokens, **1.041 tokens a verify step**" in text
     assert f"at most **x{head['spec_bound']:.3f}** (x{head['bound']:.3f} without)" in text
     assert "Speculative decoding" not in "\n".join(headroom_table([_m(SPLIT)], [_m(SPLIT)], cm))
+
+
+def test_engine_time_table_sums_each_tiers_apply_parts_and_timing():
+    """The ledger keeps each benchmark answer's apply breakdown (engine/benchmark.py); the report sums
+    them per tier, so a compile whose experiments/hour fell shows whether kernel compiles took it."""
+    from anneal.agents.report import engine_time_table
+    from anneal.agents.types import BenchSpec, Experiment, Verdict
+    from anneal.engine.plan import Plan
+
+    def exp(tier: str, benchmark_s: float | None, apply: dict | None) -> Experiment:
+        extra = {} if benchmark_s is None else {"benchmark_s": benchmark_s, **({"apply": apply} if apply else {})}
+        return Experiment(run_id="r", key=f"k{tier}{benchmark_s}{apply}", plan=Plan(), plan_hash="h", tier=tier,
+                          kind="benchmark", agent="a", spec=BenchSpec(), verdict=Verdict(status="measured"),
+                          measurement=Measurement(median_ms=1.0, extra=extra), started_at=0.0, finished_at=1.0)
+
+    a = {"build_s": 0.1, "warmup_s": 2.0, "capture_s": 0.4, "total_s": 2.5}
+    exps = [exp("fast", 0.5, a), exp("fast", 0.5, a), exp("fast", 0.2, None), exp("slow", 10.0, a),
+            exp("fast", None, None)]  # an engine from before: not counted
+    text = "\n".join(engine_time_table(exps))
+    assert "| fast | 3 | 2 | 5.0 | 0.2 | 4.0 | 0.8 | 1.2 | 81% |" in text, text
+    assert "| slow | 1 | 1 | 2.5 | 0.1 | 2.0 | 0.4 | 10.0 | 20% |" in text, text
+    assert engine_time_table([exp("fast", None, None)]) == []

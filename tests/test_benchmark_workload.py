@@ -364,3 +364,26 @@ def test_itl_is_per_token_when_a_step_emits_several(eng):
         eng.apply_plan(Plan())
     assert plain["itl_p50_ms"] >= 20 and spec["time_split"]["accepted_tokens"] > 0
     assert spec["itl_p50_ms"] < plain["itl_p50_ms"] / 2
+
+
+def test_a_benchmark_answer_says_where_its_engine_time_went(eng):
+    """A plan in the body is applied first, and its apply breakdown rides along (the compiler's ledger
+    keeps it per experiment); the same plan again is not applied, so it has no breakdown."""
+    from anneal.engine.plan import Plan
+
+    old = eng.plan
+    plan = Plan(cuda_graph_batch_sizes=[], scheduler={"max_num_seqs": 7})
+    req = BenchmarkRequest(plan=plan, mode="decode", batch_size=2, context_len=40, steps=3, warmup=1)
+    try:
+        first = run_benchmark(eng, req).extra
+        again = run_benchmark(eng, req).extra
+        workload = run_benchmark(eng, BenchmarkRequest(plan=old, mode="workload", num_requests=2, steps=1,
+                                                       traffic=load_traffic("chat").scaled(100).model_dump(mode="json"))).extra
+    finally:
+        eng.apply_plan(old)
+    apply = first["apply"]
+    assert set(apply) == {"build_s", "warmup_s", "capture_s", "total_s"}
+    assert all(v >= 0 for v in apply.values())
+    assert apply["total_s"] >= apply["build_s"] + apply["warmup_s"] + apply["capture_s"] - 1e-6
+    assert first["benchmark_s"] > 0 and again["benchmark_s"] > 0 and "apply" not in again
+    assert workload["apply"]["total_s"] > 0 and workload["benchmark_s"] > 0
