@@ -222,6 +222,9 @@ _CROSS_ROWS = (("tokens/s", "tokens_per_s", True), ("ITL p90 ms", "itl_p90_ms", 
 STEP_SET_ROWS = 8  # the cost-model table's step rows for fusion sets: the most observed
 
 
+APPLY_PARTS = ("build_s", "warmup_s", "capture_s", "total_s")  # a benchmark answer's extra.apply (engine/benchmark.py)
+
+
 def engine_time_table(exps: list[Experiment]) -> list[str]:
     """Where each tier engine's time went: applying plans (build; warm-up, where Triton compiles a
     plan's kernels; capture) and timing them, from the benchmark answers the ledger keeps. Why: the
@@ -230,7 +233,7 @@ def engine_time_table(exps: list[Experiment]) -> list[str]:
     L: list[str] = []
     for tier in ("fast", "slow"):
         timed = applied = 0
-        total = {"build_s": 0.0, "warmup_s": 0.0, "capture_s": 0.0, "total_s": 0.0, "benchmark_s": 0.0}
+        total = dict.fromkeys((*APPLY_PARTS, "benchmark_s"), 0.0)
         for e in exps:
             extra = ((e.measurement.model_extra or {}).get("extra") or {}) if e.measurement else {}
             if e.tier != tier or e.kind != "benchmark" or not isinstance(extra.get("benchmark_s"), (int, float)):
@@ -239,7 +242,7 @@ def engine_time_table(exps: list[Experiment]) -> list[str]:
             total["benchmark_s"] += extra["benchmark_s"]
             apply = extra.get("apply") or {}
             applied += bool(apply)
-            for k in ("build_s", "warmup_s", "capture_s", "total_s"):
+            for k in APPLY_PARTS:
                 total[k] += float(apply.get(k) or 0.0)
         if timed:
             busy = total["total_s"] + total["benchmark_s"]

@@ -188,6 +188,9 @@ def _per_op(engine, items: list[tuple[Sequence, int]], decode_only: bool, steps:
     return {name: statistics.median(times) for name, times in by_op.items()}
 
 
+APPLY_PARTS = ("build_s", "warmup_s", "capture_s", "total_s")  # ApplyReport's seconds, as a benchmark answer reports them
+
+
 def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
     """Runs on the engine thread with the engine idle."""
     if engine.has_unfinished_requests():
@@ -202,9 +205,6 @@ def run_benchmark(engine, req: BenchmarkRequest) -> BenchmarkResult:
     if applied is not None:
         result.extra["apply"] = {k: getattr(applied, k) for k in APPLY_PARTS}
     return result
-
-
-APPLY_PARTS = ("build_s", "warmup_s", "capture_s", "total_s")  # ApplyReport's seconds, as a benchmark answer reports them
 
 
 def _measure(engine, req: BenchmarkRequest) -> BenchmarkResult:

@@ -162,11 +162,13 @@ def cached_free(segments: list[dict], device: int) -> tuple[int, int]:
     allocator's default pool (id ``(0, 0)``), and those of private pools (a graph's has its own id)."""
     default = graphs = 0
     for s in segments:
-        if s.get("device", device) == device:
-            if tuple(s["segment_pool_id"]) == (0, 0):
-                default += s["total_size"] - s["active_size"]
-            else:
-                graphs += s["total_size"] - s["active_size"]
+        if s.get("device", device) != device:
+            continue
+        free = s["total_size"] - s["active_size"]
+        if tuple(s["segment_pool_id"]) == (0, 0):
+            default += free
+        else:
+            graphs += free
     return default, graphs
 
 
