@@ -106,6 +106,12 @@ def cjob(name, target, **spec):
                      "tiers": {"spread": "Required"}, **spec}}
 
 
+def cjob_kernel_cache(name, target, claim):
+    job = cjob(name, target)
+    job["spec"]["target"]["kernelCache"] = {"claimName": claim}
+    return job
+
+
 def plan_cm(name, plan: Plan | str):
     text = plan if isinstance(plan, str) else plan.model_dump_json()
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"plan.json": text}}
@@ -159,10 +165,12 @@ def test_resources_that_cannot_work_get_conditions_not_crash_loops(anneal):
     apply(c, ns,
           idep("huge", gpus=16),
           idep("novolume", model="/models/llama", modelVolume={"claimName": "weights"}),
+          idep("nocache", kernelCache={"claimName": "kernels"}),
           idep("target", replicas=1),
           cjob("nosecret", "target", agents=["llm-writer"], llm={"credentials": {"name": "anthropic"}}),
           cjob("notarget", "missing"),
-          cjob("noseed", "target", seedPlans=[{"configMapRef": {"name": "no-such-plan"}}]))
+          cjob("noseed", "target", seedPlans=[{"configMapRef": {"name": "no-such-plan"}}]),
+          cjob_kernel_cache("nojobcache", "target", "kernels"))
     st = wait_for(lambda: (s := status(c, "infdep", "huge", ns)) and condition(s, "Schedulable").get("status") == "False" and s,
                   60, "huge Schedulable=False")
     assert condition(st, "Schedulable")["reason"] == "InsufficientGPUs" and "offers 8" in condition(st, "Schedulable")["message"]
@@ -171,8 +179,12 @@ def test_resources_that_cannot_work_get_conditions_not_crash_loops(anneal):
                   60, "novolume ResourcesReady=False")
     assert condition(st, "ResourcesReady")["reason"] == "ModelVolumeNotFound"
     assert get(c, "deployment", "novolume", ns) is None  # nothing created that cannot start
+    st = wait_for(lambda: (s := status(c, "infdep", "nocache", ns)) and condition(s, "ResourcesReady").get("status") == "False" and s,
+                  60, "nocache ResourcesReady=False")
+    assert condition(st, "ResourcesReady")["reason"] == "KernelCacheNotFound"
+    assert get(c, "deployment", "nocache", ns) is None
     for name, reason in (("nosecret", "SecretNotFound"), ("notarget", "TargetNotFound"),
-                         ("noseed", "SeedPlanConfigMapNotFound")):
+                         ("noseed", "SeedPlanConfigMapNotFound"), ("nojobcache", "KernelCacheNotFound")):
         st = wait_for(lambda: (s := status(c, "cjob", name, ns)) and condition(s, "TargetResolved").get("status") == "False" and s,
                       60, f"{name} TargetResolved=False")
         assert st["phase"] == "Pending" and condition(st, "TargetResolved")["reason"] == reason

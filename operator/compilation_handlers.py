@@ -87,6 +87,8 @@ def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -
             return None, ("SecretKeyNotFound", f"Secret {spec.llm.credentials.name!r} has no key {spec.llm.credentials.key!r}")
     if target.model_volume and kube.get("v1", "PersistentVolumeClaim", target.model_volume.claim_name, namespace) is None:
         return None, ("ModelVolumeNotFound", f"PersistentVolumeClaim {target.model_volume.claim_name!r} does not exist in {namespace}")
+    if target.kernel_cache and kube.get("v1", "PersistentVolumeClaim", target.kernel_cache.claim_name, namespace) is None:
+        return None, ("KernelCacheNotFound", f"PersistentVolumeClaim {target.kernel_cache.claim_name!r} (kernelCache) does not exist in {namespace}")
     placement = target.placement
     if placement.gpus:
         capacity = pod_health.max_allocatable(ctx.nodes(), placement.gpu_resource, placement.node_selector)

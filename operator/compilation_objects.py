@@ -11,7 +11,7 @@ from typing import Any
 from anneal.operator import engine_pod, naming
 from anneal.operator.api.base import GROUP, Placement, duration_seconds
 from anneal.operator.api.compilation_job import CompilationJobSpec
-from anneal.operator.api.inference_deployment import InferenceDeploymentSpec, ModelVolume, Serving
+from anneal.operator.api.inference_deployment import InferenceDeploymentSpec, KernelCache, ModelVolume, Serving
 from anneal.operator.settings import OperatorSettings
 
 TIERS = ("fast", "slow")
@@ -31,6 +31,7 @@ class Target:
     image: str
     placement: Placement
     model_volume: ModelVolume | None = None
+    kernel_cache: KernelCache | None = None
     serving: Serving = field(default_factory=Serving)
     deployment: str | None = None
     seed_plans: tuple[str, ...] = ()  # plan JSON of spec.seedPlans, read when the job was resolved
@@ -51,6 +52,7 @@ def resolve_target(
             image=t.image or settings.engine_image,
             placement=Placement.model_validate(spec.tiers.model_dump(include=set(Placement.model_fields))),
             model_volume=t.model_volume,
+            kernel_cache=t.kernel_cache,
         )
     placement = Placement(
         gpus=deployment.gpus,
@@ -65,6 +67,7 @@ def resolve_target(
         image=t.image or deployment.image or settings.engine_image,
         placement=placement,
         model_volume=deployment.model_volume,
+        kernel_cache=t.kernel_cache or deployment.kernel_cache,
         serving=serving,
         deployment=t.inference_deployment,
     )
@@ -84,6 +87,7 @@ def tier_pod(job: str, namespace: str, tier: str, spec: CompilationJobSpec, targ
         placement=target.placement,
         serving=target.serving,
         model_volume=target.model_volume,
+        kernel_cache=target.kernel_cache,
         layers=spec.tiers.fast_layers if tier == "fast" else None,
         tensor_parallel=target.tensor_parallel,
         run_as_user=settings.engine_run_as_user,

@@ -54,6 +54,10 @@ def _check_references(ctx: Context, namespace: str, spec: api.InferenceDeploymen
         obs.missing.append(
             ("ModelVolumeNotFound", f"PersistentVolumeClaim {spec.model_volume.claim_name!r} does not exist in {namespace}")
         )
+    if spec.kernel_cache and kube.get("v1", "PersistentVolumeClaim", spec.kernel_cache.claim_name, namespace) is None:
+        obs.missing.append(
+            ("KernelCacheNotFound", f"PersistentVolumeClaim {spec.kernel_cache.claim_name!r} (spec.kernelCache) does not exist in {namespace}")
+        )
     if spec.gpus:
         obs.gpu_capacity = pod_health.max_allocatable(ctx.nodes(), spec.gpu_resource, spec.node_selector)
 

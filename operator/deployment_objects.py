@@ -24,6 +24,7 @@ def engine_config(name: str, spec: InferenceDeploymentSpec, settings: OperatorSe
         placement=spec,
         serving=spec.serving,
         model_volume=spec.model_volume,
+        kernel_cache=spec.kernel_cache,
         plan_config_map=naming.plan_config_map(name),
         pull_policy=spec.image_pull_policy,
         run_as_user=settings.engine_run_as_user,

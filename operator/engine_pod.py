@@ -9,7 +9,7 @@ from typing import Any
 
 from anneal.operator import naming
 from anneal.operator.api.base import Placement, duration_seconds
-from anneal.operator.api.inference_deployment import ModelVolume, Serving
+from anneal.operator.api.inference_deployment import KernelCache, ModelVolume, Serving
 
 _RESTRICTED = {
     "allowPrivilegeEscalation": False,
@@ -28,6 +28,7 @@ class EngineConfig:
     placement: Placement
     serving: Serving = field(default_factory=Serving)
     model_volume: ModelVolume | None = None
+    kernel_cache: KernelCache | None = None
     plan_config_map: str | None = None
     layers: int | None = None
     tensor_parallel: int = 1  # ranks of a plan-less engine (a CompilationJob's tiers for a split deployment)
@@ -86,12 +87,15 @@ def container(cfg: EngineConfig) -> dict[str, Any]:
         mounts.append({"name": "plan", "mountPath": naming.PLAN_MOUNT, "readOnly": True})
     if cfg.model_volume:
         mounts.append({"name": "model", "mountPath": cfg.model_volume.mount_path, "readOnly": True})
+    if cfg.kernel_cache:
+        mounts.append({"name": "kernel-cache", "mountPath": naming.KERNEL_CACHE_MOUNT})
+    triton_cache = f"{naming.KERNEL_CACHE_MOUNT}/triton" if cfg.kernel_cache else "/tmp/triton"
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         admin_token_env(cfg.admin_secret),
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},
-        {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+        {"name": "TRITON_CACHE_DIR", "value": triton_cache},
         *({"name": e.name, "value": e.value} for e in cfg.serving.env),
     ]
     return {
@@ -135,6 +139,8 @@ def pod_spec(cfg: EngineConfig) -> dict[str, Any]:
         volumes.append(
             {"name": "model", "persistentVolumeClaim": {"claimName": cfg.model_volume.claim_name, "readOnly": True}}
         )
+    if cfg.kernel_cache:
+        volumes.append({"name": "kernel-cache", "persistentVolumeClaim": {"claimName": cfg.kernel_cache.claim_name}})
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # engines never talk to the Kubernetes API
         "enableServiceLinks": False,

@@ -19,6 +19,7 @@ ADMIN_TOKEN_KEY = "token"
 PLAN_KEY = "plan.json"
 TRAFFIC_KEY = "traffic.json"
 PLAN_MOUNT = "/etc/anneal/plan"
+KERNEL_CACHE_MOUNT = "/var/cache/anneal"  # spec.kernelCache; Triton's cache is its triton/ folder
 TRAFFIC_MOUNT = "/etc/anneal/traffic"
 SEEDS_MOUNT = "/etc/anneal/seeds"
 PUBLIC_PORT = 8000

@@ -86,6 +86,38 @@ def test_model_volume_is_mounted_read_only():
     assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
 
 
+def _triton_cache(pod_spec):
+    return next(e["value"] for e in _container(pod_spec)["env"] if e["name"] == "TRITON_CACHE_DIR")
+
+
+def test_kernel_cache_is_mounted_writable_and_triton_compiles_into_it():
+    pod = dobj.deployment("llama", "ml", idep(kernelCache={"claimName": "kernels"}), "h", SETTINGS)["spec"]["template"]["spec"]
+    vol = next(v for v in pod["volumes"] if v["name"] == "kernel-cache")
+    assert vol["persistentVolumeClaim"] == {"claimName": "kernels"}
+    mount = next(m for m in _container(pod)["volumeMounts"] if m["name"] == "kernel-cache")
+    assert mount == {"name": "kernel-cache", "mountPath": naming.KERNEL_CACHE_MOUNT}
+    assert _triton_cache(pod).startswith(naming.KERNEL_CACHE_MOUNT + "/")
+    # without one, kernels go to the pod's own emptyDir as before
+    plain = dobj.deployment("llama", "ml", idep(), "h", SETTINGS)["spec"]["template"]["spec"]
+    assert _triton_cache(plain) == "/tmp/triton"
+    assert not any(v["name"] == "kernel-cache" for v in plain["volumes"])
+
+
+def test_tier_pods_share_the_deployments_kernel_cache_unless_the_job_names_its_own():
+    shared = _target(cjob(), idep(kernelCache={"claimName": "kernels"}))
+    own = _target(cjob(target={"inferenceDeployment": "llama", "kernelCache": {"claimName": "job-kernels"}}),
+                  idep(kernelCache={"claimName": "kernels"}))
+    explicit = cobj.resolve_target(CompilationJobSpec.model_validate(
+        {"target": {"model": "random:tiny", "kernelCache": {"claimName": "k"}}, "tiers": {"gpus": 0}}), None, SETTINGS)
+    for target, claim in ((shared, "kernels"), (own, "job-kernels"), (explicit, "k")):
+        for tier in cobj.TIERS:
+            pod = cobj.tier_pod("job1", "ml", tier, cjob(), target, SETTINGS)["spec"]
+            vol = next(v for v in pod["volumes"] if v["name"] == "kernel-cache")
+            assert vol["persistentVolumeClaim"]["claimName"] == claim
+            assert _triton_cache(pod).startswith(naming.KERNEL_CACHE_MOUNT)
+    assert _target().kernel_cache is None
+
+
 def test_service_exposes_only_the_public_port():
     svc = dobj.service("llama", "ml")
     assert [p["port"] for p in svc["spec"]["ports"]] == [8000]

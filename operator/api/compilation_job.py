@@ -28,6 +28,7 @@ from anneal.operator.api.inference_deployment import (
     DEFAULT_AGENTS,
     MODEL_PATTERN,
     AgentName,
+    KernelCache,
     ModelVolume,
     TrafficPreset,
     VerificationTolerances,
@@ -58,6 +59,9 @@ class Target(KubeModel):
         None, min_length=1, max_length=512, pattern=MODEL_PATTERN, description="model when no deployment is named"
     )
     model_volume: ModelVolume | None = Field(None, description="volume holding the model (explicit model only)")
+    kernel_cache: KernelCache | None = Field(
+        None, description="volume keeping the tiers' compiled Triton kernels; default: the deployment's kernelCache"
+    )
     image: str | None = Field(None, min_length=1, max_length=512, description="engine image override")
 
     @model_validator(mode="after")

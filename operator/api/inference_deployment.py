@@ -49,6 +49,18 @@ class ModelVolume(KubeModel):
     mount_path: str = Field("/models", pattern=r"^/[^\s]*$", description="where the claim is mounted")
 
 
+class KernelCache(KubeModel):
+    """A PersistentVolumeClaim where engines keep the Triton kernels they compile.
+
+    An engine on an empty cache compiles every kernel of its plan before it serves (12-15 s
+    for an 8B chat plan on an H200, bench/NOTES.md session 13): a restarted pod, a rollout's new pods and a
+    CompilationJob's tiers skip that on a kept one. ReadWriteMany lets pods on several nodes share
+    it; Triton writes each entry to a temporary file and renames it, so concurrent engines never see
+    half an entry."""
+
+    claim_name: Name = Field(description="PersistentVolumeClaim name (ReadWriteMany to share across nodes)")
+
+
 class Serving(KubeModel):
     """Arguments of `anneal serve` in the engine container."""
 
@@ -223,6 +235,10 @@ class InferenceDeploymentSpec(Placement):
 
     model: str = Model
     model_volume: ModelVolume | None = Field(None, description="volume holding model folders")
+    kernel_cache: KernelCache | None = Field(
+        None, description="volume keeping compiled Triton kernels across pod restarts; default: none (each pod "
+        "compiles its plan's kernels at start)"
+    )
     image: str | None = Field(
         None, min_length=1, max_length=512, description="engine image; default: the operator's setting"
     )
