@@ -93,7 +93,11 @@ for s in "$@"; do
       # compile at 315 s). Its ledger resumes, so this is said, not refused.
       [ -z "${COMPILE_OUT:-}" ] && [ "${COMPILE_LIMIT:-$((BUDGET + 150))}" -lt $((BUDGET + 150)) ] && \
         echo "=== warning: COMPILE_LIMIT=$COMPILE_LIMIT is under BUDGET + 150 = $((BUDGET + 150)) s: $s may be killed before it writes its plan"
-      stage "$s${COMPILE_TAG:-}" "${COMPILE_LIMIT:-$((BUDGET + 150))}" $py -m anneal.cli compile --model random:llama-3.1-8b \
+      # FRESH_TRITON_CACHE=1: the compile's engines start on an empty Triton cache of their own, as on a
+      # fresh machine or pod (session 54: 1965 experiments/hour there against 2952 on a warm one)
+      cache_env=()
+      [ "${FRESH_TRITON_CACHE:-0}" = 1 ] && cache_env=(env "TRITON_CACHE_DIR=$(mktemp -d /tmp/triton-fresh-XXXXXX)")
+      stage "$s${COMPILE_TAG:-}" "${COMPILE_LIMIT:-$((BUDGET + 150))}" "${cache_env[@]}" $py -m anneal.cli compile --model random:llama-3.1-8b \
         --traffic "$traffic" --cross-traffic "$other" --budget "$BUDGET" --fast-layers 2 \
         --baseline-plan bench/plans/triton.json --rounds "${ROUNDS:-3}" --out "$out_dir" --quiet ${COMPILE_ARGS:-}
       [ -n "${COMPILE_OUT:-}" ] && cp -r "$COMPILE_OUT" "$OUT/"
