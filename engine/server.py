@@ -373,6 +373,26 @@ def build_engine_off_the_main_thread(args: argparse.Namespace) -> Any:
     return built["engine"]
 
 
+def triton_cache_dir() -> str:
+    """Where this process's Triton keeps compiled kernels (TRITON_CACHE_DIR, else its default)."""
+    try:
+        from triton import knobs
+
+        return str(knobs.cache.dir)
+    except (ImportError, AttributeError):
+        return os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+
+
+def startup_summary(startup: dict[str, float], device: str) -> str:
+    """One line on where an engine's start went. On CUDA the warm-up is mostly Triton compiling the
+    plan's kernels unless its cache has them, so the line names the cache: a pod's log then shows
+    whether a kept one (InferenceDeployment.spec.kernelCache) is doing its work."""
+    names = (("weights_s", "weights"), ("kv_cache_s", "KV cache"), ("warmup_s", "warm-up"), ("capture_s", "graphs"))
+    parts = ", ".join(f"{label} {startup[k]:.1f} s" for k, label in names if k in startup)
+    line = f"engine ready in {sum(startup.values()):.1f} s: {parts}"
+    return f"{line} (Triton kernel cache {triton_cache_dir()})" if device == "cuda" else line
+
+
 class _Server:
     """A uvicorn server whose signals are handled by ``run_serve`` (uvicorn re-raises them)."""
 
@@ -447,6 +467,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError, TokenizerError) as e:
         log.error("cannot start: %s", e)
         return 2
+    log.info("%s", startup_summary(engine.startup, engine.device.type))
     asyncio.run(serve(args, engine, tokenizer))
     return 0
 

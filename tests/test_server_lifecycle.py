@@ -124,3 +124,20 @@ def test_a_bad_port_is_a_usage_error_not_a_bind_traceback(flag, value, message, 
         add_serve_args(argparse.ArgumentParser()).parse_args(["--model", "random:tiny", flag, value])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert add_serve_args(argparse.ArgumentParser()).parse_args(["--model", "m", "--port", "0"]).port == 0
+
+
+def test_the_log_says_where_the_start_went_and_on_cuda_which_kernel_cache(monkeypatch, tmp_path):
+    """A pod's log shows whether a kept Triton cache (spec.kernelCache) works: a short warm-up."""
+    from anneal.engine.server import startup_summary
+
+    server = LiveServer("--log-level", "info").wait_ready()
+    try:
+        line = next(ln for ln in server.logs().splitlines() if "engine ready in" in ln)
+    finally:
+        server.stop()
+    assert "weights" in line and "warm-up" in line and "graphs" in line and "Triton" not in line  # CPU engine
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "kernels"))
+    phases = {"config_s": 0.5, "weights_s": 11.0, "kv_cache_s": 0.4, "warmup_s": 4.7, "capture_s": 0.2}
+    line = startup_summary(phases, "cuda")
+    assert line.startswith("engine ready in 16.8 s: weights 11.0 s, KV cache 0.4 s, warm-up 4.7 s, graphs 0.2 s")
+    assert str(tmp_path / "kernels") in line
