@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from anneal.engine import kernel_cache
 from anneal.engine import openai_protocol as p
 from anneal.engine import openai_serving as serving
 from anneal.engine.async_engine import (
@@ -330,6 +331,8 @@ def build_engine(args: argparse.Namespace) -> Any:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        kernel_cache.ensure_writable()
     plan = _plan_from_args(args, device)
     if not args.plan:
         log.info("no --plan: serving %s (%s)", plan.hash, plan.name)
@@ -373,16 +376,6 @@ def build_engine_off_the_main_thread(args: argparse.Namespace) -> Any:
     return built["engine"]
 
 
-def triton_cache_dir() -> str:
-    """Where this process's Triton keeps compiled kernels (TRITON_CACHE_DIR, else its default)."""
-    try:
-        from triton import knobs
-
-        return str(knobs.cache.dir)
-    except (ImportError, AttributeError):
-        return os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
-
-
 def startup_summary(startup: dict[str, float], device: str) -> str:
     """One line on where an engine's start went. On CUDA the warm-up is mostly Triton compiling the
     plan's kernels unless its cache has them, so the line names the cache: a pod's log then shows
@@ -390,7 +383,7 @@ def startup_summary(startup: dict[str, float], device: str) -> str:
     names = (("weights_s", "weights"), ("kv_cache_s", "KV cache"), ("warmup_s", "warm-up"), ("capture_s", "graphs"))
     parts = ", ".join(f"{label} {startup[k]:.1f} s" for k, label in names if k in startup)
     line = f"engine ready in {sum(startup.values()):.1f} s: {parts}"
-    return f"{line} (Triton kernel cache {triton_cache_dir()})" if device == "cuda" else line
+    return f"{line} (Triton kernel cache {kernel_cache.cache_dir()})" if device == "cuda" else line
 
 
 class _Server:

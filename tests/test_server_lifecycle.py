@@ -141,3 +141,23 @@ def test_the_log_says_where_the_start_went_and_on_cuda_which_kernel_cache(monkey
     line = startup_summary(phases, "cuda")
     assert line.startswith("engine ready in 16.8 s: weights 11.0 s, KV cache 0.4 s, warm-up 4.7 s, graphs 0.2 s")
     assert str(tmp_path / "kernels") in line
+
+
+def test_an_unwritable_kernel_cache_costs_the_cache_not_the_start(monkeypatch, tmp_path, caplog):
+    """Triton raises on its first compile into a folder it cannot create or write; the engine moves to
+    a folder of its own first and says why (checked before a CUDA engine is built)."""
+    import os
+
+    from anneal.engine import kernel_cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "kernels"))
+    assert kernel_cache.ensure_writable() == str(tmp_path / "kernels") and (tmp_path / "kernels").is_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "kernels") and not caplog.records
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "a-file" / "triton"))  # not a folder it can make
+    with caplog.at_level("WARNING", logger="anneal.kernel_cache"):
+        used = kernel_cache.ensure_writable()
+    assert used != str(tmp_path / "a-file" / "triton") and os.path.isdir(used)
+    assert os.environ["TRITON_CACHE_DIR"] == used == kernel_cache.cache_dir()
+    assert "cannot be written" in caplog.text and "a-file" in caplog.text
+    os.rmdir(used)
