@@ -157,6 +157,12 @@ def test_engine_time_table_sums_each_tiers_apply_parts_and_timing():
     exps = [exp("fast", 0.5, a), exp("fast", 0.5, a), exp("fast", 0.2, None), exp("slow", 10.0, a),
             exp("fast", None, None)]  # an engine from before: not counted
     text = "\n".join(engine_time_table(exps))
-    assert "| fast | 3 | 2 | 5.0 | 0.2 | 4.0 | 0.8 | 1.2 | 81% |" in text, text
-    assert "| slow | 1 | 1 | 2.5 | 0.1 | 2.0 | 0.4 | 10.0 | 20% |" in text, text
+    assert "| fast | 3 | 2 | 5.0 | 0.2 | 4.0 | 0.8 | 1.2 | 2 (4.0 s) | 81% |" in text, text
+    assert "| slow | 1 | 1 | 2.5 | 0.1 | 2.0 | 0.4 | 10.0 | 1 (2.0 s) | 20% |" in text, text
+    # the fast tier's compiles took 4.0 of its 6.2 s: named with the remedy; the slow tier's 16% is not
+    assert "The fast tier spent 65% of its time in the warm-ups of 2 applies that compiled kernels" in text, text
+    assert "The slow tier" not in text
+    cached = {"build_s": 0.1, "warmup_s": 0.02, "capture_s": 0.4, "total_s": 0.52}
+    text = "\n".join(engine_time_table([exp("fast", 0.5, cached)]))
+    assert "| 0 (0.0 s) |" in text and "compiled kernels:" not in text, text
     assert engine_time_table([exp("fast", None, None)]) == []
