@@ -112,6 +112,11 @@ def cjob_kernel_cache(name, target, claim):
     return job
 
 
+def claim(name, mode):
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+            "spec": {"accessModes": [mode], "resources": {"requests": {"storage": "1Gi"}}}}
+
+
 def plan_cm(name, plan: Plan | str):
     text = plan if isinstance(plan, str) else plan.model_dump_json()
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"plan.json": text}}
@@ -166,11 +171,15 @@ def test_resources_that_cannot_work_get_conditions_not_crash_loops(anneal):
           idep("huge", gpus=16),
           idep("novolume", model="/models/llama", modelVolume={"claimName": "weights"}),
           idep("nocache", kernelCache={"claimName": "kernels"}),
+          claim("one-pod-kernels", "ReadWriteOncePod"),
+          idep("onepodcache", replicas=2, kernelCache={"claimName": "one-pod-kernels"}),
           idep("target", replicas=1),
           cjob("nosecret", "target", agents=["llm-writer"], llm={"credentials": {"name": "anthropic"}}),
           cjob("notarget", "missing"),
           cjob("noseed", "target", seedPlans=[{"configMapRef": {"name": "no-such-plan"}}]),
-          cjob_kernel_cache("nojobcache", "target", "kernels"))
+          cjob_kernel_cache("nojobcache", "target", "kernels"),
+          claim("one-node-kernels", "ReadWriteOnce"),
+          cjob_kernel_cache("onenodecache", "target", "one-node-kernels"))  # its tiers.spread: Required
     st = wait_for(lambda: (s := status(c, "infdep", "huge", ns)) and condition(s, "Schedulable").get("status") == "False" and s,
                   60, "huge Schedulable=False")
     assert condition(st, "Schedulable")["reason"] == "InsufficientGPUs" and "offers 8" in condition(st, "Schedulable")["message"]
@@ -183,8 +192,14 @@ def test_resources_that_cannot_work_get_conditions_not_crash_loops(anneal):
                   60, "nocache ResourcesReady=False")
     assert condition(st, "ResourcesReady")["reason"] == "KernelCacheNotFound"
     assert get(c, "deployment", "nocache", ns) is None
+    st = wait_for(lambda: (s := status(c, "infdep", "onepodcache", ns)) and condition(s, "ResourcesReady").get("status") == "False" and s,
+                  60, "onepodcache ResourcesReady=False")
+    assert condition(st, "ResourcesReady")["reason"] == "KernelCacheNotShared"
+    assert "ReadWriteOncePod" in condition(st, "ResourcesReady")["message"]
+    assert get(c, "deployment", "onepodcache", ns) is None
     for name, reason in (("nosecret", "SecretNotFound"), ("notarget", "TargetNotFound"),
-                         ("noseed", "SeedPlanConfigMapNotFound"), ("nojobcache", "KernelCacheNotFound")):
+                         ("noseed", "SeedPlanConfigMapNotFound"), ("nojobcache", "KernelCacheNotFound"),
+                         ("onenodecache", "KernelCacheNotShared")):
         st = wait_for(lambda: (s := status(c, "cjob", name, ns)) and condition(s, "TargetResolved").get("status") == "False" and s,
                       60, f"{name} TargetResolved=False")
         assert st["phase"] == "Pending" and condition(st, "TargetResolved")["reason"] == reason

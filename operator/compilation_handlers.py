@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from anneal.engine.plan import CompiledPlan
 from anneal.operator import compilation_objects as objects
 from anneal.operator import conditions as cond
-from anneal.operator import deployment_objects, naming, plan_source, pod_health
+from anneal.operator import deployment_objects, engine_pod, naming, plan_source, pod_health
 from anneal.operator.api import GROUP, VERSION
 from anneal.operator.api import compilation_job as api
 from anneal.operator.api import inference_deployment as idep_api
@@ -87,8 +87,16 @@ def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -
             return None, ("SecretKeyNotFound", f"Secret {spec.llm.credentials.name!r} has no key {spec.llm.credentials.key!r}")
     if target.model_volume and kube.get("v1", "PersistentVolumeClaim", target.model_volume.claim_name, namespace) is None:
         return None, ("ModelVolumeNotFound", f"PersistentVolumeClaim {target.model_volume.claim_name!r} does not exist in {namespace}")
-    if target.kernel_cache and kube.get("v1", "PersistentVolumeClaim", target.kernel_cache.claim_name, namespace) is None:
-        return None, ("KernelCacheNotFound", f"PersistentVolumeClaim {target.kernel_cache.claim_name!r} (kernelCache) does not exist in {namespace}")
+    if target.kernel_cache:
+        claim = kube.get("v1", "PersistentVolumeClaim", target.kernel_cache.claim_name, namespace)
+        what = f"PersistentVolumeClaim {target.kernel_cache.claim_name!r} (kernelCache)"
+        if claim is None:
+            return None, ("KernelCacheNotFound", f"{what} does not exist in {namespace}")
+        # the two tiers, and the deployment's own pods when they share its claim
+        shared = deployment is not None and deployment.kernel_cache == target.kernel_cache
+        pods = len(objects.TIERS) + (deployment.replicas if shared else 0)
+        if why := engine_pod.kernel_cache_unshareable(claim, pods, separate_nodes=spec.tiers.spread == "Required"):
+            return None, ("KernelCacheNotShared", f"{what}: {why}")
     placement = target.placement
     if placement.gpus:
         capacity = pod_health.max_allocatable(ctx.nodes(), placement.gpu_resource, placement.node_selector)

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from anneal.operator import conditions as cond
 from anneal.operator import deployment_objects as objects
-from anneal.operator import naming, pod_health, rollout
+from anneal.operator import engine_pod, naming, pod_health, rollout
 from anneal.operator.api import GROUP, VERSION
 from anneal.operator.api import inference_deployment as api
 from anneal.operator.context import Context
@@ -54,10 +54,13 @@ def _check_references(ctx: Context, namespace: str, spec: api.InferenceDeploymen
         obs.missing.append(
             ("ModelVolumeNotFound", f"PersistentVolumeClaim {spec.model_volume.claim_name!r} does not exist in {namespace}")
         )
-    if spec.kernel_cache and kube.get("v1", "PersistentVolumeClaim", spec.kernel_cache.claim_name, namespace) is None:
-        obs.missing.append(
-            ("KernelCacheNotFound", f"PersistentVolumeClaim {spec.kernel_cache.claim_name!r} (spec.kernelCache) does not exist in {namespace}")
-        )
+    if spec.kernel_cache:
+        claim = kube.get("v1", "PersistentVolumeClaim", spec.kernel_cache.claim_name, namespace)
+        what = f"PersistentVolumeClaim {spec.kernel_cache.claim_name!r} (spec.kernelCache)"
+        if claim is None:
+            obs.missing.append(("KernelCacheNotFound", f"{what} does not exist in {namespace}"))
+        elif why := engine_pod.kernel_cache_unshareable(claim, spec.replicas, separate_nodes=False):
+            obs.missing.append(("KernelCacheNotShared", f"{what}: {why}"))
     if spec.gpus:
         obs.gpu_capacity = pod_health.max_allocatable(ctx.nodes(), spec.gpu_resource, spec.node_selector)
 

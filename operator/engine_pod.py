@@ -120,6 +120,21 @@ def container(cfg: EngineConfig) -> dict[str, Any]:
     }
 
 
+def kernel_cache_unshareable(claim: dict[str, Any], pods: int, separate_nodes: bool) -> str | None:
+    """Why ``pods`` engine pods cannot all mount this kernel-cache claim, or None. Kubernetes would
+    leave the extra pods creating their containers for ever (a multi-attach error), so the operator
+    says so instead. ReadWriteOnce is allowed where the pods may share a node."""
+    modes = set((claim.get("spec") or {}).get("accessModes") or [])
+    if pods <= 1 or not modes or "ReadWriteMany" in modes:
+        return None
+    if modes <= {"ReadWriteOncePod"}:
+        return f"its access mode ReadWriteOncePod lets one pod mount it and {pods} would; use a ReadWriteMany claim"
+    if separate_nodes and modes <= {"ReadWriteOnce", "ReadWriteOncePod"}:
+        return ("its access mode ReadWriteOnce keeps it on one node and the two tiers must run on two "
+                "(tiers.spread Required); use a ReadWriteMany claim or tiers.spread Preferred")
+    return None
+
+
 def tolerations(placement: Placement) -> list[dict[str, Any]]:
     out = [t.wire() for t in placement.tolerations]
     if placement.gpus > 0 and not any(t.get("key") == placement.gpu_resource for t in out):

@@ -118,6 +118,21 @@ def test_tier_pods_share_the_deployments_kernel_cache_unless_the_job_names_its_o
     assert _target().kernel_cache is None
 
 
+@pytest.mark.parametrize("modes,pods,separate,problem", [
+    (["ReadWriteMany"], 5, True, None),
+    (["ReadWriteOnce"], 3, False, None),  # the pods may share a node
+    (["ReadWriteOnce"], 2, True, "ReadWriteOnce"),  # tiers.spread Required: two nodes
+    (["ReadWriteOncePod"], 2, False, "ReadWriteOncePod"),
+    (["ReadWriteOncePod"], 1, False, None),
+    (["ReadWriteOnce", "ReadWriteMany"], 4, True, None),
+])
+def test_a_kernel_cache_claim_the_pods_cannot_all_mount_is_named(modes, pods, separate, problem):
+    from anneal.operator.engine_pod import kernel_cache_unshareable
+
+    why = kernel_cache_unshareable({"spec": {"accessModes": modes}}, pods, separate)
+    assert (why is None) == (problem is None) and (problem is None or problem in why), why
+
+
 def test_service_exposes_only_the_public_port():
     svc = dobj.service("llama", "ml")
     assert [p["port"] for p in svc["spec"]["ports"]] == [8000]
