@@ -89,14 +89,13 @@ def resolve_target(ctx: Context, namespace: str, spec: api.CompilationJobSpec) -
         return None, ("ModelVolumeNotFound", f"PersistentVolumeClaim {target.model_volume.claim_name!r} does not exist in {namespace}")
     if target.kernel_cache:
         claim = kube.get("v1", "PersistentVolumeClaim", target.kernel_cache.claim_name, namespace)
-        what = f"PersistentVolumeClaim {target.kernel_cache.claim_name!r} (kernelCache)"
-        if claim is None:
-            return None, ("KernelCacheNotFound", f"{what} does not exist in {namespace}")
         # the two tiers, and the deployment's own pods when they share its claim
         shared = deployment is not None and deployment.kernel_cache == target.kernel_cache
         pods = len(objects.TIERS) + (deployment.replicas if shared else 0)
-        if why := engine_pod.kernel_cache_unshareable(claim, pods, separate_nodes=spec.tiers.spread == "Required"):
-            return None, ("KernelCacheNotShared", f"{what}: {why}")
+        problem = engine_pod.kernel_cache_problem(claim, target.kernel_cache, "kernelCache", namespace, pods,
+                                                  separate_nodes=spec.tiers.spread == "Required")
+        if problem:
+            return None, problem
     placement = target.placement
     if placement.gpus:
         capacity = pod_health.max_allocatable(ctx.nodes(), placement.gpu_resource, placement.node_selector)

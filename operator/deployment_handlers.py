@@ -56,11 +56,10 @@ def _check_references(ctx: Context, namespace: str, spec: api.InferenceDeploymen
         )
     if spec.kernel_cache:
         claim = kube.get("v1", "PersistentVolumeClaim", spec.kernel_cache.claim_name, namespace)
-        what = f"PersistentVolumeClaim {spec.kernel_cache.claim_name!r} (spec.kernelCache)"
-        if claim is None:
-            obs.missing.append(("KernelCacheNotFound", f"{what} does not exist in {namespace}"))
-        elif why := engine_pod.kernel_cache_unshareable(claim, spec.replicas, separate_nodes=False):
-            obs.missing.append(("KernelCacheNotShared", f"{what}: {why}"))
+        problem = engine_pod.kernel_cache_problem(claim, spec.kernel_cache, "spec.kernelCache", namespace,
+                                                  spec.replicas, separate_nodes=False)
+        if problem:
+            obs.missing.append(problem)
     if spec.gpus:
         obs.gpu_capacity = pod_health.max_allocatable(ctx.nodes(), spec.gpu_resource, spec.node_selector)
 

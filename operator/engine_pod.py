@@ -120,19 +120,26 @@ def container(cfg: EngineConfig) -> dict[str, Any]:
     }
 
 
-def kernel_cache_unshareable(claim: dict[str, Any], pods: int, separate_nodes: bool) -> str | None:
-    """Why ``pods`` engine pods cannot all mount this kernel-cache claim, or None. Kubernetes would
-    leave the extra pods creating their containers for ever (a multi-attach error), so the operator
-    says so instead. ReadWriteOnce is allowed where the pods may share a node."""
+def kernel_cache_problem(claim: dict[str, Any] | None, cache: KernelCache, field: str, namespace: str, pods: int,
+                         separate_nodes: bool) -> tuple[str, str] | None:
+    """Why ``pods`` engine pods cannot use the kernel-cache claim (``claim``: as read, None when it does
+    not exist), as a condition reason and message; None when they can. Kubernetes would leave the
+    extra pods of a claim they cannot share creating their containers for ever (a multi-attach
+    error), so the operator says so instead. ReadWriteOnce is allowed where the pods may share a node."""
+    what = f"PersistentVolumeClaim {cache.claim_name!r} ({field})"
+    if claim is None:
+        return "KernelCacheNotFound", f"{what} does not exist in {namespace}"
     modes = set((claim.get("spec") or {}).get("accessModes") or [])
     if pods <= 1 or not modes or "ReadWriteMany" in modes:
         return None
     if modes <= {"ReadWriteOncePod"}:
-        return f"its access mode ReadWriteOncePod lets one pod mount it and {pods} would; use a ReadWriteMany claim"
-    if separate_nodes and modes <= {"ReadWriteOnce", "ReadWriteOncePod"}:
-        return ("its access mode ReadWriteOnce keeps it on one node and the two tiers must run on two "
-                "(tiers.spread Required); use a ReadWriteMany claim or tiers.spread Preferred")
-    return None
+        why = f"its access mode ReadWriteOncePod lets one pod mount it and {pods} would; use a ReadWriteMany claim"
+    elif separate_nodes and modes <= {"ReadWriteOnce", "ReadWriteOncePod"}:
+        why = ("its access mode ReadWriteOnce keeps it on one node and the two tiers must run on two "
+               "(tiers.spread Required); use a ReadWriteMany claim or tiers.spread Preferred")
+    else:
+        return None
+    return "KernelCacheNotShared", f"{what}: {why}"
 
 
 def tolerations(placement: Placement) -> list[dict[str, Any]]:

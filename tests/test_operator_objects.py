@@ -127,10 +127,16 @@ def test_tier_pods_share_the_deployments_kernel_cache_unless_the_job_names_its_o
     (["ReadWriteOnce", "ReadWriteMany"], 4, True, None),
 ])
 def test_a_kernel_cache_claim_the_pods_cannot_all_mount_is_named(modes, pods, separate, problem):
-    from anneal.operator.engine_pod import kernel_cache_unshareable
+    from anneal.operator.api.inference_deployment import KernelCache
+    from anneal.operator.engine_pod import kernel_cache_problem
 
-    why = kernel_cache_unshareable({"spec": {"accessModes": modes}}, pods, separate)
-    assert (why is None) == (problem is None) and (problem is None or problem in why), why
+    cache = KernelCache(claimName="k")
+    found = kernel_cache_problem({"spec": {"accessModes": modes}}, cache, "spec.kernelCache", "ml", pods, separate)
+    assert (found is None) == (problem is None), found
+    if problem is not None:
+        assert found[0] == "KernelCacheNotShared" and problem in found[1] and "'k' (spec.kernelCache)" in found[1]
+    missing = kernel_cache_problem(None, cache, "spec.kernelCache", "ml", pods, separate)
+    assert missing == ("KernelCacheNotFound", "PersistentVolumeClaim 'k' (spec.kernelCache) does not exist in ml")
 
 
 def test_service_exposes_only_the_public_port():
