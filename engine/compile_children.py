@@ -218,7 +218,7 @@ class CompileChildren:
     def _spawn(self) -> None:
         import multiprocessing
 
-        from triton import knobs
+        from anneal.engine.kernel_cache import cache_dir
 
         modules = sorted(m for m in list(sys.modules) if m.startswith("anneal.engine.kernels."))
         target = self.target
@@ -227,7 +227,7 @@ class CompileChildren:
                 target = current_target()
         try:
             pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_child_init, initargs=(knobs.cache.dir, modules, target))
+                                       initializer=_child_init, initargs=(cache_dir(), modules, target))
             for fut in [pool.submit(_ready) for _ in range(self.processes)]:
                 fut.result()
         except Exception as e:  # noqa: BLE001 - compile-ahead goes on in-process
