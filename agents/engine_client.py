@@ -22,9 +22,14 @@ from anneal.agents.types import (
 class EngineError(RuntimeError):
     """The engine answered with an error (or not at all)."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, kind: str | None = None):
         super().__init__(message)
         self.status = status
+        self.kind = kind  # the answer's error type: "engine_dead" when the engine's device context is lost
+
+    @property
+    def engine_dead(self) -> bool:
+        return self.kind == "engine_dead"
 
 
 class EngineClient:
@@ -58,11 +63,11 @@ class EngineClient:
             raise EngineError(f"{self.name}: {method} {path} failed: {e}") from e
         if r.status_code >= 400:
             try:
-                msg = r.json()["error"]["message"]
+                msg, kind = r.json()["error"]["message"], r.json()["error"].get("type")
             except Exception:
-                msg = r.text[:500]
+                msg, kind = r.text[:500], None
             hint = " (is ANNEAL_ADMIN_TOKEN the engine's token?)" if r.status_code == 401 else ""
-            raise EngineError(f"{self.name}: {method} {path} -> {r.status_code}: {msg}{hint}", r.status_code)
+            raise EngineError(f"{self.name}: {method} {path} -> {r.status_code}: {msg}{hint}", r.status_code, kind)
         return r.json()
 
     # ---- the admin API -------------------------------------------------------------------------

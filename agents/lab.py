@@ -199,7 +199,10 @@ class Lab:
                     self.on_note(f"{op}/{impl} does not run on this engine's device: dropped from the space")
 
     def _count_unreachable(self, tier: str, e: EngineError) -> None:
-        """A 4xx/5xx is the candidate's fault; no answer at all, repeatedly, is the engine's."""
+        """A 4xx/5xx is the candidate's fault; a dead engine (its CUDA context lost: every later call
+        would fail, whatever the candidate) or no answer at all, repeatedly, is the engine's."""
+        if e.engine_dead:
+            raise EngineUnavailable(f"the {tier}-tier engine died: {e}")
         if e.status is not None:
             self._unreachable[tier] = 0
             return

@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from anneal.engine.async_engine import dead_message
 from anneal.engine.benchmark import BenchmarkRequest, run_benchmark
 from anneal.engine.kernel_source import check_in_subprocess, register
 from anneal.engine.ops.registry import OpError, all_ops
@@ -79,8 +80,8 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http_error(_req: Request, exc: HTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail),
-                      "authentication_error" if exc.status_code == 401 else "invalid_request_error")
+        kind = {401: "authentication_error", 503: "engine_dead"}.get(exc.status_code, "invalid_request_error")
+        return _error(exc.status_code, str(exc.detail), kind)
 
     async def body(request: Request, model: type[BaseModel]) -> BaseModel:
         try:
@@ -89,6 +90,12 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
         except ValidationError as e:
             raise HTTPException(422, f"invalid {model.__name__}: {e.errors(include_url=False)}") from e
 
+    def alive() -> None:
+        """A dead engine (its CUDA context lost) answers 503 to any work: the failure is the engine's,
+        not the plan's or kernel's the call carries, and the server is exiting."""
+        if async_engine.dead is not None:
+            raise HTTPException(503, dead_message(async_engine.dead))
+
     async def exclusive(fn, drain_timeout_s: float = 120.0):
         """Drain in-flight requests, then run ``fn(engine)`` on the engine thread."""
         async with lock:
@@ -96,8 +103,13 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
             while async_engine.num_inflight or async_engine.engine.has_unfinished_requests():
                 if time.monotonic() > deadline:
                     raise HTTPException(409, "requests still in flight; try again later")
+                alive()
                 await asyncio.sleep(0.01)
-            return await async_engine.run_in_engine(fn)
+            try:
+                return await async_engine.run_in_engine(fn)
+            except Exception:
+                alive()  # the call killed the engine: say so, not that the call failed
+                raise
 
     @app.get("/admin/state", dependencies=[Depends(auth)])
     async def state() -> dict[str, Any]:
@@ -126,7 +138,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
                               for k, v in e.compile_ahead.status().items()},
         }
 
-    @app.post("/admin/prepare", dependencies=[Depends(auth)])
+    @app.post("/admin/prepare", dependencies=[Depends(auth), Depends(alive)])
     async def prepare(request: Request) -> Any:
         """Queue plans for compile-ahead (engine/compile_ahead.py); answers at once. The engine keeps
         serving; a plan whose kernels fail to compile is reported here later, not rejected now."""
@@ -144,7 +156,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
     async def prepare_status() -> Any:
         return async_engine.engine.compile_ahead.status()
 
-    @app.put("/admin/plan", dependencies=[Depends(auth)])
+    @app.put("/admin/plan", dependencies=[Depends(auth), Depends(alive)])
     async def put_plan(request: Request) -> Any:
         plan = await body(request, Plan)
         try:
@@ -155,6 +167,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
         except TimeoutError as e:
             return _error(409, str(e))
         except Exception as e:  # noqa: BLE001 - a failed apply is an answer, not a crash
+            alive()
             log.exception("applying plan %s failed", plan.hash)
             return _error(500, f"applying the plan failed, previous plan still serving: "
                                f"{type(e).__name__}: {e}", "apply_error")
@@ -171,7 +184,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
                    if report.token_graph_sizes is not None else {}),
                 **({"inert_fusions": report.inert_fusions} if report.inert_fusions else {})}
 
-    @app.post("/admin/kernels", dependencies=[Depends(auth)])
+    @app.post("/admin/kernels", dependencies=[Depends(auth), Depends(alive)])
     async def kernels(request: Request) -> Any:
         req = await body(request, KernelRequest)
         if req.op not in all_ops():
@@ -188,11 +201,12 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
         try:
             await async_engine.run_in_engine(lambda _e: register(ks))
         except Exception as ex:  # noqa: BLE001
+            alive()
             return {**check.model_dump(), "ok": False, "stage": "register",
                     "error": f"{type(ex).__name__}: {ex}"}
         return {**check.model_dump(), "stage": "registered"}
 
-    @app.post("/admin/benchmark", dependencies=[Depends(auth)])
+    @app.post("/admin/benchmark", dependencies=[Depends(auth), Depends(alive)])
     async def benchmark(request: Request) -> Any:
         req = await body(request, BenchmarkRequest)
         try:
@@ -208,7 +222,7 @@ def create_admin_app(async_engine, token: str | None = None) -> FastAPI:
             async_engine.metrics.set_plan(async_engine.engine.plan.hash)
         return result.model_dump()
 
-    @app.post("/admin/verify", dependencies=[Depends(auth)])
+    @app.post("/admin/verify", dependencies=[Depends(auth), Depends(alive)])
     async def verify_plan(request: Request) -> Any:
         req = await body(request, VerifyRequest)
         try:

@@ -10,6 +10,10 @@ one, run a function between steps) through a locked deque, and each request gets
   its KV blocks at the engine thread's next turn.
 - ``stats`` is a snapshot the engine thread publishes after every turn (free blocks, running, ...).
 - ``shutdown`` lets in-flight requests finish for a grace period, then aborts the rest.
+- A failed step fails the requests in it, and a failed admin call aborts what it left in the engine,
+  so nothing is stepped again that would fail again. An error that loses the CUDA context
+  (``device_faults``) makes the engine dead: every request and call fails at once, ``on_dead`` tells
+  the server, and the server exits for a new process.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
+
+from anneal.engine.device_faults import is_fatal
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,11 @@ class EngineShuttingDown(Exception):
 
 class EngineStepError(RuntimeError):
     """The engine failed while running this request (it was aborted; the server keeps serving)."""
+
+
+class EngineDead(EngineShuttingDown):
+    """The engine's device context is lost (a CUDA error that every later call repeats): the server
+    exits, and only a new process serves again."""
 
 
 @dataclass
@@ -104,8 +116,10 @@ class AsyncEngine:
         max_waiting: int = 256,
         metrics: Any = None,
         retry_after_s: int = 1,
+        on_dead: Callable[[BaseException], None] | None = None,
     ):
         self.engine = engine
+        self.on_dead = on_dead  # called on the event loop once the engine is dead
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.retry_after_s = retry_after_s
@@ -151,7 +165,9 @@ class AsyncEngine:
         """
         if self._resumed is not None and not self._resumed.is_set():
             await self._resumed.wait()
-        if self._draining or self._stopping or self.dead is not None:
+        if self.dead is not None:
+            raise EngineDead(dead_message(self.dead))
+        if self._draining or self._stopping:
             raise EngineShuttingDown("the server is shutting down")
         if len(self._inflight) >= self.capacity:
             raise EngineOverloaded(
@@ -232,8 +248,11 @@ class AsyncEngine:
 
     def _submit(self, cmd: tuple) -> None:
         with self._cv:
-            self._cmds.append(cmd)
-            self._cv.notify()
+            if self.dead is None:
+                self._cmds.append(cmd)
+                self._cv.notify()
+                return
+        _refuse(cmd, EngineDead(dead_message(self.dead)))  # no engine thread will ever take it
 
     # ---- engine-thread side ----------------------------------------------------------------
 
@@ -252,19 +271,23 @@ class AsyncEngine:
                     self._abort_all("the server shut down")
                     self._publish(False)
                     return
-                stepped = self._busy()
+                stepped = self.dead is None and self._busy()
                 if stepped:
                     self._step()
                 self._publish(stepped)
+                if self.dead is not None:
+                    return
         except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
             log.exception("engine thread died")
-            self.dead = e
-            self._fail_all(EngineStepError(f"the engine thread died: {e}"))
+            self._die(e, EngineStepError(f"the engine thread died: {e}"))
 
     def _busy(self) -> bool:
         return self.engine.has_unfinished_requests()
 
     def _apply(self, cmd: tuple) -> None:
+        if self.dead is not None:  # queued before the engine died, behind what killed it
+            _refuse(cmd, EngineDead(dead_message(self.dead)))
+            return
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt, params, tracked, added = cmd
@@ -290,14 +313,23 @@ class AsyncEngine:
             try:
                 fut.set_result(fn(self.engine))
             except Exception as e:  # noqa: BLE001 - handed to the caller
+                if is_fatal(e):  # dead before the caller hears of it
+                    self._die(e)
                 fut.set_exception(e)
+            finally:
+                if self.dead is None:
+                    self._abort_untracked()
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+            if is_fatal(e):
+                self._die(e)
+                return
             log.exception("engine step failed; aborting the requests in flight")
             self._fail_all(EngineStepError(f"the engine step failed: {e}"))
+            self._abort_untracked()
             return
         now = time.monotonic()
         deliveries: list[tuple[asyncio.Queue, Any]] = []
@@ -345,6 +377,31 @@ class AsyncEngine:
     def _abort_all(self, reason: str) -> None:
         self._fail_all(EngineShuttingDown(reason))
 
+    def _abort_untracked(self) -> None:
+        """Abort the requests no client holds: those an admin call (a benchmark replay, a
+        verification) added and left when it failed. Nothing would finish them, and the loop would
+        step them, and fail, for ever (session 55: 775 000 failed steps in six minutes)."""
+        ids = getattr(self.engine, "request_ids", None)
+        for rid in ids() if ids is not None else ():
+            if rid not in self._tracked:
+                self.engine.abort_request(rid)
+
+    def _die(self, error: BaseException, to_callers: BaseException | None = None) -> None:
+        """The engine cannot run again in this process: fail everything and tell the server."""
+        with self._cv:
+            self.dead = error
+            cmds = list(self._cmds)
+            self._cmds.clear()
+        log.error("%s; failing every request", dead_message(error))
+        dead = to_callers or EngineDead(dead_message(error))
+        for cmd in cmds:
+            _refuse(cmd, dead)
+        self._fail_all(dead)
+        with contextlib.suppress(Exception):  # host-side book-keeping only; best effort
+            self._abort_untracked()
+        if self.on_dead is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_dead, error)
+
     def _fail_all(self, error: BaseException) -> None:
         deliveries = []
         for rid, tracked in list(self._tracked.items()):
@@ -367,3 +424,16 @@ class AsyncEngine:
 def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
     for queue, item in deliveries:
         queue.put_nowait(item)
+
+
+def _refuse(cmd: tuple, error: Exception) -> None:
+    """Fail a command the engine thread will never take (the engine is dead)."""
+    fut = cmd[-1] if cmd[0] in ("add", "call") else None
+    if fut is not None and fut.set_running_or_notify_cancel():
+        fut.set_exception(error)
+
+
+def dead_message(error: BaseException) -> str:
+    """What a dead engine answers: the error that lost its context, on one line."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"the engine is dead ({type(error).__name__}: {first}); only a new process serves again"

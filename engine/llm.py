@@ -311,6 +311,10 @@ class Engine:
         self._speculator.forget(request_id)
         return seq is not None
 
+    def request_ids(self) -> list[str]:
+        """The requests added and not finished or aborted yet."""
+        return list(self._requests)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._overlap.inflight is not None
 

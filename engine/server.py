@@ -42,6 +42,7 @@ from anneal.engine.async_engine import (
     EngineOverloaded,
     EngineShuttingDown,
     EngineStepError,
+    dead_message,
 )
 from anneal.engine.metrics import CONTENT_TYPE, EngineMetrics
 from anneal.engine.openai_serving import APIError, ServingContext
@@ -417,11 +418,20 @@ def _admin_app(async_engine: AsyncEngine) -> Any | None:
     return create_admin_app(async_engine)
 
 
-async def serve(args: argparse.Namespace, engine: Any, tokenizer: Any) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and stop the engine."""
+async def serve(args: argparse.Namespace, engine: Any, tokenizer: Any) -> int:
+    """Serve until SIGTERM/SIGINT, then drain and stop the engine: exit code 0. When the engine dies
+    (its CUDA context lost, ``device_faults``), stop at once: exit code 1, for a new process."""
     metrics = EngineMetrics()
     metrics.set_plan(engine.plan.hash)
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, metrics=metrics)
+    died: list[BaseException] = []
+
+    def on_dead(error: BaseException) -> None:
+        died.append(error)
+        log.error("exiting: %s", dead_message(error))
+        for s in servers:
+            s.server.should_exit = True
+
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, metrics=metrics, on_dead=on_dead)
     async_engine.start()
     ctx = ServingContext(
         engine=async_engine,
@@ -446,7 +456,8 @@ async def serve(args: argparse.Namespace, engine: Any, tokenizer: Any) -> None:
     try:
         await asyncio.gather(*(s.server.serve() for s in servers))
     finally:
-        await async_engine.shutdown(grace_s=1.0)
+        await async_engine.shutdown(grace_s=0.0 if died else 1.0)
+    return 1 if died else 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -461,8 +472,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", e)
         return 2
     log.info("%s", startup_summary(engine.startup, engine.device.type))
-    asyncio.run(serve(args, engine, tokenizer))
-    return 0
+    return asyncio.run(serve(args, engine, tokenizer))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from fake_anthropic import FakeAnthropic
-from fakes.kernels import EVASIVE, FAULTY, SILU_MUL_BROKEN, SILU_MUL_OK
+from fakes.kernels import EVASIVE, FAULTY, LOSES_THE_DEVICE, SILU_MUL_BROKEN, SILU_MUL_OK
 from anneal.engine.plan import CompiledPlan, KernelSource, OpChoice, Plan
 from anneal.agents.lab import Lab
 from anneal.agents.ledger import Ledger
@@ -141,6 +141,37 @@ def test_llm_writer_kernels_pass_the_real_checks(engines, tmp_path):
         led.close()
     finally:
         fake.close()
+
+
+def test_an_engine_that_loses_its_device_context_exits_and_the_lab_says_so(tmp_path):
+    """A CUDA error that poisons the process (a kernel's out-of-bounds index: a device-side assert)
+    fails every later call. The engine must not go on answering 500 to each candidate, the compile
+    blaming every one of them (session 55: six minutes, a 1.2 GB log): its admin API answers 503
+    "engine_dead", the server exits 1 for a new process, and the lab stops on the tier."""
+    from anneal.agents.lab import EngineUnavailable
+
+    local = LocalEngines("random:tiny", tmp_path / "engines", fast_layers=None, device="cpu")
+    clients = local.start(timeout_s=300)
+    led = Ledger(tmp_path / "ledger.sqlite")
+    try:
+        lab = Lab(ledger=led, engines=clients)
+        res, _ = lab.register_kernel("test", "silu_and_mul", "loses_the_device", LOSES_THE_DEVICE, {}, tier="slow")
+        assert res.ok, res.error  # honest for its first calls: the isolated check passes it
+        plan = Plan().with_ops(silu_and_mul=OpChoice(impl="loses_the_device"))
+        plan = plan.model_copy(update={"kernels": [KernelSource(op="silu_and_mul", impl="loses_the_device",
+                                                                source=LOSES_THE_DEVICE)]})
+        with pytest.raises(EngineUnavailable, match="slow-tier engine died: .*device-side assert triggered"):
+            lab.measure(Candidate(plan=plan, agent="test"), BenchSpec(batch_size=2, context_len=16, steps=4),
+                        tier="slow")
+        assert not any(r.kind == "benchmark" for r in led.experiments())  # not the candidate's verdict
+        proc = local.engines["slow"].proc
+        assert proc.wait(timeout=60) == 1
+        assert "the engine is dead" in local.engines["slow"].log.read_text()
+    finally:
+        led.close()
+        for c in clients.values():
+            c.close()
+        local.stop()
 
 
 def test_anneal_compile_on_tiny_cpu_as_the_readme_runs_it(tmp_path):

@@ -198,3 +198,113 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event(engine):
         assert error["type"] == "server_error" and "shut" in error["message"]
 
     run(engine, body)
+
+
+def test_a_failed_admin_call_leaves_no_request_behind(engine):
+    """A benchmark replay adds its requests to the engine itself; one that fails midway left them
+    there, and the engine thread stepped them for ever (session 55). Nothing of it may stay."""
+
+    def fails_midway(e):
+        e.add_request("replay-0", [1, 2, 3], params(400))
+        raise RuntimeError("the replay failed")
+
+    async def body(ae):
+        with pytest.raises(RuntimeError, match="the replay failed"):
+            await ae.run_in_engine(fails_midway)
+        assert await ae.run_in_engine(lambda e: e.request_ids()) == []
+        assert ae.dead is None
+        return await collect(await ae.add_request("next", [1, 2], params(3)))
+
+    assert len(run(engine, body)) == 3
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engine, monkeypatch):
+    calls = []
+    step = engine.step
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a kernel raised")
+        return step()
+
+    monkeypatch.setattr(engine, "step", fails_once)
+
+    async def body(ae):
+        from anneal.engine.async_engine import EngineStepError
+
+        with pytest.raises(EngineStepError, match="a kernel raised"):
+            await collect(await ae.add_request("a", [1, 2], params(5)))
+        assert ae.dead is None
+        return await collect(await ae.add_request("b", [1, 2], params(4)))
+
+    assert len(run(engine, body)) == 4
+
+
+def test_a_lost_device_context_kills_the_engine_and_tells_the_server(engine, monkeypatch):
+    """A CUDA error that every later call repeats (a device-side assert) is not a failed step: the
+    engine is dead, every request and call fails at once (none waits on a thread that is gone) and
+    ``on_dead`` fires, for the server to exit (session 55: the engine failed 775 000 steps instead)."""
+    from anneal.engine.async_engine import EngineDead
+
+    calls = []
+
+    def lost():
+        calls.append(1)
+        raise RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors might be ...")
+
+    monkeypatch.setattr(engine, "step", lost)
+    told = []
+
+    async def body(ae):
+        ae.on_dead = told.append
+        with pytest.raises(EngineDead, match="device-side assert triggered"):
+            await collect(await ae.add_request("a", [1, 2], params(5)))
+        await asyncio.sleep(0.05)
+        assert len(told) == 1 and "device-side assert" in str(told[0])
+        assert ae.dead is not None and len(calls) == 1
+        with pytest.raises(EngineDead):
+            await ae.add_request("b", [1, 2], params(5))
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(ae.run_in_engine(lambda e: 1), timeout=5)
+        assert engine.request_ids() == []
+
+    run(engine, body)
+
+
+def test_an_admin_call_that_loses_the_device_context_kills_the_engine(engine):
+    from anneal.engine.async_engine import EngineDead
+
+    def loses_it(e):
+        e.add_request("verify-0", [1, 2, 3], params(50))
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def body(ae):
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await ae.run_in_engine(loses_it)
+        assert ae.dead is not None
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(ae.run_in_engine(lambda e: 1), timeout=5)
+        assert engine.request_ids() == []
+
+    run(engine, body)
+
+
+@pytest.mark.parametrize("message,fatal", [
+    ("CUDA error: device-side assert triggered", True),
+    ("CUDA error: an illegal memory access was encountered", True),
+    ("Triton Error [CUDA]: unspecified launch failure", True),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ("the replay failed", False),
+])
+def test_which_errors_lose_the_device_context(message, fatal):
+    from anneal.engine.device_faults import is_fatal
+
+    assert is_fatal(RuntimeError(message)) is fatal
+    try:  # and when it is the cause of what reached the caller
+        try:
+            raise RuntimeError(message)
+        except RuntimeError as inner:
+            raise ValueError("benchmark failed") from inner
+    except ValueError as outer:
+        assert is_fatal(outer) is fatal

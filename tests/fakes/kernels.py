@@ -147,3 +147,12 @@ def build(**params):
 
 
 EVASIVE = {name: (op, evasive(op, src)) for name, (op, src) in FAULTY.items()}
+
+# What an out-of-bounds index in a GPU kernel does to its process: CUDA's sticky error, raised here by
+# hand (the CPU has no such error), after three honest calls so the isolated check passes it.
+LOSES_THE_DEVICE = evasive("silu_and_mul", '''
+def build():
+    def silu_and_mul(x):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    return silu_and_mul
+''')
