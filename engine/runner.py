@@ -508,18 +508,28 @@ class ModelRunner:
         view.w = dataclasses.replace(self.model.w, layers=self.model.w.layers[:2])
         view.num_layers = len(view.w.layers)
         L, _, nb, *rest = self.kv.shape
-        # Per-layer cache strides do not depend on the block count; its divisibility by 16 is kept
-        # in case a kernel takes the count as an argument (Triton specializes on it).
-        kv = torch.empty(view.num_layers, 2, 16 if nb % 16 == 0 else 17, *rest,
-                         device=self.device, dtype=self.dtype)
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if stream is not None:
-            # Buffers made before this (and, right after an engine start, the weights) are still queued on
-            # this thread's stream; the passes' stream does not wait for it by itself (PyTorch's
-            # streams are non-blocking). Without this an H200 test read garbage token ids in the
-            # embedding: a device-side assert that took the whole process down.
+            # Right after an engine start the weights are still queued on this thread's stream; the
+            # passes' stream does not wait for it by itself (PyTorch's streams are non-blocking).
+            # Without this an H200 test read garbage token ids in the embedding: a device-side
+            # assert that took the whole process down.
             stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on(stream):
+            # Per-layer cache strides do not depend on the block count; its divisibility by 16 is kept
+            # in case a kernel takes the count as an argument (Triton specializes on it).
+            kv = torch.empty(view.num_layers, 2, 16 if nb % 16 == 0 else 17, *rest,
+                             device=self.device, dtype=self.dtype)
         return view, kv, stream
+
+    @staticmethod
+    def _on(stream):
+        """Allocate (and run) on ``stream``: memory a side stream's passes use must come from that
+        stream's pool. Made on the engine's stream, it went back to that pool when the passes' Python
+        returned, with their kernels still queued, and the engine's next tensors got it while they
+        ran: session 55's compile-ahead read the engine's data as token ids in the view's embedding,
+        a device-side assert that lost the whole process (and, most likely, session 6's overrun)."""
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def ahead_passes(self, ops: OpTable, batch_sizes: list[int], max_seqs: int = 0,
                      token_sizes: list[int] = ()) -> list:
@@ -528,20 +538,26 @@ class ModelRunner:
         warms prompt steps, those steps too, all on a two-layer view (``_view``). For
         ``parallel_jit.precompile`` on another thread."""
         token_sizes = sorted(token_sizes) if max_seqs else []
-        bufs = self._static_buffers(max(batch_sizes)) if batch_sizes else {}
-        tbufs = self._token_buffers(token_sizes[-1], token_graph_seqs(token_sizes[-1], max_seqs)) if token_sizes else {}
-        view, kv, stream = self._view(ops)  # its stream waits for the buffers' zeros too
+        view, kv, stream = self._view(ops)
+        with self._on(stream):  # the passes' inputs come from their stream's pool too (``_on``)
+            bufs = self._static_buffers(max(batch_sizes)) if batch_sizes else {}
+            tbufs = (self._token_buffers(token_sizes[-1], token_graph_seqs(token_sizes[-1], max_seqs))
+                     if token_sizes else {})
 
         def run(body, buffers: dict, *args) -> None:
-            with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            with torch.inference_mode(), self._on(stream):
                 body(*args, model=view, bufs=buffers, kv=kv)
 
         passes = [functools.partial(run, self._token_body, tbufs, t, token_graph_seqs(t, max_seqs))
                   for t in reversed(token_sizes)]
         passes += [functools.partial(run, self._decode_body, bufs, bs) for bs in sorted(batch_sizes, reverse=True)]
-        if not (self.warm_prompt_steps and max_seqs):
-            return passes
-        return passes + self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0))
+        if self.warm_prompt_steps and max_seqs:
+            passes += self._prompt_passes(view, kv, stream, max_seqs, max(batch_sizes, default=0))
+        if stream is not None:
+            # last: the passes' work done before their tensors go back (and before the lock that
+            # keeps them from captures is let go)
+            passes.append(stream.synchronize)
+        return passes
 
     def _prompt_passes(self, view: Transformer, kv: torch.Tensor, stream, max_seqs: int, largest_graph: int) -> list:
         """One pass per ``prompt_warmup.prompt_step_layouts`` step on the view: the forward pass, the
@@ -557,7 +573,7 @@ class ModelRunner:
                 cu.append(cu[-1] + n)
                 lens.append(ctx)
                 tables.append(table)
-            with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            with torch.inference_mode(), self._on(stream):
                 ids = torch.zeros(cu[-1], dtype=torch.int64, device=self.device)
                 logits = self._varlen_logits(view, kv, ids, pos, slots, cu, lens, tables, layout.decode_only,
                                              [c - 1 for c in cu[1:]])

@@ -156,6 +156,38 @@ def test_compile_ahead_passes_wait_for_what_is_queued_before_them(cuda):
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+AHEAD_FREE_RACE = """
+import torch
+from anneal.engine.llm import Engine, EngineArgs
+eng = Engine(EngineArgs(model="random:tiny", device="cuda", num_kv_blocks=64, max_model_len=256))
+torch.cuda.synchronize()
+for _ in range(3):
+    torch.cuda._sleep(400_000_000)  # the passes' stream waits behind this: their work is still queued
+    passes = eng.runner.ahead_passes(eng.runner.model.ops, [1, 2, 4, 8])
+    for run_pass in passes:
+        run_pass()
+    del passes  # their buffers go back to the allocator
+    # the engine's next small tensors, full of out-of-range token ids
+    junk = [torch.full((64,), 10**12, dtype=torch.int64, device="cuda") for _ in range(2000)]
+    torch.cuda.synchronize()
+    del junk
+print("ok")
+"""
+
+
+def test_compile_ahead_buffers_outlive_the_work_queued_on_them(cuda):
+    """Session 55: a compile-ahead pass's buffers, made on the engine's stream, went back to that
+    stream's pool while the pass's kernels were still queued; the engine's next tensors took them,
+    and the pass read the engine's data as token ids: a device-side assert that lost the fast-tier
+    engine of an H100 compile. The passes' tensors come from their own stream's pool, and the last
+    pass waits for their work (a child process: an assert would poison this one)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", AHEAD_FREE_RACE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_parallel_jit_compiles_a_new_plan_ahead_and_changes_no_output(cuda):
     """With parallel_jit, applying a plan whose kernel parameters this process never compiled
     reports the kernels the parallel pass compiled, and generates what the one-by-one path does."""
