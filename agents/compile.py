@@ -32,7 +32,7 @@ from anneal.agents.engine_client import EngineClient, EngineError
 from anneal.agents.graph_buckets import GraphBucketAgent
 from anneal.agents.job_report import publish_result, report_progress
 from anneal.agents.kernel_tuner import KernelTuner
-from anneal.agents.lab import BudgetExhausted, Lab
+from anneal.agents.lab import BudgetExhausted, EngineUnavailable, Lab
 from anneal.agents.ledger import Ledger
 from anneal.agents.llm_writer import maybe_writer
 from anneal.agents.local_engines import LocalEngines, exit_on_sigterm
@@ -48,6 +48,10 @@ from anneal.agents.types import BenchSpec, Candidate, CompileSettings
 
 AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner", "llm-writer")
 ENGINE_STOP_GRACE_S = 20.0  # a finished compile's engines: time to exit cleanly
+# Times the engines this compile started are started again after one died (a CUDA error that lost its
+# context: session 55) or stopped answering; each restart resumes from the ledger on what is left of
+# the budget. Engines given by URL are another supervisor's to restart.
+ENGINE_RESTARTS = 2
 INTERRUPTED_STOP_GRACE_S = 3.0  # a failed or interrupted one's: their work is abandoned
 SEARCH_SHARE = 0.55  # of the budget for the fast-tier search; the rest promotes and verifies
 # Fresh request samples promotion replays on the CPU (quick mode): a tiny model's replay takes ~50 ms,
@@ -65,6 +69,10 @@ EXTRA_PROMOTED = 12  # more fast-tier plans replayed on the slow tier while the 
 
 class CompileError(RuntimeError):
     """A compile that cannot go on; the message says what to do."""
+
+
+class EngineGone(CompileError):
+    """A tier engine died or stopped answering during the search."""
 
 
 def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -309,9 +317,25 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
     try:
         if baseline is not None and local is None:  # local tiers were started on it already
             _apply_baseline(clients, baseline, settings.baseline_plan, progress)
-        return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
-                        max_len, cross_traffic, gpus, progress, verification or {}, llm_model, seeds,
-                        stop_tiers=local.stop if local is not None else None)
+        for restarts in range(ENGINE_RESTARTS + 1):
+            try:
+                return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
+                                max_len, cross_traffic, gpus, progress, verification or {}, llm_model, seeds,
+                                stop_tiers=local.stop if local is not None else None)
+            except (EngineGone, EngineUnavailable, EngineError) as e:
+                died = local is not None and any(not eng.alive() for eng in local.engines.values())
+                if isinstance(e, EngineError) and not died:
+                    raise  # an answer the compile cannot use, from a live engine
+                if local is None or restarts == ENGINE_RESTARTS:
+                    raise EngineGone(str(e)) from e
+                _say(progress, f"{str(e).split('; the ledger')[0]}; restarting the engines and resuming from the "
+                               f"ledger ({restarts + 1} of {ENGINE_RESTARTS}; their logs: {out}/engine-*.log)")
+                local.stop(timeout_s=INTERRUPTED_STOP_GRACE_S)
+                for c in clients.values():
+                    c.close()
+                clients = local.start()
+                t0_wall, t0 = time.time(), time.monotonic()
+        raise AssertionError("unreachable")
     except BaseException:
         # Failed or interrupted: what the engines still run is this compile's own measurement,
         # abandoned, so they are not given time to finish it (a SIGTERM'd pod has ~30 s in all).
@@ -377,7 +401,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     _say(progress, f"search finished ({summary(results)}); {lab.run} new experiments, {lab.reused} reused")
     gone = [v for v in results.values() if v.startswith("error: EngineUnavailable")]
     if gone:
-        raise CompileError(f"{gone[0].removeprefix('error: EngineUnavailable: ')}; the ledger keeps what "
+        raise EngineGone(f"{gone[0].removeprefix('error: EngineUnavailable: ')}; the ledger keeps what "
                            f"was measured: rerun with the same --out to resume")
 
     # The kernel tuner's findings, each alone on the decode step, before the composites carry them.

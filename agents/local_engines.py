@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,7 +165,10 @@ class LocalEngines:
         if memory_share is not None:
             cmd += ["--gpu-memory-utilization", str(memory_share)]
         log = self.out / f"engine-{tier}.log"
-        fh = open(log, "wb")
+        fh = open(log, "ab")  # a restarted engine's log follows the one it replaces (why it died)
+        fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting the {tier}-tier engine: "
+                 f"anneal {' '.join(cmd[3:])}\n".encode())
+        fh.flush()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         fh.close()
         self.engines[tier] = LocalEngine(tier, proc, f"http://127.0.0.1:{admin}", log)

@@ -205,6 +205,42 @@ def test_anneal_compile_on_tiny_cpu_as_the_readme_runs_it(tmp_path):
             os.kill(info["pid"], 0)
 
 
+def test_a_compile_restarts_an_engine_that_died_and_resumes(tmp_path):
+    """The fast-tier engine killed mid-search (as a lost CUDA context ends it): the compile starts
+    its engines again, resumes from the ledger on what is left of the budget and writes its plan."""
+    import signal
+
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("ANTHROPIC_API_KEY", "ANNEAL_ADMIN_TOKEN")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "anneal.agents.compile", "--model", "random:tiny", "--traffic", "chat",
+         "--budget", "60", "--out", str(out), "--device", "cpu"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:  # killed at the search's first experiment
+            if (out / "ledger.sqlite").exists() and len(Ledger(out / "ledger.sqlite")) >= 1:
+                break
+            time.sleep(0.02)
+        first = json.loads((out / "engines.json").read_text())
+        os.kill(first["fast"]["pid"], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = output.decode()
+    assert proc.returncode == 0, text[-3000:]
+    assert "restarting the engines and resuming from the ledger (1 of 2" in text, text[-3000:]
+    assert (out / "plan.json").exists()
+    led = Ledger(out / "ledger.sqlite")
+    assert len(led.get_meta("runs")) == 2  # the restart resumed as a second run on the same ledger
+    led.close()
+    again = json.loads((out / "engines.json").read_text())
+    assert again["fast"]["pid"] != first["fast"]["pid"]
+    log = (out / "engine-fast.log").read_text()
+    assert log.count("starting the fast-tier engine") == 2  # the dead engine's log kept before the new one's
+
+
 def test_sigterm_stops_the_engines_the_compile_started(tmp_path):
     """A compile stopped with SIGTERM (Ctrl-C'd job, evicted pod) takes its engines down with it."""
     import signal
