@@ -33,6 +33,10 @@ class EngineUnavailable(RuntimeError):
     """An engine stopped answering at all (not a rejected candidate: the process is gone or hung)."""
 
 
+# Failed rows' reasons when the engine died measuring the candidate: retried on a resume the first
+# time, kept the second
+DIED_MEASURING = "the engine died measuring it: "
+DIED_AGAIN = "the engine died measuring it again: "
 UNREACHABLE_LIMIT = 3  # consecutive unanswered calls before a tier is declared gone
 WARMUP_SEED = 1_000_003  # warm-up benchmarks use their own inputs, never a candidate's
 
@@ -118,6 +122,7 @@ class Lab:
                  traffic: dict[str, Any] | None, budgeted: bool, deadline: float | None = None,
                  grace_s: float = 0.0) -> Experiment:
         old = self.ledger.lookup(key)
+        died_before = old is not None and old.verdict.reason.startswith(DIED_MEASURING)
         if old is not None and _transient(old):
             old = None  # the engine crashed or was unreachable that time: worth another try
         if old is not None:
@@ -159,6 +164,12 @@ class Lab:
                 m = self.engines[tier].benchmark(cand.plan, spec, traffic if traffic is not None else (
                     self.traffic if spec.mode == "workload" else None))
         except EngineError as e:
+            if e.engine_dead:
+                # Recorded before the tier is given up. A resumed run retries it once (an engine bug
+                # may have killed it: session 55), not twice: if the candidate's kernel lost the
+                # context, it would kill every restarted engine in turn.
+                why = DIED_AGAIN if died_before else DIED_MEASURING
+                self._record(exp.model_copy(update={"verdict": Verdict(status="failed", reason=f"{why}{e}")}))
             self._count_unreachable(tier, e)
             self._learn_refusal(str(e))
             exp = exp.model_copy(update={"verdict": Verdict(status="failed", reason=str(e))})
@@ -340,8 +351,9 @@ class Lab:
 
 
 def _transient(exp: Experiment) -> bool:
-    """A failure that says nothing about the candidate: no answer, or a 5xx from the engine."""
-    if exp.verdict.status != "failed":
+    """A failure that says nothing about the candidate: no answer, or a 5xx from the engine (but not
+    the engine's second death while measuring it: that one is taken as the candidate's doing)."""
+    if exp.verdict.status != "failed" or exp.verdict.reason.startswith(DIED_AGAIN):
         return False
     return not re.search(r" -> 4\d\d: ", exp.verdict.reason)
 

@@ -160,13 +160,25 @@ def test_an_engine_that_loses_its_device_context_exits_and_the_lab_says_so(tmp_p
         plan = Plan().with_ops(silu_and_mul=OpChoice(impl="loses_the_device"))
         plan = plan.model_copy(update={"kernels": [KernelSource(op="silu_and_mul", impl="loses_the_device",
                                                                 source=LOSES_THE_DEVICE)]})
+        spec = BenchSpec(batch_size=2, context_len=16, steps=4)
         with pytest.raises(EngineUnavailable, match="slow-tier engine died: .*device-side assert triggered"):
-            lab.measure(Candidate(plan=plan, agent="test"), BenchSpec(batch_size=2, context_len=16, steps=4),
-                        tier="slow")
-        assert not any(r.kind == "benchmark" for r in led.experiments())  # not the candidate's verdict
+            lab.measure(Candidate(plan=plan, agent="test"), spec, tier="slow")
+        row = next(r for r in led.experiments() if r.kind == "benchmark")
+        assert row.verdict.reason.startswith("the engine died measuring it: ")
         proc = local.engines["slow"].proc
         assert proc.wait(timeout=60) == 1
         assert "the engine is dead" in local.engines["slow"].log.read_text()
+        # A resumed run on a new engine tries the candidate once more (an engine bug may have killed
+        # the first); a second death is taken as the candidate's, and a third run reuses that row
+        # instead of killing its engine in turn.
+        for c in clients.values():
+            c.close()
+        clients = local.start(timeout_s=300)
+        with pytest.raises(EngineUnavailable, match="died"):
+            Lab(ledger=led, engines=clients).measure(Candidate(plan=plan, agent="test"), spec, tier="slow")
+        again = Lab(ledger=led, engines=clients).measure(Candidate(plan=plan, agent="test"), spec, tier="slow")
+        assert again.verdict.reason.startswith("the engine died measuring it again: ")
+        assert sum(r.kind == "benchmark" for r in led.experiments()) == 2
     finally:
         led.close()
         for c in clients.values():
