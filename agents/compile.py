@@ -317,7 +317,8 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
     try:
         if baseline is not None and local is None:  # local tiers were started on it already
             _apply_baseline(clients, baseline, settings.baseline_plan, progress)
-        for restarts in range(ENGINE_RESTARTS + 1):
+        restarts = 0
+        while True:
             try:
                 return _compile(settings, clients, ledger, traffic, t0, t0_wall, agents or list(AGENT_NAMES),
                                 max_len, cross_traffic, gpus, progress, verification or {}, llm_model, seeds,
@@ -327,15 +328,16 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
                 if isinstance(e, EngineError) and not died:
                     raise  # an answer the compile cannot use, from a live engine
                 if local is None or restarts == ENGINE_RESTARTS:
-                    raise EngineGone(str(e)) from e
-                _say(progress, f"{str(e).split('; the ledger')[0]}; restarting the engines and resuming from the "
-                               f"ledger ({restarts + 1} of {ENGINE_RESTARTS}; their logs: {out}/engine-*.log)")
+                    raise EngineGone(f"{e}; the ledger keeps what was measured: rerun with the same --out "
+                                     "to resume") from e
+                restarts += 1
+                _say(progress, f"{e}; restarting the engines and resuming from the ledger ({restarts} of "
+                               f"{ENGINE_RESTARTS}; their logs: {out}/engine-*.log)")
                 local.stop(timeout_s=INTERRUPTED_STOP_GRACE_S)
                 for c in clients.values():
                     c.close()
                 clients = local.start()
                 t0_wall, t0 = time.time(), time.monotonic()
-        raise AssertionError("unreachable")
     except BaseException:
         # Failed or interrupted: what the engines still run is this compile's own measurement,
         # abandoned, so they are not given time to finish it (a SIGTERM'd pod has ~30 s in all).
@@ -401,8 +403,7 @@ def _compile(settings, clients, ledger, traffic, t0, t0_wall, agent_names, max_l
     _say(progress, f"search finished ({summary(results)}); {lab.run} new experiments, {lab.reused} reused")
     gone = [v for v in results.values() if v.startswith("error: EngineUnavailable")]
     if gone:
-        raise EngineGone(f"{gone[0].removeprefix('error: EngineUnavailable: ')}; the ledger keeps what "
-                           f"was measured: rerun with the same --out to resume")
+        raise EngineGone(gone[0].removeprefix("error: EngineUnavailable: "))
 
     # The kernel tuner's findings, each alone on the decode step, before the composites carry them.
     after_retrials = SEARCH_SHARE + OP_TRIALS_SHARE + FUSION_RETRIALS_SHARE

@@ -381,8 +381,7 @@ class AsyncEngine:
         """Abort the requests no client holds: those an admin call (a benchmark replay, a
         verification) added and left when it failed. Nothing would finish them, and the loop would
         step them, and fail, for ever (session 55: 775 000 failed steps in six minutes)."""
-        ids = getattr(self.engine, "request_ids", None)
-        for rid in ids() if ids is not None else ():
+        for rid in self.engine.request_ids():
             if rid not in self._tracked:
                 self.engine.abort_request(rid)
 
