@@ -30,7 +30,7 @@ from anneal.agents.board import Board, SearchSetting
 from anneal.agents.cost_model import CostModel
 from anneal.agents.engine_client import EngineClient, EngineError
 from anneal.agents.graph_buckets import GraphBucketAgent
-from anneal.agents.job_report import publish_result, report_progress
+from anneal.agents.job_report import LedgerCheckpoints, publish_result, report_progress, restore_ledger
 from anneal.agents.kernel_tuner import KernelTuner
 from anneal.agents.lab import BudgetExhausted, EngineUnavailable, Lab
 from anneal.agents.ledger import Ledger
@@ -45,6 +45,7 @@ from anneal.agents.setting import CPU_MAX_LEN, make_setting, workload_requests
 from anneal.agents.tp_measure import at_degree, degrees_to_measure, measure_degrees
 from anneal.agents.swarm import run_swarm, summary
 from anneal.agents.types import BenchSpec, Candidate, CompileSettings
+from anneal.operator.naming import EXIT_ENGINES_LOST
 
 AGENT_NAMES = ("kernel-tuner", "plan-search", "graph-buckets", "scheduler-tuner", "llm-writer")
 ENGINE_STOP_GRACE_S = 20.0  # a finished compile's engines: time to exit cleanly
@@ -73,6 +74,7 @@ class CompileError(RuntimeError):
 
 class EngineGone(CompileError):
     """A tier engine died or stopped answering during the search."""
+
 
 
 def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -225,7 +227,7 @@ def run_compile(args: argparse.Namespace) -> int:
         report_progress(args.report_to, phase="Done", message=f"failed: {e}"[:500])
         if not out_existed and Path(args.out).is_dir() and not any(Path(args.out).iterdir()):
             Path(args.out).rmdir()  # a bad input file: leave no empty --out behind
-        return 1
+        return EXIT_ENGINES_LOST if isinstance(e, EngineGone) and settings.engines else 1
     gain = next((g for g in compiled.gains if g.metric == "tokens_per_s"), None)
     print(f"plan {compiled.plan.hash} written to {Path(args.out) / 'plan.json'}"
           + (f"; tokens/s x{gain.ratio:.3f} vs baseline" if gain else ""))
@@ -311,7 +313,11 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
                                  plan=settings.baseline_plan, slow_memory_share=settings.slow_tier_memory)
             _say(progress, f"starting the fast-tier ({settings.fast_layers} layers) and slow-tier engines ...")
             clients = local.start()
+    restored = restore_ledger(settings.report_to, out / "ledger.sqlite")
+    if restored:
+        _say(progress, f"resuming from the ledger an earlier coordinator of {settings.report_to} saved ({restored} bytes)")
     ledger = Ledger(out / "ledger.sqlite")
+    checkpoints = LedgerCheckpoints(settings.report_to, ledger) if settings.report_to else None
     t0_wall, t0 = time.time(), time.monotonic()  # the budget starts once the engines answer
     grace_s = ENGINE_STOP_GRACE_S
     try:
@@ -348,6 +354,8 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
             local.stop(timeout_s=grace_s)
         for c in clients.values():
             c.close()
+        if checkpoints is not None:
+            checkpoints.close()
         ledger.close()
 
 

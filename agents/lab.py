@@ -35,8 +35,9 @@ class EngineUnavailable(RuntimeError):
 
 # Failed rows' reasons when the engine died measuring the candidate: retried on a resume the first
 # time, kept the second
-DIED_MEASURING = "the engine died measuring it: "
-DIED_AGAIN = "the engine died measuring it again: "
+DIED = "the engine died measuring it"
+DIED_MEASURING = f"{DIED}: "
+DIED_AGAIN = f"{DIED} again: "
 UNREACHABLE_LIMIT = 3  # consecutive unanswered calls before a tier is declared gone
 WARMUP_SEED = 1_000_003  # warm-up benchmarks use their own inputs, never a candidate's
 

@@ -8,6 +8,7 @@ instead of spending engine time again. Thread-safe: agents run concurrently and 
 
 from __future__ import annotations
 
+import gzip
 import json
 import sqlite3
 import threading
@@ -107,6 +108,38 @@ class Ledger:
             row = self._db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
         return json.loads(row[0]) if row else default
 
+    # ---- copies --------------------------------------------------------------------------------
+
+    def snapshot(self, max_bytes: int | None = None, keep: str = "") -> tuple[bytes, int]:
+        """The whole ledger as one gzipped SQLite file, consistent at one moment (what a restarted
+        process resumes from), and how many rows were left out of it. Over ``max_bytes`` the oldest
+        rows go first, never those whose reason starts with ``keep`` nor a run's last one (its
+        budget spent is read from it)."""
+        with self._lock:
+            raw = bytearray(self._db.serialize())
+        raw[18:20] = b"\x01\x01"  # a rollback-journal image: SQLite opens a WAL one only from a file
+        raw = bytes(raw)
+        data = gzip.compress(raw, 6)
+        if max_bytes is None or len(data) <= max_bytes:
+            return data, 0
+        copy = sqlite3.connect(":memory:")
+        copy.deserialize(raw)
+        spare = ("SELECT id FROM experiments WHERE NOT (? != '' AND reason LIKE ? || '%')"
+                 " AND id NOT IN (SELECT MAX(id) FROM experiments GROUP BY run_id) ORDER BY id")
+        dropped = 0
+        while len(data) > max_bytes:
+            ids = [r[0] for r in copy.execute(spare, (keep, keep)).fetchall()]
+            if not ids:
+                break
+            cut = ids[: max(1, len(ids) // 2)]
+            copy.executemany("DELETE FROM experiments WHERE id = ?", [(i,) for i in cut])
+            copy.commit()
+            copy.execute("VACUUM")
+            dropped += len(cut)
+            data = gzip.compress(copy.serialize(), 6)
+        copy.close()
+        return data, dropped
+
     # ---- reading -------------------------------------------------------------------------------
 
     def lookup(self, key: str) -> Experiment | None:
@@ -169,3 +202,14 @@ def _from_row(r: tuple) -> Experiment:
 def experiment_key(plan_hash: str, tier: str, kind: str, spec: BenchSpec | None = None) -> str:
     """The identity of an experiment: the same plan measured the same way on the same tier."""
     return f"{kind}|{tier}|{plan_hash}|{spec.key() if spec else '-'}"
+
+
+def restore(path: str | Path, snapshot: bytes) -> None:
+    """Write a :meth:`Ledger.snapshot` to ``path`` (a ledger not opened yet), replacing what is there."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for extra in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        extra.unlink(missing_ok=True)
+    tmp = path.with_name(path.name + ".restoring")
+    tmp.write_bytes(gzip.decompress(snapshot))
+    tmp.replace(path)

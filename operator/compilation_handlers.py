@@ -123,6 +123,7 @@ def provision(ctx: Context, body: kopf.Body, spec: api.CompilationJobSpec, targe
         objects.role(name, ns),
         objects.role_binding(name, ns),
         objects.result_config_map(name, ns),
+        objects.ledger_config_map(name, ns),
         objects.traffic_config_map(name, ns, spec),
         objects.seeds_config_map(name, ns, target),
         *(objects.tier_pod(name, ns, tier, spec, target, ctx.settings) for tier in objects.TIERS if engines),

@@ -149,12 +149,22 @@ def result_config_map(job: str, namespace: str) -> dict[str, Any]:
     }
 
 
+def ledger_config_map(job: str, namespace: str) -> dict[str, Any]:
+    """Created empty by the operator; the coordinator keeps its experiment ledger in it, so the one
+    started after an engine restart resumes where the last one stopped (its pod's disk is gone)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(naming.ledger_config_map(job), namespace, job, "ledger"),
+    }
+
+
 def service_account(job: str, namespace: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(naming.coordinator(job), namespace, job, "coordinator")}
 
 
 def role(job: str, namespace: str) -> dict[str, Any]:
-    """The coordinator may read its job, patch its status and result ConfigMap, and read its engines."""
+    """The coordinator may read its job, patch its status, result and ledger ConfigMaps, and read its engines."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
@@ -162,7 +172,8 @@ def role(job: str, namespace: str) -> dict[str, Any]:
         "rules": [
             {"apiGroups": [GROUP], "resources": ["compilationjobs"], "resourceNames": [job], "verbs": ["get"]},
             {"apiGroups": [GROUP], "resources": ["compilationjobs/status"], "resourceNames": [job], "verbs": ["get", "patch"]},
-            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [naming.result_config_map(job)], "verbs": ["get", "patch"]},
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [naming.result_config_map(job), naming.ledger_config_map(job)],
+             "verbs": ["get", "patch"]},
             {"apiGroups": [""], "resources": ["pods"], "resourceNames": [naming.tier_pod(job, t) for t in TIERS], "verbs": ["get"]},
         ],
     }

@@ -91,6 +91,15 @@ def _coordinator_failure(obs: JobObserved) -> str:
     return text or "the coordinator Job failed"
 
 
+def _coordinator_exit_code(obs: JobObserved) -> int | None:
+    for pod in obs.coordinator_pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+            if ended:
+                return ended.get("exitCode")
+    return None
+
+
 def decide(obs: JobObserved) -> Decision:
     engines_ready = all(obs.pods.get(t) is not None and pod_health.is_ready(obs.pods[t]) for t in TIERS)
     target_ok = cond.Observation(api.TARGET_RESOLVED, True, "Resolved")
@@ -142,6 +151,12 @@ def decide(obs: JobObserved) -> Decision:
         for t in TIERS:
             if t not in live:
                 dead.setdefault(t, pod_health.Problem("EngineMissing", f"{t} engine pod disappeared", True))
+    if not dead and _job_condition(obs.job, "Failed") and _coordinator_exit_code(obs) == naming.EXIT_ENGINES_LOST:
+        # The coordinator saw an engine die before its pod turned Failed here (a dying engine answers
+        # 503 before its process has exited): the same restart, not the search's failure.
+        said = str(obs.progress.get("message") or "").removeprefix("failed: ")
+        tier = next((t for t in TIERS if f"{t}-tier" in said), "an")
+        dead[tier] = pod_health.Problem("EngineLost", f"the coordinator lost it: {said}" if said else "the coordinator lost it", True)
     if dead:
         tier, p = next(iter(dead.items()))
         if obs.restarts >= obs.retries:

@@ -17,6 +17,10 @@ ANNOTATION_SOURCE = "anneal.dev/source"
 
 ADMIN_TOKEN_KEY = "token"
 PLAN_KEY = "plan.json"
+LEDGER_KEY = "ledger.sqlite.gz"  # binaryData of <job>-ledger: the coordinator's ledger, gzipped
+# The coordinator's exit status when an engine it was given died or stopped answering: not the
+# search's failure but a restart's cue (engines and coordinator; the new one resumes the ledger).
+EXIT_ENGINES_LOST = 3
 TRAFFIC_KEY = "traffic.json"
 PLAN_MOUNT = "/etc/anneal/plan"
 KERNEL_CACHE_MOUNT = "/var/cache/anneal"  # spec.kernelCache; Triton's cache is its triton/ folder
@@ -72,6 +76,10 @@ def coordinator(job: str) -> str:
 
 def result_config_map(job: str) -> str:
     return f"{job}-result"
+
+
+def ledger_config_map(job: str) -> str:
+    return f"{job}-ledger"
 
 
 def traffic_config_map(job: str) -> str:

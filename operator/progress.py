@@ -9,10 +9,13 @@ the search goes, and hands over the result. Torch-free; uses the coordinator's n
 coordinator Job); `publish_result` writes the CompiledPlan JSON into the ConfigMap
 `<name>-result` that the operator created. The job succeeds only when the coordinator Job
 completes *and* that ConfigMap holds a CompiledPlan whose `verification.passed` is true.
+`save_ledger` / `load_ledger` keep the coordinator's experiment ledger in `<name>-ledger`, so the
+coordinator the operator starts after an engine restart resumes the search instead of redoing it.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 from typing import Any, Literal
 
@@ -100,3 +103,29 @@ def publish_result(
         naming.result_config_map(name), namespace, body, _content_type="application/merge-patch+json"
     )
     return plan.plan_hash
+
+
+# A ConfigMap holds at most 1 MiB, and binaryData is base64 (4/3): what the ledger may take of it.
+LEDGER_MAX_BYTES = 700_000
+
+
+def save_ledger(namespace: str, name: str, snapshot: bytes, *, api_client: client.ApiClient | None = None) -> None:
+    """Write a gzipped ledger (agents.ledger.Ledger.snapshot) into `<name>-ledger`. Raises on failure."""
+    if len(snapshot) > LEDGER_MAX_BYTES:
+        raise ValueError(f"a ledger snapshot of {len(snapshot)} bytes is over the {LEDGER_MAX_BYTES} a ConfigMap takes")
+    body = {"binaryData": {naming.LEDGER_KEY: base64.b64encode(snapshot).decode()}}
+    client.CoreV1Api(_api(api_client)).patch_namespaced_config_map(
+        naming.ledger_config_map(name), namespace, body, _content_type="application/merge-patch+json"
+    )
+
+
+def load_ledger(namespace: str, name: str, *, api_client: client.ApiClient | None = None) -> bytes | None:
+    """The ledger an earlier coordinator of this job saved, or None (none saved, or no such ConfigMap)."""
+    try:
+        cm = client.CoreV1Api(_api(api_client)).read_namespaced_config_map(naming.ledger_config_map(name), namespace)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    raw = (cm.binary_data or {}).get(naming.LEDGER_KEY)
+    return base64.b64decode(raw) if raw else None

@@ -17,7 +17,7 @@ import pytest
 
 from anneal.engine.plan import OpChoice, Plan
 from anneal.agents.lab import WARMUP_SEED
-from anneal.agents.ledger import Ledger, experiment_key
+from anneal.agents.ledger import Ledger, experiment_key, restore
 from anneal.agents.types import BenchSpec, Experiment, Measurement, Prediction, Verdict
 
 HERE = Path(__file__).parent
@@ -55,6 +55,45 @@ def test_round_trip_and_lookup(tmp_path):
                      " WHERE id = 1").fetchone()
     assert row == (plan.hash, "fast", "test", 1.5, 2.0, pytest.approx(0.3), "measured")
     assert json.loads(db.execute("SELECT plan_json FROM experiments WHERE id=1").fetchone()[0])["ops"]
+
+
+def test_a_snapshot_taken_mid_run_restores_every_row_and_the_budget_spent(tmp_path):
+    """What a restarted coordinator resumes from: the rows still in the WAL are in it too."""
+    led = Ledger(tmp_path / "l.sqlite")
+    plans = [Plan().with_ops(rmsnorm=OpChoice(impl="triton", params={"block": 2 ** i})) for i in range(5, 10)]
+    for i, plan in enumerate(plans):
+        led.record(_exp(plan, 1.0 + i))
+    led.set_meta("run_starts", {"r1": 100.0})
+    data, dropped = led.snapshot()
+    assert dropped == 0 and data[:2] == b"\x1f\x8b"
+    led.close()
+    restore(tmp_path / "new" / "ledger.sqlite", data)
+    with Ledger(tmp_path / "new" / "ledger.sqlite") as again:
+        assert [e.plan_hash for e in again] == [p.hash for p in plans]
+        assert again.get_meta("run_starts") == {"r1": 100.0}
+        assert again.lookup(experiment_key(plans[2].hash, "fast", "benchmark", BenchSpec(batch_size=4))).measurement.median_ms == 3.0
+
+
+def test_a_snapshot_over_its_size_drops_the_oldest_rows_but_never_a_died_one(tmp_path):
+    import random
+
+    rnd = random.Random(0)
+    with Ledger(tmp_path / "l.sqlite") as led:
+        died = led.record(_exp(Plan(), None, "failed", "the engine died measuring it: device-side assert"))
+        for i in range(300):  # plans that do not compress away: random tile sizes
+            plan = Plan().with_ops(rmsnorm=OpChoice(impl="triton", params={"block": rnd.getrandbits(60)}))
+            led.record(_exp(plan, 1.0 + i).model_copy(update={"note": f"{rnd.getrandbits(256):x}"}))
+        whole, _ = led.snapshot()
+        data, dropped = led.snapshot(len(whole) // 3, keep="the engine died measuring it")
+        last = led.experiments()[-1]
+    assert len(data) <= len(whole) // 3 and 0 < dropped < 301
+    restore(tmp_path / "small.sqlite", data)
+    with Ledger(tmp_path / "small.sqlite") as small:
+        rows = small.experiments()
+        assert len(rows) == 301 - dropped
+        assert rows[0].id == died.id and rows[0].verdict.reason.startswith("the engine died")
+        assert rows[-1].id == last.id  # a run's last row: what its budget spent is read from
+        assert [r.id for r in rows[1:]] == sorted(r.id for r in rows[1:]) and rows[1].id > 1 + dropped // 2
 
 
 def test_concurrent_writers(tmp_path):

@@ -113,6 +113,24 @@ def test_failed_coordinator_fails_the_job_with_its_last_words():
     assert "backoff limit" in d.message and "ConnectionRefused" in d.message and "fast-tier engine: 404" in d.message
 
 
+def test_a_coordinator_that_lost_an_engine_restarts_the_engines_not_fails_the_job():
+    """A dying engine answers 503 before its process exits: its coordinator may end (exit 3) while
+    the engine pod still reads Running. That is the engine's death, retried, not the search's."""
+    lost = engine(ready=False, phase="Failed", terminated={"exitCode": 3, "message": "the fast-tier engine died"})
+    said = {"phase": "Done", "message": "failed: the fast-tier engine died: CUDA error: device-side assert triggered"}
+    d = cs.decide(obs(phase="Searching", pods={"fast": engine(), "slow": engine()}, job=job("Failed"),
+                      coordinator_pods=[lost], progress=said, restarts=0))
+    assert d.phase == "Provisioning" and d.reason == "RestartingEngines" and d.actions == [cs.RESTART_ENGINES]
+    assert d.restarts == 1 and d.message.startswith("fast engine failed (the coordinator lost it: the fast-tier engine died")
+    d = cs.decide(obs(phase="Searching", pods={"fast": engine(), "slow": engine()}, job=job("Failed"),
+                      coordinator_pods=[lost], progress=said, restarts=2))
+    assert d.phase == "Failed" and d.reason == "EngineFailed" and "device-side assert" in d.message
+    other = engine(ready=False, phase="Failed", terminated={"exitCode": 1, "message": "bad traffic file"})
+    d = cs.decide(obs(phase="Searching", pods={"fast": engine(), "slow": engine()}, job=job("Failed"),
+                      coordinator_pods=[other], progress=said, restarts=0))
+    assert d.reason == "CoordinatorFailed"
+
+
 def test_done_report_holds_the_phase_until_the_job_ends():
     ready = {"fast": engine(), "slow": engine()}
     assert cs.decide(obs(phase="Searching", pods=ready, job=job(), progress={"phase": "Done"})).phase == "Searching"

@@ -152,7 +152,8 @@ class CompilationJobSpec(KubeModel):
     deadline: Duration | None = Field(
         None, description="whole-job limit incl. provisioning; default: budget + 30m"
     )
-    retries: int = Field(2, ge=0, le=10, description="coordinator retries (with backoff) before the job fails")
+    retries: int = Field(2, ge=0, le=10, description="restarts of the engines and coordinator (with backoff) before the job fails; "
+                                                     "each new coordinator resumes the ledger kept in <name>-ledger")
     tiers: Tiers = Field(default_factory=Tiers)
     agents: list[AgentName] = Field(
         default_factory=lambda: list(DEFAULT_AGENTS), min_length=1, max_length=16,
