@@ -76,7 +76,6 @@ class EngineGone(CompileError):
     """A tier engine died or stopped answering during the search."""
 
 
-
 def add_compile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `anneal compile` (the lead wires this into the CLI)."""
     p = parser
@@ -333,6 +332,8 @@ def _with_engines(settings, out, traffic, clients, agents, max_len, cross_traffi
                 died = local is not None and any(not eng.alive() for eng in local.engines.values())
                 if isinstance(e, EngineError) and not died:
                     raise  # an answer the compile cannot use, from a live engine
+                if local is None and settings.report_to:  # the operator restarts them and a new coordinator
+                    raise EngineGone(f"{e}; the ledger keeps what was measured for the next coordinator") from e
                 if local is None or restarts == ENGINE_RESTARTS:
                     raise EngineGone(f"{e}; the ledger keeps what was measured: rerun with the same --out "
                                      "to resume") from e

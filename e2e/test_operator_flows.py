@@ -12,13 +12,18 @@ so the namespaced Role is exercised for real. (Engines on kwok nodes do not real
 
 from __future__ import annotations
 
+import base64
+import importlib.util
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
-from anneal.engine.plan import CompiledPlan, Plan
+from anneal.agents.ledger import Ledger, restore
+from anneal.engine.plan import CompiledPlan, KernelSource, OpChoice, Plan
 from cluster import operator_chart as chart
 from cluster.operator_chart import OPERATOR_NS, OPERATOR_SELECTOR, module_namespace
 from cluster.waiting import wait_for
@@ -410,6 +415,62 @@ def test_real_compile_on_cpu_engines(anneal):
     compiled = CompiledPlan.model_validate_json(result["data"]["plan.json"])
     assert compiled.plan_hash == st["resultPlanHash"] and compiled.verification["passed"] is True
     wait_for(lambda: not _engine_pods(c, ns, "tiny"), 60, "CPU engines released")
+
+
+def _kernel_that_loses_its_device() -> str:
+    """tests/fakes/kernels.py's LOSES_THE_DEVICE: CUDA's sticky error after three honest calls."""
+    spec = importlib.util.spec_from_file_location("fake_kernels", Path(__file__).resolve().parents[1] / "tests/fakes/kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.LOSES_THE_DEVICE
+
+
+def test_a_kernel_that_kills_its_engine_restarts_the_engines_and_the_search_resumes(anneal):
+    """A candidate whose kernel loses the engine's CUDA context (here raised by hand on CPU engines):
+    the engine pod exits, the coordinator exits 3, and the operator starts both again with a new
+    coordinator, which resumes the ledger the last one kept in `<job>-ledger`. The candidate is
+    retried once (an engine bug may have killed it); its second death is taken as its own, so the
+    third coordinator skips it and the job succeeds without it."""
+    c, ns = anneal, namespace(anneal, "anneal-cjob-died")
+    seed = Plan(name="loses-the-device").with_ops(silu_and_mul=OpChoice(impl="loses_the_device"))
+    seed = seed.model_copy(update={"kernels": [KernelSource(op="silu_and_mul", impl="loses_the_device",
+                                                            source=_kernel_that_loses_its_device())]})
+    job = {"apiVersion": "anneal.dev/v1alpha1", "kind": "CompilationJob", "metadata": {"name": "died"},
+           "spec": {"target": {"model": "random:tiny"}, "seedPlans": [{"inline": seed.model_dump(mode="json")}],
+                    "traffic": {"preset": "chat"}, "budget": "60s", "deadline": "15m", "retries": 2,
+                    "agents": ["plan-search"],
+                    "tiers": {"gpus": 0, "fastLayers": 1, "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}}},
+                    "coordinator": {"resources": {"requests": {"cpu": "100m", "memory": "512Mi"}}}}}
+    apply(c, ns, job)
+    seen, st = [], {}
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        st = status(c, "cjob", "died", ns)
+        step = (st.get("phase"), condition(st, "Ready").get("reason"), st.get("engineRestarts"))
+        if st.get("phase") and (not seen or seen[-1] != step):
+            seen.append(step)
+        if st.get("phase") in ("Succeeded", "Failed"):
+            break
+        time.sleep(1)
+    coordinator = listing(c, "pods", ns, "job-name=died-coordinator")
+    log = c.pod_log(ns, coordinator[0]["metadata"]["name"]) if coordinator else ""
+    assert st.get("phase") == "Succeeded", (seen, st, log[-4000:])
+    assert st["engineRestarts"] == 2, seen
+    restarts = [s for s in seen if s[1] == "RestartingEngines"]
+    assert restarts, seen
+    assert "resuming from the ledger an earlier coordinator of" in log, log[-4000:]
+    compiled = CompiledPlan.model_validate_json(get(c, "configmap", "died-result", ns)["data"]["plan.json"])
+    assert "loses_the_device" not in compiled.plan.model_dump_json()
+    # the ledger the coordinators handed on: the seed died twice, once retried, then skipped
+    saved = base64.b64decode(get(c, "configmap", "died-ledger", ns)["binaryData"]["ledger.sqlite.gz"])
+    with tempfile.TemporaryDirectory() as tmp:
+        restore(Path(tmp) / "ledger.sqlite", saved)
+        with Ledger(Path(tmp) / "ledger.sqlite") as led:
+            died = [e.verdict.reason for e in led.experiments(kind="benchmark") if e.plan_hash == seed.hash]
+            runs = led.get_meta("runs")
+    assert [r.split(":")[0] for r in died] == ["the engine died measuring it", "the engine died measuring it again"], died
+    assert len(runs) == 3, runs
+    wait_for(lambda: not _engine_pods(c, ns, "died"), 60, "CPU engines released")
 
 
 def test_a_job_for_a_split_deployment_compiles_at_its_degree(anneal):
