@@ -50,7 +50,7 @@ def _variants(device_type: str) -> dict[str, dict[str, dict[str, list]]]:
     first choices before it descends; listed in declared order, the GEMVs were timed at their
     smallest tiles (the bf12 o_proj 64 µs a 2-layer step against cuBLAS's 39) and never chosen: session 45)."""
     return {
-        op: {impl: {p.name: [p.default, *(c for c in p.choices if c != p.default)] for p in v.params}
+        op: {impl: {p.name: [p.default, *(c for c in p.search_values if c != p.default)] for p in v.params}
              for impl, v in d.variants.items() if device_type in v.devices}
         for op, d in all_ops().items()
     }

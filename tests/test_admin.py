@@ -71,7 +71,10 @@ def test_the_space_lists_each_param_s_default_first():
     for (op, impl), params in declared.items():
         for p in params:
             got = listed[op][impl][p.name]
-            assert got[0] == p.default and sorted(map(repr, got)) == sorted(map(repr, p.choices)), (op, impl, p.name)
+            assert got[0] == p.default and sorted(map(repr, got)) == sorted(map(repr, p.search_values)), (op, impl, p.name)
+    # a plan may still set a value the search leaves out (the GEMV at every row count: session 43's fp8-m0)
+    assert 0 not in listed["gate_up_proj"]["triton_gemv_bf12"]["max_m"]
+    assert 0 in next(p for p in declared[("gate_up_proj", "triton_gemv_bf12")] if p.name == "max_m").choices
     assert listed["gate_up_proj"]["triton_gemv_splitk"]["block_n"][0] == 64
     assert listed["qkv_proj"]["triton_gemv_bf12"]["block_n"][0] == 32  # its own default (BF12_GEMV_DEFAULTS)
     assert listed["gate_up_proj"]["triton_gemv_bf12"]["block_n"][0] == 64  # gate_up's (BF12_GEMV_OP_DEFAULTS)

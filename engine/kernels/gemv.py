@@ -677,7 +677,11 @@ KERNEL_PARAMS = (
     Param("ahead", (1, 2, 3), 1),  # M == 1 FMA path: W tiles requested before the PDL wait / in flight ahead
 )
 GEMV_PARAMS = KERNEL_PARAMS + (
-    Param("max_m", (0, 1, 8, 16, 32, 64, 128, 256), GEMV_MAX_M),  # above this many rows use torch's GEMM; 0 = never
+    # Above this many rows torch's GEMM runs; 0 = never. Not searched: at a prompt step's thousands of
+    # rows the GEMV streams W once per row tile, which the fast tier's decode-step objective cannot see
+    # (session 56: a tuned gate_up at max_m 0 doubled the slow tier's prompt steps and TTFT p90 in all
+    # seven promoted candidates, and the compile kept its baseline).
+    Param("max_m", (0, 1, 8, 16, 32, 64, 128, 256), GEMV_MAX_M, searched=(1, 8, 16, 32, 64, 128, 256)),
 )
 
 

@@ -32,15 +32,24 @@ class OpError(ValueError):
 
 @dataclass(frozen=True)
 class Param:
-    """A tunable parameter: the values the search may choose from and the default."""
+    """A tunable parameter: the values a plan may set, the default, and which of them the search
+    proposes (``searched``; all of them unless given): a value whose cost the fast tier's decode
+    steps cannot see stays for hand-set plans only."""
 
     name: str
     choices: tuple[ParamValue, ...]
     default: ParamValue
+    searched: tuple[ParamValue, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.default not in self.choices:
             raise OpError(f"param {self.name}: default {self.default!r} not in {self.choices}")
+        if self.searched is not None and (self.default not in self.searched or set(self.searched) - set(self.choices)):
+            raise OpError(f"param {self.name}: searched {self.searched} must hold the default and only choices")
+
+    @property
+    def search_values(self) -> tuple[ParamValue, ...]:
+        return self.choices if self.searched is None else self.searched
 
 
 @dataclass
