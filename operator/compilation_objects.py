@@ -227,6 +227,11 @@ def coordinator_job(
         "--engines", engines,
         "--report-to", f"{namespace}/{job}",
     ]
+    if target.kernel_cache is None:
+        # The tiers start on an empty Triton cache (their emptyDir): there compile-ahead ran 3595
+        # experiments/h against 1946 without (session 56, one H100, a 250-s chat compile each); on a
+        # warm cache (spec.kernelCache) most candidates hit the JIT cache and it cost the H200 13%.
+        args.append("--compile-ahead")
     if target.seed_plans:
         args += ["--seed-plans", ",".join(f"{naming.SEEDS_MOUNT}/{naming.seed_key(i)}" for i in range(len(target.seed_plans)))]
     opts = compile_options(job, spec)
@@ -286,6 +291,14 @@ def coordinator_job(
         "spec": {
             "backoffLimit": spec.retries,
             "activeDeadlineSeconds": budget_s + COORDINATOR_MARGIN_S,
+            # A new coordinator pod resumes the ledger kept in <job>-ledger. Not worth a new pod: bad
+            # flags (2), or a lost engine (3: its address is dead; the operator restarts the engines
+            # with a new Job). Not the coordinator's failure: an eviction or preemption.
+            "podFailurePolicy": {"rules": [
+                {"action": "FailJob", "onExitCodes": {"containerName": "coordinator", "operator": "In",
+                                                      "values": [2, naming.EXIT_ENGINES_LOST]}},
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]},
             "template": {"metadata": {"labels": labels}, "spec": pod},
         },
     }
