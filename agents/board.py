@@ -258,16 +258,16 @@ class Board:
                 best_plan, best, best_ratio = other, fusions, ratio
         return best_plan, best
 
-    def composite(self, base: Plan, fusions_first: bool = False) -> Plan:
+    def composite(self, base: Plan, fusions_first: bool = False, tuned_ops: bool = True) -> Plan:
         """The base plan with every tuned op, the fitted graph buckets, the token graphs and the
         best set of the fusions whose trials won, and the chosen scheduler. A tuned op can rule out
         a fusion (a Triton o_proj rules out folded_norm) or retile it (the fused GEMVs take their
         projections' params): by default the op stays and the fusion goes; ``fusions_first`` keeps
         the fusions and leaves such ops at the base's choice. Session 26's compile had only the
         first, and fused GEMVs on the tuned projections' tiles: its composite replayed x0.95 the
-        baseline on the slow tier."""
+        baseline on the slow tier. Without ``tuned_ops`` every op stays at the base's choice."""
         with self._lock:
-            ops = {op: ch for op, (ch, _) in self.best_ops.items()}
+            ops = {op: ch for op, (ch, _) in self.best_ops.items()} if tuned_ops else {}
             if fusions_first and self.fusions:
                 wanted, _ = self._fusion_set(dict(self.fusions))
                 on = {"fusions": dict.fromkeys(wanted, True)}

@@ -83,7 +83,7 @@ def slow_tier_candidates(board: Board, baseline: Plan, tops: list[tuple[float, P
     slow tier's replay is meant to (session 51: two compiles' winners differed in their scheduler
     and one fusion and read 1-2% apart side by side; the runners-up, queued behind the fast tier's
     own plans, were never replayed). Then the composite the other way round (kept fusions before
-    tuned ops that rule them out), the ``top_k`` best fast-tier plans (``tops``: ms, plan, agent,
+    tuned ops that rule them out) and without the tuned ops, the ``top_k`` best fast-tier plans (``tops``: ms, plan, agent,
     best first) with the chosen serving knobs, and the rest of ``tops`` as ``extra``, replayed
     while the budget allows."""
     cands: list[Candidate] = []
@@ -108,6 +108,10 @@ def slow_tier_candidates(board: Board, baseline: Plan, tops: list[tuple[float, P
               "tuned ops + runner-up scheduler")
     offer(cands, board.composite(baseline, fusions_first=True).model_copy(update={"name": None}), "composite",
           "fusions + graphs + scheduler, tuned ops that rule them out left at the base")
+    # The tuned ops were timed on decode steps only: one that costs the prompt steps (session 56: gate_up
+    # at max_m 0, in every candidate above) fails them all on the slow tier, where this one need not.
+    offer(cands, board.composite(baseline, tuned_ops=False).model_copy(update={"name": None}), "composite",
+          "fusions + graphs + scheduler on the base's ops")
     for ms, plan, agent in tops[:top_k]:
         served(cands, ms, plan, agent)
     # then the next fast-tier plans (a 30-minute budget left 360 s of promotion unused in session

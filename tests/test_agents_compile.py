@@ -366,7 +366,7 @@ def test_the_scheduler_runners_up_are_replayed_right_after_the_composite():
     """Session 51: both 240-s compiles replayed only their composite on the slow tier; the scheduler
     tuner's runners-up, there for the slow tier to judge, came after the fast tier's own plans and
     were never replayed. Now: composite, the composite on each runner-up, the fusions-first
-    composite, the top_k fast-tier plans as served, then the rest as extras; no plan twice."""
+    composite, the composite on the base's ops, the top_k fast-tier plans as served, then the rest as extras; no plan twice."""
     from anneal.agents.board import Board
     from anneal.agents.promotion import slow_tier_candidates
     from anneal.engine.plan import OpChoice, SchedulerKnobs
@@ -384,8 +384,10 @@ def test_the_scheduler_runners_up_are_replayed_right_after_the_composite():
     assert cands[0].plan == comp and comp.scheduler == chosen
     assert [c.plan.scheduler for c in cands[1:3]] == [runner_a, runner_b]
     assert all(c.plan.ops == comp.ops for c in cands[1:3])
-    assert [c.note for c in cands[3:]] == ["fast-tier 0.95 ms + the chosen scheduler and token graphs"]
-    assert cands[3].plan.scheduler == chosen
+    assert cands[3].note == "fusions + graphs + scheduler on the base's ops"  # were a tuned op to cost prompt steps
+    assert cands[3].plan.ops == base.ops and cands[3].plan.scheduler == chosen
+    assert [c.note for c in cands[4:]] == ["fast-tier 0.95 ms + the chosen scheduler and token graphs"]
+    assert cands[4].plan.scheduler == chosen
     assert [c.note for c in extra] == ["fast-tier 0.97 ms + the chosen scheduler and token graphs (while the budget allows)"]
     assert len({c.plan.hash for c in cands + extra}) == len(cands + extra)
     assert base.hash not in {c.plan.hash for c in cands + extra}
