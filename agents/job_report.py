@@ -14,7 +14,6 @@ from typing import Any
 
 from anneal.agents import ledger as ledger_file
 from anneal.agents.lab import DIED
-
 from anneal.engine.plan import CompiledPlan
 
 
