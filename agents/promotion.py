@@ -83,9 +83,9 @@ def slow_tier_candidates(board: Board, baseline: Plan, tops: list[tuple[float, P
     slow tier's replay is meant to (session 51: two compiles' winners differed in their scheduler
     and one fusion and read 1-2% apart side by side; the runners-up, queued behind the fast tier's
     own plans, were never replayed). Then the composite the other way round (kept fusions before
-    tuned ops that rule them out) and without the tuned ops, the ``top_k`` best fast-tier plans (``tops``: ms, plan, agent,
-    best first) with the chosen serving knobs, and the rest of ``tops`` as ``extra``, replayed
-    while the budget allows."""
+    tuned ops that rule them out) and without the tuned ops, the ``top_k`` best fast-tier plans
+    (``tops``: ms, plan, agent, best first) with the chosen serving knobs, and the rest of ``tops``
+    as ``extra``, replayed while the budget allows."""
     cands: list[Candidate] = []
     extra: list[Candidate] = []
     seen = {baseline.hash}
