@@ -305,3 +305,31 @@ def test_a_rerun_spends_what_the_earlier_runs_left_of_the_budget(tmp_path):
         for p in (fast, slow):
             p.kill()
             p.wait()
+
+
+def test_no_reachable_cluster_means_a_fresh_ledger_and_unsaved_checkpoints_not_a_failed_compile(tmp_path, monkeypatch, capsys):
+    """`--report-to` with the API server down: the coordinator starts a fresh ledger and goes on
+    searching; its checkpoints fail with a message each (a status write must never end a search)."""
+    from anneal.agents.job_report import LedgerCheckpoints, restore_ledger
+    from anneal.operator import progress
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(progress, "_client", None)
+    path = tmp_path / "out" / "ledger.sqlite"
+    assert restore_ledger("ml/job1", path) is None and not path.exists()
+    assert "no ledger from ml/job1" in capsys.readouterr().err
+    with Ledger(path) as led:
+        led.record(_exp(Plan(), 1.0))
+        saver = LedgerCheckpoints("ml/job1", led, every_s=3600)
+        assert saver.save() is False
+        saver.close()
+        assert len(led) == 1
+    assert "ledger checkpoint to ml/job1 failed" in capsys.readouterr().err
