@@ -9,7 +9,10 @@ the ticket merge wins alone and loses inside a graph beside cuBLAS (session 22),
 batch limit of 8 put it at batches 2-8, where the tuner never timed it. So each finding runs alone
 on the base plan, its decode step (graph replay) timed between two of the base's, at the typical
 batch and in the drain below it, and the composite keeps it only when that step, projected to the
-whole model, is faster.
+whole model, is faster. The decode step is not all a replay runs: a projection's finding also runs
+in the prompt steps, where its row limit may hand thousands of rows to a GEMV (session 56: gate_up at
+``max_m`` 0, x0.928 on the decode step, doubled the slow tier's prompt steps and failed every promoted
+candidate). So a prompt step is timed the same way, and weighed by its share of a replay's time.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ TYPICAL_SHARE = 2 / 3
 # the two decides. On the H200 (8B, 2 layers, session 27) one reading of a choice that runs the
 # base's very kernels at a batch (the Triton gate_up above its 8 rows) read x1.009-1.030 there.
 OP_REREAD_BAND = 0.02
+PROMPT = "prompt"  # the prompt step's key beside the decode batches' in a reading's shared base times
 
 
 def trial_batches(setting: SearchSetting) -> dict[int, float]:
@@ -58,14 +62,23 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
         return
     cm = lab.cost_model
     spec = setting.decode_spec.model_copy(update={"per_op": False})
+    prompt_spec = setting.spec_for("attention_prefill", 1).model_copy(update={"per_op": False})
     batches = trial_batches(setting)
     seeds = iter(range(seed, seed + 1000))
-    prev: dict[int, float | None] = {}
+    prev: dict[int | str, float | None] = {}
 
-    def step_ms(plan: Plan, batch: int, seed: int, note: str) -> float | None:
-        exp = lab.measure(Candidate(plan=plan, agent=agent, note=note),
-                          spec.model_copy(update={"batch_size": batch, "seed": seed}), prune=False, deadline=deadline)
+    def step_ms(plan: Plan, batch: int | str, seed: int, note: str) -> float | None:
+        how = prompt_spec if batch == PROMPT else spec.model_copy(update={"batch_size": batch})
+        exp = lab.measure(Candidate(plan=plan, agent=agent, note=note), how.model_copy(update={"seed": seed}),
+                          prune=False, deadline=deadline)
         return exp.measurement.median_ms if exp.measurement is not None else None
+
+    def prompt_share() -> float:
+        """The prompt steps' share of a replay's time, from the base's steps as timed here: ~0.2 for
+        chat's 8B on an H100 (0.069 prompt steps a decode step, each ~3x as long)."""
+        decode, prompt = prev.get(setting.decode_spec.batch_size), prev.get(PROMPT)
+        w = setting.prefill_steps_per_decode_step
+        return w * prompt / (decode + w * prompt) if decode and prompt and w > 0 else 0.0
 
     def read(op: str, choice, plan: Plan) -> tuple[float, str]:
         """One B T B reading of ``plan`` at every trial batch: its weighted whole-model ratio (inf
@@ -87,6 +100,18 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
             ratio += weight * r
             if batch == setting.decode_spec.batch_size:
                 board.offer_plan(ms, plan, agent)
+        if setting.prefill_steps_per_decode_step > 0:
+            if prev.get(PROMPT) is None:
+                prev[PROMPT] = step_ms(base, PROMPT, next(seeds), "op trials: the base's prompt step")
+            seed = next(seeds)
+            before = prev[PROMPT]
+            ms = step_ms(plan, PROMPT, seed, f"op trial: {op}={choice.impl} prompt step")
+            after = prev[PROMPT] = step_ms(base, PROMPT, seed, "op trials: the base's prompt step")
+            if before is None or ms is None or after is None:
+                return float("inf"), ", ".join(readings + ["prompt step: no reading"])
+            share, r = prompt_share(), ms / ((before + after) / 2)
+            readings.append(f"prompt step x{r:.3f} at {share:.0%} of a replay")
+            ratio = (1 - share) * ratio + share * r
         return ratio, ", ".join(readings)
 
     plans = {}
@@ -114,10 +139,10 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
             except BudgetExhausted:
                 detail = f"{detail}; not read again: the trials' share of the budget was spent"
         if ratio < 1.0:
-            board.note(f"op trial {op}: {choice.impl} {choice.params} x{ratio:.3f} on the whole model's decode "
-                       f"step ({detail}); kept")
+            board.note(f"op trial {op}: {choice.impl} {choice.params} x{ratio:.3f} on the whole model's steps "
+                       f"({detail}); kept")
         else:
             board.drop_op(op)
-            why = f"x{ratio:.3f} on the whole model's decode step ({detail})" if ratio != float("inf") \
+            why = f"x{ratio:.3f} on the whole model's steps ({detail})" if ratio != float("inf") \
                 else f"its step could not be timed ({detail})"
             board.note(f"op trial {op}: {choice.impl} {choice.params} {why}; left at the base's choice")

@@ -6,8 +6,9 @@ Session 27 replayed session 26's tuned ops one at a time on the hand-set best pl
 rounds, `bench/results/plans-s27-tuned-ops-*.json`): decode steps +2.1 / +2.7% with its decode
 attention (ticket merge, 2 stages, prefetch 2), +0.9 / +2.1% with its Triton gate_up (up to 8 rows),
 +0.1 / +0.4% with its qkv GEMV (1 row). The compiler now times each tuned op alone on a 2-layer
-engine's decode step (B T B at the typical batch and in the drain below it) and keeps it only when
-that step, projected to the whole model, is faster. This starts such an engine on ``--base``, puts
+engine's decode step (B T B at the typical batch and in the drain below it) and on a prompt step
+(session 56), and keeps it only when those steps, projected to the whole model and weighed by a
+replay's share of each, are faster. This starts such an engine on ``--base``, puts
 the ops where ``--tuned`` differs from it on a board as the kernel tuner would, runs the trials
 ``--repeats`` times on fresh seeds, and writes each reading.
 Prediction: attention and gate_up dropped (x1.01-1.03 on the whole model), qkv within ±0.5%.

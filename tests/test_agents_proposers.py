@@ -951,6 +951,7 @@ def test_op_trials_drop_a_tuned_op_whose_own_time_wins_and_whose_step_loses(tmp_
     from anneal.agents.op_trials import OP_TRIAL_SEED, op_trials, trial_batches
 
     with _lab_on(tmp_path, step_penalties={("attention_decode", "splitk"): 1.5}) as (lab, setting, board):
+        setting.prefill_steps_per_decode_step = 0.0  # decode steps alone here; the prompt step's test follows
         ledger = lab.ledger
         KernelTuner().run(lab, setting, board)
         assert board.best_ops["attention_decode"][0].impl == "splitk"  # its own time: half the reference's
@@ -987,6 +988,32 @@ def test_op_trials_drop_a_tuned_op_whose_own_time_wins_and_whose_step_loses(tmp_
         op_trials(lab, setting, late, deadline=0.0)
         assert lab.run == run and set(late.best_ops) == {"rmsnorm"}
         assert any(n.startswith("op trial silu_and_mul:") and "not tried" in n for n in late.notes)
+
+
+def test_op_trials_drop_a_tuned_op_whose_decode_step_wins_and_whose_prompt_steps_lose(tmp_path):
+    """Session 56: gate_up at max_m 0 (the GEMV at every row count) read x0.928 on the decode step
+    and doubled the slow tier's prompt steps; every promoted candidate carried it. The trials now
+    time a prompt step too, weighed by its share of a replay."""
+    from anneal.agents.op_trials import op_trials, trial_batches
+
+    with _lab_on(tmp_path, prompt_penalties={("silu_and_mul", "triton"): 5.0}) as (lab, setting, board):
+        KernelTuner().run(lab, setting, board)
+        assert board.best_ops["silu_and_mul"][0].impl == "triton"  # its own time, on decode steps, wins
+        assert board.best_ops["rmsnorm"][0].impl == "triton"
+        lab.deadline = 0.0
+        op_trials(lab, setting, board)
+        assert "silu_and_mul" not in board.best_ops and "rmsnorm" in board.best_ops
+        tuned = [n for n in board.notes if n.startswith("op trial ")]
+        trials = [e for e in lab.ledger.experiments() if e.note.startswith("op trial")]
+        again = sum("again" in n for n in tuned)
+        # B T B at each decode batch and on a prompt step, the B before each shared
+        assert len(trials) == (len(tuned) + again) * 2 * (len(trial_batches(setting)) + 1) + len(trial_batches(setting)) + 1
+        note = next(n for n in board.notes if n.startswith("op trial silu_and_mul:"))
+        assert note.endswith("left at the base's choice") and "prompt step x" in note and "of a replay" in note
+        kept = next(n for n in board.notes if n.startswith("op trial rmsnorm:"))
+        assert kept.endswith("kept") and "prompt step x" in kept
+        prompts = [e for e in lab.ledger.experiments() if "prompt step" in e.note]
+        assert prompts and {e.spec.mode for e in prompts} <= {"prefill", "mixed"}
 
 
 def test_a_fast_tier_plan_goes_to_the_slow_tier_with_the_chosen_serving_knobs():

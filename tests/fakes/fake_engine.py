@@ -56,7 +56,8 @@ class FakeEngine:
                  extra_variants: dict | None = None, drift: float = 0.0, fusion_gains: dict[str, float] | None = None,
                  decode_drift: float = 0.0, bad_fusions: tuple[str, ...] = (), token_plan_decode_noise: float = 0.0,
                  step_penalties: dict[tuple[str, str], float] | None = None, drafted_tokens_per_step: float | None = None,
-                 fusion_gain_of: Callable[[str, Plan], float] | None = None):
+                 fusion_gain_of: Callable[[str, Plan], float] | None = None,
+                 prompt_penalties: dict[tuple[str, str], float] | None = None):
         self.token, self.layers, self.noise, self.model = token, layers, noise, model
         # workload replays: each seed's request sample scales every plan's time alike, by up to this
         self.sample_spread = sample_spread
@@ -76,6 +77,9 @@ class FakeEngine:
         # (op, impl) -> ms each layer's step loses with it, which its own per-op time does not show
         # (session 27: a ticket merge faster alone, slower inside the graph)
         self.step_penalties = step_penalties or {}
+        # the same for prompt and mixed steps alone (session 56: a GEMV at every row count, faster on
+        # the decode step, at a prompt step's rows streams its weights once per row tile)
+        self.prompt_penalties = prompt_penalties or {}
         # workload replays report an n-gram drafter emitting this many tokens a verify step (their
         # extra.speculation), and a speculating plan's decode steps run that many times fewer
         self.drafted_tokens_per_step = drafted_tokens_per_step
@@ -123,6 +127,8 @@ class FakeEngine:
         per_op = fake_per_op(plan, batch)
         step = sum(per_op.values()) * self.layers + 0.1
         step += self.layers * sum(ms for (op, impl), ms in self.step_penalties.items() if plan.choice(op).impl == impl)
+        if body.get("mode") in ("prefill", "mixed"):
+            step += self.layers * sum(ms for (op, impl), ms in self.prompt_penalties.items() if plan.choice(op).impl == impl)
         for f in plan.fusions:
             step *= 1 - (self.fusion_gain_of(f, plan) if self.fusion_gain_of else self.fusion_gains.get(f, 0.0))
         if body.get("mode") == "decode":
