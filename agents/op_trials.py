@@ -80,20 +80,26 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
         w = setting.prefill_steps_per_decode_step
         return w * prompt / (decode + w * prompt) if decode and prompt and w > 0 else 0.0
 
+    def b_t_b(plan: Plan, key: int | str, note: str, base_note: str) -> tuple[float, float] | None:
+        """``plan``'s step between two of the base's (the one before shared with the last reading
+        at ``key``): its ms and the base's mean, or None when one of them could not be timed."""
+        if prev.get(key) is None:
+            prev[key] = step_ms(base, key, next(seeds), base_note)
+        seed = next(seeds)
+        before = prev[key]
+        ms = step_ms(plan, key, seed, note)
+        after = prev[key] = step_ms(base, key, seed, base_note)
+        return None if before is None or ms is None or after is None else (ms, (before + after) / 2)
+
     def read(op: str, choice, plan: Plan) -> tuple[float, str]:
-        """One B T B reading of ``plan`` at every trial batch: its weighted whole-model ratio (inf
-        when a step could not be timed) and the per-batch ratios."""
+        """One B T B reading of ``plan`` at every trial batch and on the prompt step: its weighted
+        whole-model ratio (inf when a step could not be timed) and the per-step ratios."""
         ratio, readings = 0.0, []
         for batch, weight in batches.items():
-            if prev.get(batch) is None:
-                prev[batch] = step_ms(base, batch, next(seeds), "op trials: the base")
-            seed = next(seeds)
-            before = prev[batch]
-            ms = step_ms(plan, batch, seed, f"op trial: {op}={choice.impl} b={batch}")
-            after = prev[batch] = step_ms(base, batch, seed, "op trials: the base")
-            if before is None or ms is None or after is None:
+            got = b_t_b(plan, batch, f"op trial: {op}={choice.impl} b={batch}", "op trials: the base")
+            if got is None:
                 return float("inf"), ", ".join(readings) or "no reading"
-            base_ms = (before + after) / 2
+            ms, base_ms = got
             r = cm.whole_model_ratio(base, spec.model_copy(update={"batch_size": batch}), base_ms, ms,
                                      per_layer=cm.full_model_factor(op) != 1.0) if cm else ms / base_ms
             readings.append(f"b={batch} x{r:.3f}")
@@ -101,15 +107,10 @@ def op_trials(lab, setting: SearchSetting, board: Board, agent: str = "kernel-tu
             if batch == setting.decode_spec.batch_size:
                 board.offer_plan(ms, plan, agent)
         if setting.prefill_steps_per_decode_step > 0:
-            if prev.get(PROMPT) is None:
-                prev[PROMPT] = step_ms(base, PROMPT, next(seeds), "op trials: the base's prompt step")
-            seed = next(seeds)
-            before = prev[PROMPT]
-            ms = step_ms(plan, PROMPT, seed, f"op trial: {op}={choice.impl} prompt step")
-            after = prev[PROMPT] = step_ms(base, PROMPT, seed, "op trials: the base's prompt step")
-            if before is None or ms is None or after is None:
+            got = b_t_b(plan, PROMPT, f"op trial: {op}={choice.impl} prompt step", "op trials: the base's prompt step")
+            if got is None:
                 return float("inf"), ", ".join(readings + ["prompt step: no reading"])
-            share, r = prompt_share(), ms / ((before + after) / 2)
+            share, r = prompt_share(), got[0] / got[1]
             readings.append(f"prompt step x{r:.3f} at {share:.0%} of a replay")
             ratio = (1 - share) * ratio + share * r
         return ratio, ", ".join(readings)
