@@ -94,8 +94,7 @@ def _coordinator_failure(obs: JobObserved) -> str:
 def _coordinator_exit_code(obs: JobObserved) -> int | None:
     for pod in obs.coordinator_pods:
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-            ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
-            if ended:
+            if ended := pod_health.terminated(cs):
                 return ended.get("exitCode")
     return None
 

@@ -22,6 +22,12 @@ def _short(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else "…" + text[-limit:]
 
 
+def terminated(container_status: dict[str, Any]) -> dict[str, Any] | None:
+    """How a container last ended (its exit code, reason, message), or None if it has not."""
+    cs = container_status
+    return (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get("terminated")
+
+
 def problem(pod: dict[str, Any]) -> Problem | None:
     """The first reason this pod is not (going to be) ready, or None."""
     name = pod.get("metadata", {}).get("name", "?")
@@ -36,7 +42,7 @@ def problem(pod: dict[str, Any]) -> Problem | None:
             return Problem("ImagePullFailed", f"pod {name}: {reason}: {_short(waiting.get('message', ''))}", fatal=True)
         if reason in _CONFIG:
             return Problem("ContainerConfigError", f"pod {name}: {_short(waiting.get('message', ''))}", fatal=True)
-        last = (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get("terminated")
+        last = terminated(cs)
         if reason == "CrashLoopBackOff" or (last and last.get("exitCode", 0) != 0):
             msg = _short((last or {}).get("message") or waiting.get("message", ""))
             code = (last or {}).get("exitCode")
